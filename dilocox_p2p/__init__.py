@@ -1,0 +1,25 @@
+"""dilocox-p2p: decentralized DiLoCoX pre-training across GPU clusters on ordinary links.
+
+Each cluster is one peer of a hivemind DHT; inside a peer, training is pipeline-parallel;
+between peers only pseudo-gradients travel, averaged in the background one round behind.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .config import Config, config_hash, load_config  # noqa: E402
+from .errors import AdmissionError, CheckpointError, ConfigError, DataError, DilocoxError, SwarmError  # noqa: E402
+
+__all__ = [
+    "AdmissionError",
+    "CheckpointError",
+    "Config",
+    "ConfigError",
+    "DataError",
+    "DilocoxError",
+    "SwarmError",
+    "__version__",
+    "config_hash",
+    "load_config",
+]

@@ -1,0 +1,1 @@
+"""The `dilocox-peer` command line: thin wrappers that parse, load config and call the library."""

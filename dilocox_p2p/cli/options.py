@@ -1,0 +1,100 @@
+"""Flags shared by the subcommands that build a run config (join, demo, config show)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..config import Config, load_config, parse_override
+
+__all__ = ["OneLineParser", "add_config_flags", "config_from_args"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (and exit code 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+# flag dest -> dotted config key
+_FLAG_KEYS = {
+    "run_id": "run.run_id",
+    "seed": "run.seed",
+    "rounds": "run.rounds",
+    "run_dir": "run.run_dir",
+    "checkpoint_every": "run.checkpoint_every",
+    "device": "run.device",
+    "preset": "model.preset",
+    "stages": "model.stages",
+    "seq_len": "model.seq_len",
+    "data": "data.paths",
+    "data_seed": "data.seed",
+    "inner_steps": "inner.steps",
+    "batch_size": "inner.batch_size",
+    "microbatches": "inner.microbatches",
+    "inner_lr": "inner.lr",
+    "mode": "outer.mode",
+    "outer_lr": "outer.lr",
+    "initial_peers": "swarm.initial_peers",
+    "host_maddrs": "swarm.host_maddrs",
+    "announce_maddrs": "swarm.announce_maddrs",
+    "progress": "control.progress",
+    "log_level": "control.log_level",
+}
+
+
+def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> None:
+    g = parser.add_argument_group("run config (flags override the --config file)")
+    g.add_argument("--config", metavar="FILE", help="TOML config file (see `dilocox-peer config show`)")
+    g.add_argument("--run-id", help="name of the run; peers of one run must use the same")
+    g.add_argument("--seed", type=int, help="model initialization seed (same on every peer)")
+    g.add_argument("--rounds", type=int, help="outer rounds the run lasts")
+    g.add_argument("--run-dir", metavar="DIR", help="checkpoints, metrics.jsonl and logs go here (default runs/RUN_ID)")
+    g.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K rounds (default 1)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where inner training runs (default auto)")
+    g.add_argument("--preset", help="model size: tiny, small, 125m, 350m, 1b")
+    g.add_argument("--stages", type=int, help="pipeline stages (processes) of this peer")
+    g.add_argument("--seq-len", type=int, help="context length in bytes (default: the preset's)")
+    g.add_argument("--data", nargs="+", metavar="PATH|GLOB", help="text files/dirs/globs (default: the Python stdlib)")
+    g.add_argument("--data-seed", type=int, help="this peer's sampling seed (default: random, kept in the run dir)")
+    g.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round")
+    g.add_argument("--batch-size", type=int, help="sequences per inner step")
+    g.add_argument("--microbatches", type=int, help="pipeline micro-batches per inner step")
+    g.add_argument("--inner-lr", type=float, help="peak AdamW learning rate")
+    g.add_argument("--mode", choices=["sync", "delayed"], help="outer mode (default delayed)")
+    g.add_argument("--outer-lr", type=float, help="outer Nesterov lr (default: sync 0.7, delayed 0.1)")
+    g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], help="progress display")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    g.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="any other config field, e.g. --set inner.warmup_steps=100 (repeatable)",
+    )
+    if swarm:
+        s = parser.add_argument_group("swarm")
+        s.add_argument(
+            "--initial-peers",
+            nargs="+",
+            metavar="MADDR",
+            help="multiaddrs of live peers, e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...; none starts a new swarm",
+        )
+        s.add_argument(
+            "--host-maddrs", nargs="+", metavar="MADDR", help="listen addresses (default /ip4/0.0.0.0/tcp/0)"
+        )
+        s.add_argument(
+            "--announce-maddrs", nargs="+", metavar="MADDR", help="addresses other machines should dial (public IP/NAT)"
+        )
+
+
+def config_from_args(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Config:
+    overrides: dict[str, Any] = dict(extra or {})
+    for text in args.set:
+        key, value = parse_override(text)
+        overrides[key] = value
+    for dest, key in _FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides[key] = value
+    return load_config(args.config, overrides)

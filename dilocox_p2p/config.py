@@ -1,0 +1,410 @@
+"""Run configuration: frozen dataclasses, loaded from TOML, overridden by CLI flags.
+
+One `Config` holds eight sections (run, model, data, inner, outer, compression, swarm,
+control). Values are checked on construction; errors name the key, the value and the fix.
+`config_hash()` covers exactly the fields every peer of a run must agree on.
+
+    cfg = load_config("peer.toml", overrides={"inner.steps": 50, "model.stages": 4})
+    print(to_toml(cfg))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+import tomli_w
+
+from .errors import ConfigError
+
+__all__ = [
+    "CompressionConfig",
+    "Config",
+    "ControlConfig",
+    "DataConfig",
+    "InnerConfig",
+    "ModelConfig",
+    "ModelShape",
+    "OuterConfig",
+    "PRESETS",
+    "RunConfig",
+    "SwarmConfig",
+    "config_hash",
+    "from_dict",
+    "load_config",
+    "parse_override",
+    "to_dict",
+    "to_toml",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """Architecture of a byte-level GPT preset."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+
+
+PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(n_layer=4, d_model=64, n_head=4, seq_len=128),  # ~0.24M params, CPU tests
+    "small": ModelShape(n_layer=8, d_model=512, n_head=8, seq_len=512),  # ~25M
+    "125m": ModelShape(n_layer=18, d_model=768, n_head=12, seq_len=1024),  # ~128M
+    "350m": ModelShape(n_layer=28, d_model=1024, n_head=16, seq_len=1024),  # ~354M
+    "1b": ModelShape(n_layer=20, d_model=2048, n_head=16, seq_len=2048),  # ~1.0B
+}
+
+OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1}
+"""Outer lr defaults per mode: lr 0.7 + Nesterov 0.9 diverges with the one-step delay
+(measured in shared/notes/outer-loop-variants.md), so `delayed` uses 0.1."""
+
+
+def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
+    raise ConfigError(f"{key} = {value!r}: {why}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    run_id: str = "dilocox"
+    """Name of the training run; peers meet under it in the DHT."""
+    seed: int = 0
+    """Seed of the model initialization; every peer of a run uses the same one."""
+    rounds: int = 100
+    """Outer rounds the run lasts; a peer that joins late trains until this round."""
+    run_dir: str = ""
+    """Where checkpoints, metrics.jsonl and multiaddrs.txt go; empty means runs/<run_id>."""
+    checkpoint_every: int = 1
+    """Write a checkpoint every this many rounds (and at the end)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where inner training runs; auto picks cuda when available."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id or any(c in self.run_id for c in " ./\\"):
+            _fail("run.run_id", self.run_id, "must be non-empty, without spaces, dots or slashes")
+        if self.rounds < 1:
+            _fail("run.rounds", self.rounds, "must be at least 1")
+        if self.checkpoint_every < 1:
+            _fail("run.checkpoint_every", self.checkpoint_every, "must be at least 1")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.run_dir or f"runs/{self.run_id}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    preset: str = "tiny"
+    """Model size: tiny (CPU tests), small (~25M), 125m, 350m, 1b."""
+    stages: int = 2
+    """Pipeline stages per peer (M); each is one process holding a slice of the layers."""
+    seq_len: int = 0
+    """Context length in bytes; 0 means the preset's."""
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            _fail("model.preset", self.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
+        if self.stages < 1:
+            _fail("model.stages", self.stages, "must be at least 1")
+        if self.stages > self.shape.n_layer:
+            _fail(
+                "model.stages",
+                self.stages,
+                f"preset {self.preset!r} has only {self.shape.n_layer} layers; use at most that many stages",
+            )
+        if self.seq_len < 0:
+            _fail("model.seq_len", self.seq_len, "must be positive (or 0 for the preset's)")
+
+    @property
+    def shape(self) -> ModelShape:
+        base = PRESETS[self.preset]
+        return dataclasses.replace(base, seq_len=self.seq_len or base.seq_len)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    paths: tuple[str, ...] = ()
+    """Text files, directories or globs to train on; empty means the embedded Python stdlib corpus."""
+    val_fraction: float = 0.02
+    """Share of files held out for validation (chosen by a hash of the file path)."""
+    val_batches: int = 4
+    """Batches of held-out text evaluated after every round."""
+    seed: int = -1
+    """Seed of this peer's sampling order; -1 draws one at first start and keeps it in the run dir."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 0.5:
+            _fail("data.val_fraction", self.val_fraction, "must be between 0 and 0.5")
+        if self.val_batches < 1:
+            _fail("data.val_batches", self.val_batches, "must be at least 1")
+        if self.seed < -1:
+            _fail("data.seed", self.seed, "must be >= 0, or -1 for a random seed kept in the run dir")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InnerConfig:
+    steps: int = 100
+    """Inner steps per round (H)."""
+    batch_size: int = 16
+    """Sequences per inner step on this peer."""
+    microbatches: int = 4
+    """Pipeline micro-batches per inner step; must divide batch_size."""
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining)."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 50
+    """Linear warm-up steps, counted over the whole run."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio at the run's last inner step."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all stages) to this; 0 disables."""
+    threads: int = 0
+    """torch threads per stage process; 0 shares the machine's cores among the stages."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "microbatches"):
+            if getattr(self, name) < 1:
+                _fail(f"inner.{name}", getattr(self, name), "must be at least 1")
+        if self.batch_size % self.microbatches:
+            _fail("inner.microbatches", self.microbatches, f"must divide inner.batch_size ({self.batch_size})")
+        if self.lr <= 0:
+            _fail("inner.lr", self.lr, "must be positive")
+        if self.warmup_steps < 0:
+            _fail("inner.warmup_steps", self.warmup_steps, "must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("inner.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
+        if self.grad_clip < 0:
+            _fail("inner.grad_clip", self.grad_clip, "must be >= 0")
+        if self.threads < 0:
+            _fail("inner.threads", self.threads, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OuterConfig:
+    mode: Literal["sync", "delayed"] = "delayed"
+    """When round t's average is applied: sync = at once (DiLoCo); delayed = end of round t+1 (DiLoCoX)."""
+    lr: float = 0.0
+    """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1)."""
+    momentum: float = 0.9
+    """Outer Nesterov momentum."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            _fail("outer.lr", self.lr, "must be positive (or 0 for the mode's default)")
+        if not 0.0 <= self.momentum < 1.0:
+            _fail("outer.momentum", self.momentum, "must be in [0, 1)")
+
+    @property
+    def effective_lr(self) -> float:
+        return self.lr or OUTER_LR_BY_MODE[self.mode]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompressionConfig:
+    kind: Literal["none"] = "none"
+    """How pseudo-gradients travel: none = fp32, exact average (bit-identical on every peer)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SwarmConfig:
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of live peers or bootstrap nodes; empty starts a new swarm."""
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    """Where each stage worker's DHT listens; tcp/0 picks a free port per stage."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Addresses other machines should use to reach this peer (public IP, NAT mapping)."""
+    min_group_size: int = 2
+    """Fewest peers an all-reduce may run with; below it the round falls back to the local delta."""
+    matchmaking_time: float = 3.0
+    """Seconds a stage worker waits for the other live peers of its stage to join a round's group."""
+    round_wait: float = 30.0
+    """Most seconds a fast peer waits for slower ones before averaging without them."""
+    allreduce_timeout: float = 60.0
+    """Most seconds one all-reduce may take once its group is formed."""
+    chunk_timeout: float = 10.0
+    """A peer that sends no data for this long during an all-reduce is dropped from it."""
+    state_timeout: float = 60.0
+    """Most seconds a state download (late join, repair) may take."""
+
+    def __post_init__(self) -> None:
+        if self.min_group_size < 1:
+            _fail("swarm.min_group_size", self.min_group_size, "must be at least 1")
+        for name in ("matchmaking_time", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):
+            if getattr(self, name) <= 0:
+                _fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")
+        if not self.host_maddrs:
+            _fail("swarm.host_maddrs", self.host_maddrs, "needs at least one listen address")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ControlConfig:
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    """Progress display: auto = a bar on a terminal, one line per round otherwise."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+
+    def __post_init__(self) -> None:
+        shape = self.model.shape
+        if shape.seq_len < 2:
+            _fail("model.seq_len", shape.seq_len, "must be at least 2")
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+# Fields peers may set differently: where they run, what they print, how they connect.
+_LOCAL_FIELDS = {
+    "run": {"run_dir", "checkpoint_every", "device"},
+    "data": {"paths", "seed"},
+    "swarm": {"initial_peers", "host_maddrs", "announce_maddrs"},
+    "control": {"progress", "log_level"},
+    "inner": {"threads"},
+}
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        out[name] = {f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def to_toml(cfg: Config) -> str:
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def config_hash(cfg: Config) -> str:
+    """SHA-256 over the fields all peers of a run must share (model, data split, optimizers...)."""
+    shared = to_dict(cfg)
+    for section, names in _LOCAL_FIELDS.items():
+        for name in names:
+            shared[section].pop(name)
+    shared["outer"]["lr"] = cfg.outer.effective_lr
+    shared["model"]["seq_len"] = cfg.model.shape.seq_len
+    blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def hash_fields() -> list[str]:
+    """Dotted names of the fields covered by config_hash (for docs and error messages)."""
+    names = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.name not in _LOCAL_FIELDS.get(section, set()):
+                names.append(f"{section}.{f.name}")
+    return names
+
+
+def from_dict(data: Mapping[str, Any], *, source: str = "config") -> Config:
+    """Build a Config from nested plain values, checking every key and type."""
+    sections: dict[str, Any] = {}
+    for name, values in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{name}]; known sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{source}: [{name}] must be a table of keys, got {values!r}")
+        sections[name] = _build_section(name, SECTIONS[name], values, source)
+    try:
+        return Config(**sections)
+    except TypeError as e:  # pragma: no cover - guarded by _build_section
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _build_section(name: str, cls: type, values: Mapping[str, Any], source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key {name}.{key}; known keys in [{name}]: {', '.join(sorted(known))}")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            choices = ", ".join(map(str, typing.get_args(hint)))
+            _fail(key, value, f"must be one of: {choices}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            _fail(key, value, "must be a list of strings")
+        return tuple(value)
+    if origin in (typing.Union, types.UnionType):  # pragma: no cover - no optional fields today
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        _fail(key, value, f"must be a {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse `section.key=value` (value in TOML syntax, bare words as strings)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set inner.lr=3e-4")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read a TOML file (optional), apply `section.key -> value` overrides, validate."""
+    data: dict[str, dict[str, Any]] = {}
+    source = "config"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS:
+            raise ConfigError(f"override {dotted}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        data.setdefault(section, {})[key] = value
+    return from_dict(data, source=source)

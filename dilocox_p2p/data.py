@@ -1,0 +1,121 @@
+"""Training text: the embedded default corpus (this interpreter's standard library sources)
+or the user's files, split into train/validation by file, sampled per peer from a seed.
+
+The split is decided by a hash of each file's relative path, so it is the same on every
+machine that has the same files. Each peer draws random windows of `seq_len + 1` bytes
+from the train split with its own generator; the generator state is the data position
+and goes into checkpoints.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import DataConfig
+from .errors import DataError
+
+__all__ = ["BatchSampler", "Corpus", "load_corpus", "stdlib_files", "val_batches"]
+
+logger = logging.getLogger(__name__)
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """The .py files of the running interpreter's standard library, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts))
+    return root, files
+
+
+def _user_files(specs: tuple[str, ...]) -> tuple[Path, list[Path]]:
+    files: set[Path] = set()
+    for spec in specs:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            found = [p for p in path.rglob("*") if p.is_file()]
+        elif path.is_file():
+            found = [path]
+        else:
+            found = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
+        if not found:
+            raise DataError(f"--data {spec}: no such file, directory or matching glob")
+        files.update(p.resolve() for p in found)
+    ordered = sorted(files)
+    return Path("/"), ordered
+
+
+def _is_val(relpath: str, val_fraction: float) -> bool:
+    digest = hashlib.sha256(relpath.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: torch.Tensor  # uint8, all train files concatenated
+    val: torch.Tensor  # uint8, all validation files concatenated
+    n_files: int
+    source: str
+
+
+def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
+    """Read the corpus named by the config and split it into train and validation bytes."""
+    root, files = _user_files(cfg.paths) if cfg.paths else stdlib_files()
+    source = ", ".join(cfg.paths) if cfg.paths else f"python stdlib at {root}"
+    train, val = bytearray(), bytearray()
+    for path in files:
+        try:
+            blob = path.read_bytes()
+        except OSError as e:
+            logger.warning("skipping unreadable file %s: %s", path, e.strerror)
+            continue
+        target = val if _is_val(str(path.relative_to(root)), cfg.val_fraction) else train
+        target += blob
+    if not val and len(train) > 0:  # few files: hold out the tail instead
+        cut = int(len(train) * (1 - cfg.val_fraction))
+        train, val = train[:cut], train[cut:]
+    need = seq_len + 1
+    if len(train) < need or len(val) < need:
+        raise DataError(
+            f"corpus {source} is too small: {len(train)} train / {len(val)} validation bytes, "
+            f"need more than {need} of each (seq_len {seq_len}); add more text or lower model.seq_len"
+        )
+    logger.info("corpus: %s, %d files, %.1f MB train, %.1f MB val", source, len(files), len(train) / 1e6, len(val) / 1e6)
+    return Corpus(train=_as_tensor(train), val=_as_tensor(val), n_files=len(files), source=source)
+
+
+def _as_tensor(blob: bytearray) -> torch.Tensor:
+    return torch.frombuffer(blob, dtype=torch.uint8)  # shares memory with the (writable) bytearray
+
+
+class BatchSampler:
+    """Random (input, target) windows from a byte tensor, reproducible from a seed."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+        self.data, self.seq_len, self.batch_size = data, seq_len, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch: inputs (B, T) and targets (B, T), int64."""
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=self.generator)
+        rows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
+        return rows[:, :-1], rows[:, 1:]
+
+    def state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def load_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+def val_batches(corpus: Corpus, seq_len: int, batch_size: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of validation batches, identical on every peer and every round."""
+    sampler = BatchSampler(corpus.val, seq_len, batch_size, seed=1234)
+    return [sampler.next() for _ in range(n)]

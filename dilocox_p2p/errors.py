@@ -1,0 +1,39 @@
+"""The exceptions dilocox-p2p raises on purpose.
+
+    DilocoxError
+    +-- ConfigError          a config file, flag or value is wrong; the message says which and why
+    +-- DataError            the corpus is missing, empty or too small for the sequence length
+    +-- CheckpointError      nothing to resume from, or a checkpoint that does not fit this run
+    +-- SwarmError           the swarm could not be joined or refused this peer
+        +-- AdmissionError   another peer of the run has a different config hash
+
+The CLI maps every DilocoxError to a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AdmissionError", "CheckpointError", "ConfigError", "DataError", "DilocoxError", "SwarmError"]
+
+
+class DilocoxError(Exception):
+    """Base class: an error the user can fix; the message names the problem and the fix."""
+
+
+class ConfigError(DilocoxError, ValueError):
+    """A config file, a flag or a value is invalid."""
+
+
+class DataError(DilocoxError):
+    """The training corpus cannot be used."""
+
+
+class CheckpointError(DilocoxError):
+    """A checkpoint is missing or does not match this run."""
+
+
+class SwarmError(DilocoxError):
+    """The swarm could not be joined or used."""
+
+
+class AdmissionError(SwarmError):
+    """This peer was refused by the run (or refused another peer): config hashes differ."""

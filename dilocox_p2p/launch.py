@@ -1,0 +1,201 @@
+"""Start one peer: M stage-worker processes with a local process group for the pipeline.
+
+`run_peer` spawns the M workers itself (one machine) or, under torchrun (RANK/WORLD_SIZE
+set), runs as the one stage its rank names, so the same code drives a multi-node cluster:
+
+    dilocox-peer join --stages 2                         # spawns 2 stage processes
+    torchrun --nnodes 2 --nproc-per-node 1 ... -m dilocox_p2p.cli join --stages 2
+
+The launcher owns the run directory (config.toml, run.json), forwards SIGINT/SIGTERM to
+the stages once, and stops the other stages when one of them fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import secrets
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import __version__
+from .checkpoint import latest_common_round
+from .config import Config, config_hash, to_toml
+from .errors import CheckpointError, ConfigError, DilocoxError
+from .logs import init_logging
+from .worker import StageWorker, WorkerSpec, resolve_device
+
+__all__ = ["prepare_run_dir", "run_peer"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+_GRACE_S = 20.0
+
+
+def prepare_run_dir(cfg: Config, *, resume: bool) -> int:
+    """Create or check RUN_DIR; return this peer's data seed (kept in run.json)."""
+    run_dir = cfg.run.path
+    info_path = run_dir / "run.json"
+    if resume:
+        if not info_path.exists():
+            raise CheckpointError(f"--resume: {run_dir} holds no run (no run.json); start it without --resume")
+        info = json.loads(info_path.read_text())
+        if info.get("config_hash") != config_hash(cfg):
+            raise CheckpointError(
+                f"--resume: {run_dir} was started with another config (hash {info.get('config_hash', '?')[:12]}, "
+                f"now {config_hash(cfg)[:12]}); pass the same --config and flags, or another --run-dir"
+            )
+        if latest_common_round(run_dir, cfg.model.stages) is None:
+            raise CheckpointError(f"--resume: {run_dir} holds no complete checkpoint yet; start it without --resume")
+        return int(info["data_seed"])
+    if any((run_dir / "checkpoints").glob("stage*/round*.pt")):
+        raise CheckpointError(f"{run_dir} already holds a run: continue it with --resume, or pass another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed = cfg.data.seed if cfg.data.seed >= 0 else secrets.randbelow(2**31)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    info = {
+        "run_id": cfg.run.run_id,
+        "config_hash": config_hash(cfg),
+        "data_seed": seed,
+        "stages": cfg.model.stages,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "version": __version__,
+    }
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    return seed
+
+
+WorkerFactory = Callable[[WorkerSpec, torch.device, Any], StageWorker]
+
+
+def _threads(cfg: Config) -> int:
+    return cfg.inner.threads or max(1, (os.cpu_count() or 1) // cfg.model.stages)
+
+
+def _stage_process(spec: WorkerSpec, store_port: int, factory: WorkerFactory) -> None:
+    """Entry point of a spawned stage process."""
+    os.setpgid(0, 0)  # Ctrl-C reaches the launcher only; it forwards one SIGTERM
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
+    sys.exit(_run_stage(spec, factory, store=store))
+
+
+def _run_stage(spec: WorkerSpec, factory: WorkerFactory, *, store: Any = None) -> int:
+    cfg = spec.cfg
+    init_logging(cfg.control.log_level, prefix=f"[stage {spec.stage}] ", file=cfg.run.path / "logs" / f"stage{spec.stage}.log")
+    torch.set_num_threads(_threads(cfg))
+    try:
+        device = resolve_device(cfg.run.device, spec.stage)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend, store=store, rank=spec.stage, world_size=cfg.model.stages, timeout=timedelta(minutes=10)
+            )
+        control = dist.new_group(backend="gloo") if backend == "nccl" else None
+        worker = factory(spec, device, control)
+        worker.install_signal_handlers()
+        stopped = worker.run()
+        return 128 + stopped if stopped else 0
+    except DilocoxError as e:
+        logger.error("%s", e)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 128 + signal.SIGINT
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory = StageWorker) -> int:
+    """Run this peer's stages to the end of the run; return the process exit code."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run_under_torchrun(cfg, resume=resume, factory=factory)
+    data_seed = prepare_run_dir(cfg, resume=resume)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = []
+    for stage in range(cfg.model.stages):
+        spec = WorkerSpec(cfg=cfg, stage=stage, resume=resume, data_seed=data_seed)
+        proc = ctx.Process(target=_stage_process, args=(spec, store.port, factory), name=f"stage{stage}")
+        proc.start()
+        procs.append(proc)
+    return _supervise(procs)
+
+
+def _supervise(procs: list[mp.Process]) -> int:
+    """Wait for the stage processes; forward one stop signal; stop all if one fails."""
+    signals: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        signals.append(signum)
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed: int | None = None
+    try:
+        alive = {p.sentinel: p for p in procs}
+        while alive:
+            for sentinel in multiprocessing.connection.wait(list(alive), timeout=1.0):
+                p = alive.pop(sentinel)
+                p.join()
+                if p.exitcode != 0 and failed is None and not signals:
+                    failed = p.exitcode if p.exitcode and p.exitcode > 0 else 1
+                    logger.error("%s exited with code %s; stopping the other stages", p.name, p.exitcode)
+                    _stop_all(alive.values())
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if signals:
+        return 128 + signals[0]
+    return failed or 0
+
+
+def _stop_all(procs: Any) -> None:
+    procs = list(procs)
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+
+
+def _run_under_torchrun(cfg: Config, *, resume: bool, factory: WorkerFactory) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != cfg.model.stages:
+        raise ConfigError(f"torchrun started {world} processes but model.stages = {cfg.model.stages}; make them equal")
+    dist.init_process_group(
+        "nccl" if resolve_device(cfg.run.device, rank).type == "cuda" else "gloo", timeout=timedelta(minutes=10)
+    )
+    message: list[Any] = [None]
+    if rank == 0:
+        try:
+            message = [prepare_run_dir(cfg, resume=resume)]
+        except DilocoxError as e:
+            message = [str(e)]
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], str):
+        if rank == 0:
+            logger.error("%s", message[0])
+        dist.destroy_process_group()
+        return EXIT_USAGE
+    spec = WorkerSpec(cfg=cfg, stage=rank, resume=resume, data_seed=int(message[0]))
+    return _run_stage(spec, factory)
+

@@ -1,0 +1,269 @@
+"""One stage worker: the round loop of DiLoCoX for the layers of one pipeline stage.
+
+A peer runs M of these, one per stage, in lockstep through the pipeline schedule. Each
+owns its layers' inner (AdamW) and outer (Nesterov) state and averages its own shard
+with the same stage of other peers. The lead stage (0) writes metrics.jsonl and shows
+progress; every stage writes its own checkpoints.
+
+    for round t:  theta_local <- theta_g; H pipeline steps; outer step (outer.py);
+                  theta_g -> model; validation loss; gather per-stage facts to stage 0;
+                  checkpoint every K rounds
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import latest_common_round, load_checkpoint, save_checkpoint
+from .config import Config, config_hash
+from .data import BatchSampler, load_corpus, val_batches
+from .errors import CheckpointError
+from .inner import InnerTrainer
+from .metrics import MetricsWriter, Progress
+from .outer import Averager, LocalAverager, OuterLoop, RoundOutcome
+
+__all__ = ["StageWorker", "WorkerSpec"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    cfg: Config
+    stage: int
+    resume: bool
+    data_seed: int
+
+
+class StopRequested(Exception):
+    """SIGINT/SIGTERM arrived; the round in flight is abandoned."""
+
+
+class StageWorker:
+    def __init__(self, spec: WorkerSpec, device: torch.device, control_group: dist.ProcessGroup | None = None):
+        self.spec, self.cfg, self.stage, self.device = spec, spec.cfg, spec.stage, device
+        self.control_group = control_group
+        self.run_dir = self.cfg.run.path
+        self.lead = self.stage == 0
+        self.stop_signal: int | None = None
+        self.trainer = InnerTrainer(self.cfg, stage=self.stage, device=device)
+        self.averager: Averager = self.make_averager()
+        self.outer = OuterLoop(self.trainer.params, self.cfg.outer, self.averager)
+        self.sampler: BatchSampler | None = None
+        self.val: list = []
+        if self.trainer.is_first or self.trainer.is_last:
+            shape = self.cfg.model.shape
+            corpus = load_corpus(self.cfg.data, shape.seq_len)
+            self.sampler = BatchSampler(corpus.train, shape.seq_len, self.cfg.inner.batch_size, spec.data_seed)
+            self.val = val_batches(corpus, shape.seq_len, self.cfg.inner.batch_size, self.cfg.data.val_batches)
+        self.tokens = 0
+        self.n_params_peer = self._sum_over_stages(self.trainer.n_params())
+
+    # ----- hooks the swarm replaces -------------------------------------------------
+    def make_averager(self) -> Averager:
+        return LocalAverager()
+
+    # ----- signals ------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt  # second signal: leave at once
+            self.stop_signal = signum
+            logger.warning("got %s: abandoning the round in flight; send it again to exit at once",
+                           signal.Signals(signum).name)
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    # ----- collectives on the peer's control group ------------------------------------
+    def _gather(self, item: Any) -> list[Any] | None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [item]
+        out: list[Any] | None = [None] * dist.get_world_size() if self.lead else None
+        dist.gather_object(item, out, dst=0, group=self.control_group)
+        return out
+
+    def _sum_over_stages(self, value: int) -> int:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return value
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value, group=self.control_group)
+        return sum(out)
+
+    # ----- state ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config_hash": config_hash(self.cfg),
+            "outer": self.outer.state_dict(),
+            "inner": self.trainer.state_dict(),
+            "data": self.sampler.state() if self.sampler else None,
+            "rng": torch.get_rng_state(),
+            "tokens": self.tokens,
+        }
+
+    def restore(self) -> int:
+        """Load the newest checkpoint all stages share; return the round to start from."""
+        round = latest_common_round(self.run_dir, self.cfg.model.stages)
+        if round is None:
+            raise CheckpointError(f"--resume: {self.run_dir} holds no checkpoint of all {self.cfg.model.stages} stages")
+        state = load_checkpoint(self.run_dir, self.stage, round)
+        if state["config_hash"] != config_hash(self.cfg):
+            raise CheckpointError(
+                f"--resume: the checkpoint in {self.run_dir} was written with another config; "
+                "resume with the same config, or start a new run with another --run-dir"
+            )
+        self.outer.load_state_dict(state["outer"])
+        self.trainer.load_state_dict(state["inner"])
+        if self.sampler is not None:
+            self.sampler.load_state(state["data"])
+        torch.set_rng_state(state["rng"])
+        self.tokens = state["tokens"]
+        logger.info("resumed from round %d", round)
+        return round
+
+    def save(self, round: int) -> None:
+        save_checkpoint(self.run_dir, self.stage, round, self.state_dict())
+
+    # ----- the loop ---------------------------------------------------------------------
+    def run(self) -> int | None:
+        """Train until the run's last round; return the signal number if stopped early."""
+        cfg = self.cfg
+        start = self.restore() if self.spec.resume else 0
+        self.outer.load_into_model()
+        metrics = progress = None
+        if self.lead:
+            metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+            metrics.truncate_from(start)
+        if start == 0:
+            self._record_initial_val_loss()
+            self.save(0)
+        if self.lead:
+            progress = Progress(rounds=cfg.run.rounds, steps=cfg.inner.steps, first_round=start, style=cfg.control.progress)
+        try:
+            for t in range(start, cfg.run.rounds):
+                record = self.run_round(t, progress)
+                if self.lead:
+                    metrics.append(record)
+                    progress.round_done(record)
+                if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds:
+                    self.save(t + 1)
+        except StopRequested:
+            done = latest_common_round(self.run_dir, cfg.model.stages)
+            if self.lead:
+                logger.warning("stopped; the last checkpoint is at round %s: continue with --resume", done)
+            return self.stop_signal or signal.SIGTERM
+        finally:
+            if progress is not None:
+                progress.close()
+            self.averager.close()
+        return None
+
+    def _record_initial_val_loss(self) -> None:
+        val = self.trainer.evaluate(self.val)
+        gathered = self._gather(val)
+        if self.lead:
+            initial = next(v for v in gathered if v is not None)
+            path = self.run_dir / "run.json"
+            info = json.loads(path.read_text()) if path.exists() else {}
+            info.update(initial_val_loss=initial, params=self.n_params_peer)
+            path.write_text(json.dumps(info, indent=2) + "\n")
+            logger.info("initial val loss %.4f, %d parameters", initial, self.n_params_peer)
+
+    def _train_inner(self, t: int, progress: Progress | None) -> list[float]:
+        H = self.cfg.inner.steps
+        losses = []
+        for i in range(H):
+            inputs, targets = self.sampler.next() if self.sampler else (None, None)
+            result = self.trainer.train_step(t * H + i, inputs, targets, stop=self.stop_signal is not None)
+            if result.stop:
+                raise StopRequested
+            if result.loss is not None:
+                losses.append(result.loss)
+            if progress is not None:
+                progress.step(t)
+        return losses
+
+    def run_round(self, t: int, progress: Progress | None) -> dict[str, Any] | None:
+        cfg = self.cfg
+        started = time.perf_counter()
+        losses = self._train_inner(t, progress)
+        seconds_compute = time.perf_counter() - started
+        round_tokens = cfg.inner.steps * cfg.inner.batch_size * cfg.model.shape.seq_len
+        self.tokens += round_tokens
+        outcome = self.outer.end_round(t, weight=float(round_tokens))
+        if t + 1 == cfg.run.rounds:  # the run ends: apply what is still pending
+            outcome = _merge(outcome, self.outer.drain())
+        seconds_round = time.perf_counter() - started
+        self.outer.load_into_model()
+        val_loss = self.trainer.evaluate(self.val)
+        facts = {
+            "hash": self.outer.hash(),
+            "train_loss": sum(losses) / len(losses) if losses else None,
+            "val_loss": val_loss,
+            "outcome": outcome,
+            "seconds_compute": seconds_compute,
+            "seconds_round": seconds_round,
+        }
+        gathered = self._gather(facts)
+        return self._make_record(t, gathered) if self.lead else None
+
+    def _make_record(self, t: int, stages: list[dict[str, Any]]) -> dict[str, Any]:
+        outcomes: list[RoundOutcome] = [s["outcome"] for s in stages]
+        seconds_round = max(s["seconds_round"] for s in stages)
+        round_tokens = self.cfg.inner.steps * self.cfg.inner.batch_size * self.cfg.model.shape.seq_len
+        return {
+            "round": t,
+            "train_loss": next(s["train_loss"] for s in stages if s["train_loss"] is not None),
+            "val_loss": next(s["val_loss"] for s in stages if s["val_loss"] is not None),
+            "tokens": self.tokens,
+            "tokens_per_s": round_tokens / seconds_round,
+            "seconds_compute": max(s["seconds_compute"] for s in stages),
+            "seconds_comm_wait": max(o.seconds_wait for o in outcomes),
+            "seconds_round": seconds_round,
+            "bytes_sent": sum(o.bytes_sent for o in outcomes),
+            "bytes_received": sum(o.bytes_received for o in outcomes),
+            "params": self.n_params_peer,
+            "stage_hashes": [s["hash"] for s in stages],
+            "group_size": min(o.group_size for o in outcomes),
+            "group_sizes": [o.group_size for o in outcomes],
+            "applied_round": outcomes[0].applied_round,
+            "coverage": min(o.coverage for o in outcomes),
+            "mode": self.cfg.outer.mode,
+            "time": time.time(),
+        }
+
+
+def _merge(first: RoundOutcome, second: RoundOutcome | None) -> RoundOutcome:
+    if second is None:
+        return first
+    return RoundOutcome(
+        applied_round=second.applied_round,
+        group_size=min(first.group_size, second.group_size) if first.applied_round is not None else second.group_size,
+        seconds_wait=first.seconds_wait + second.seconds_wait,
+        bytes_sent=first.bytes_sent + second.bytes_sent,
+        bytes_received=first.bytes_received + second.bytes_received,
+        coverage=min(first.coverage, second.coverage),
+        peers=second.peers,
+    )
+
+
+def resolve_device(choice: str, stage: int) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from .errors import ConfigError
+
+        raise ConfigError("--device cuda: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES)")
+    local = int(os.environ.get("LOCAL_RANK", stage))
+    return torch.device("cuda", local % torch.cuda.device_count())
+
