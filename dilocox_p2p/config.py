@@ -77,6 +77,15 @@ def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
     raise ConfigError(f"{key} = {value!r}: {why}")
 
 
+def _check_choices(section: Any, name: str) -> None:
+    """Reject values outside a field's Literal choices (also for sections built in code)."""
+    for f in dataclasses.fields(section):
+        hint = typing.get_type_hints(type(section))[f.name]
+        if typing.get_origin(hint) is Literal and getattr(section, f.name) not in typing.get_args(hint):
+            choices = ", ".join(map(str, typing.get_args(hint)))
+            _fail(f"{name}.{f.name}", getattr(section, f.name), f"must be one of: {choices}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     run_id: str = "dilocox"
@@ -93,6 +102,7 @@ class RunConfig:
     """Where inner training runs; auto picks cuda when available."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "run")
         if not self.run_id or any(c in self.run_id for c in " ./\\"):
             _fail("run.run_id", self.run_id, "must be non-empty, without spaces, dots or slashes")
         if self.rounds < 1:
@@ -115,6 +125,7 @@ class ModelConfig:
     """Context length in bytes; 0 means the preset's."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "model")
         if self.preset not in PRESETS:
             _fail("model.preset", self.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
         if self.stages < 1:
@@ -146,6 +157,7 @@ class DataConfig:
     """Seed of this peer's sampling order; -1 draws one at first start and keeps it in the run dir."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "data")
         if not 0.0 < self.val_fraction < 0.5:
             _fail("data.val_fraction", self.val_fraction, "must be between 0 and 0.5")
         if self.val_batches < 1:
@@ -179,6 +191,7 @@ class InnerConfig:
     """torch threads per stage process; 0 shares the machine's cores among the stages."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "inner")
         for name in ("steps", "batch_size", "microbatches"):
             if getattr(self, name) < 1:
                 _fail(f"inner.{name}", getattr(self, name), "must be at least 1")
@@ -206,6 +219,7 @@ class OuterConfig:
     """Outer Nesterov momentum."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "outer")
         if self.lr < 0:
             _fail("outer.lr", self.lr, "must be positive (or 0 for the mode's default)")
         if not 0.0 <= self.momentum < 1.0:
@@ -221,9 +235,14 @@ class CompressionConfig:
     kind: Literal["none"] = "none"
     """How pseudo-gradients travel: none = fp32, exact average (bit-identical on every peer)."""
 
+    def __post_init__(self) -> None:
+        _check_choices(self, "compression")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SwarmConfig:
+    enabled: bool = True
+    """Join (or start) a swarm; false trains alone without a DHT (a baseline for benchmarks)."""
     initial_peers: tuple[str, ...] = ()
     """Multiaddrs of live peers or bootstrap nodes; empty starts a new swarm."""
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
@@ -232,10 +251,12 @@ class SwarmConfig:
     """Addresses other machines should use to reach this peer (public IP, NAT mapping)."""
     min_group_size: int = 2
     """Fewest peers an all-reduce may run with; below it the round falls back to the local delta."""
-    matchmaking_time: float = 3.0
-    """Seconds a stage worker waits for the other live peers of its stage to join a round's group."""
+    min_peers: int = 1
+    """Wait before the first round until this many peers (this one included) are in the run."""
+    peer_wait: float = 600.0
+    """Most seconds to wait for min_peers; after that, training starts with those present."""
     round_wait: float = 30.0
-    """Most seconds a fast peer waits for slower ones before averaging without them."""
+    """Most seconds a fast peer waits for slower ones to form a round's group (then averages without them)."""
     allreduce_timeout: float = 60.0
     """Most seconds one all-reduce may take once its group is formed."""
     chunk_timeout: float = 10.0
@@ -244,9 +265,12 @@ class SwarmConfig:
     """Most seconds a state download (late join, repair) may take."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "swarm")
         if self.min_group_size < 1:
             _fail("swarm.min_group_size", self.min_group_size, "must be at least 1")
-        for name in ("matchmaking_time", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):
+        if self.min_peers < 1:
+            _fail("swarm.min_peers", self.min_peers, "must be at least 1")
+        for name in ("peer_wait", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):
             if getattr(self, name) <= 0:
                 _fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")
         if not self.host_maddrs:
@@ -258,6 +282,9 @@ class ControlConfig:
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
     """Progress display: auto = a bar on a terminal, one line per round otherwise."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "control")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -283,7 +310,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 _LOCAL_FIELDS = {
     "run": {"run_dir", "checkpoint_every", "device"},
     "data": {"paths", "seed"},
-    "swarm": {"initial_peers", "host_maddrs", "announce_maddrs"},
+    "swarm": {"enabled", "initial_peers", "host_maddrs", "announce_maddrs", "min_peers", "peer_wait"},
     "control": {"progress", "log_level"},
     "inner": {"threads"},
 }
@@ -353,6 +380,9 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any], source: str)
     return cls(**kwargs)
 
 
+_KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a table"}
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin is Literal:
@@ -371,7 +401,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool) and (type(value) is not hint):
-        _fail(key, value, f"must be a {hint.__name__}, got {type(value).__name__}")
+        _fail(key, value, f"must be {_KIND[hint]}, got {_KIND.get(type(value), type(value).__name__)}")
     return value
 
 

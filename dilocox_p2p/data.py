@@ -28,32 +28,42 @@ logger = logging.getLogger(__name__)
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def stdlib_files() -> tuple[Path, list[Path]]:
-    """The .py files of the running interpreter's standard library, in a fixed order."""
+def stdlib_files() -> list[tuple[str, Path]]:
+    """(relative name, path) of the running interpreter's standard library .py files, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts))
-    return root, files
+    return [(str(p.relative_to(root)), p) for p in files]
 
 
-def _user_files(specs: tuple[str, ...]) -> tuple[Path, list[Path]]:
-    files: set[Path] = set()
+def _glob_base(pattern: str) -> Path:
+    """The directory part of a glob before its first wildcard."""
+    parts = Path(pattern).parts
+    cut = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts) - 1)
+    return Path(*parts[:cut]) if cut else Path(".")
+
+
+def _user_files(specs: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """(name, path) of the user's files; names are relative to the --data argument, so two peers
+    holding the same corpus in different directories split it the same way."""
+    files: dict[Path, str] = {}
     for spec in specs:
         path = Path(spec).expanduser()
         if path.is_dir():
-            found = [p for p in path.rglob("*") if p.is_file()]
+            found = [(p, p.relative_to(path)) for p in path.rglob("*") if p.is_file()]
         elif path.is_file():
-            found = [path]
+            found = [(path, Path(path.name))]
         else:
-            found = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
+            base = _glob_base(str(path))
+            found = [(Path(p), Path(p).relative_to(base)) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
         if not found:
             raise DataError(f"--data {spec}: no such file, directory or matching glob")
-        files.update(p.resolve() for p in found)
-    ordered = sorted(files)
-    return Path("/"), ordered
+        for p, name in found:
+            files.setdefault(p.resolve(), str(name))
+    return sorted(((name, p) for p, name in files.items()), key=lambda item: (item[0], str(item[1])))
 
 
-def _is_val(relpath: str, val_fraction: float) -> bool:
-    digest = hashlib.sha256(relpath.encode()).digest()
+def _is_val(name: str, val_fraction: float) -> bool:
+    digest = hashlib.sha256(name.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
@@ -67,25 +77,26 @@ class Corpus:
 
 def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
     """Read the corpus named by the config and split it into train and validation bytes."""
-    root, files = _user_files(cfg.paths) if cfg.paths else stdlib_files()
-    source = ", ".join(cfg.paths) if cfg.paths else f"python stdlib at {root}"
+    files = _user_files(cfg.paths) if cfg.paths else stdlib_files()
+    source = ", ".join(cfg.paths) if cfg.paths else f"python stdlib at {sysconfig.get_paths()['stdlib']}"
     train, val = bytearray(), bytearray()
-    for path in files:
+    for name, path in files:
         try:
             blob = path.read_bytes()
         except OSError as e:
             logger.warning("skipping unreadable file %s: %s", path, e.strerror)
             continue
-        target = val if _is_val(str(path.relative_to(root)), cfg.val_fraction) else train
+        target = val if _is_val(name, cfg.val_fraction) else train
         target += blob
-    if not val and len(train) > 0:  # few files: hold out the tail instead
-        cut = int(len(train) * (1 - cfg.val_fraction))
-        train, val = train[:cut], train[cut:]
+    if not val or not train:  # too few files to split by file: hold out the tail of the text instead
+        text = train + val
+        cut = int(len(text) * (1 - cfg.val_fraction))
+        train, val = text[:cut], text[cut:]
     need = seq_len + 1
     if len(train) < need or len(val) < need:
         raise DataError(
             f"corpus {source} is too small: {len(train)} train / {len(val)} validation bytes, "
-            f"need more than {need} of each (seq_len {seq_len}); add more text or lower model.seq_len"
+            f"need at least {need} of each (seq_len {seq_len}); add more text or lower model.seq_len"
         )
     logger.info("corpus: %s, %d files, %.1f MB train, %.1f MB val", source, len(files), len(train) / 1e6, len(val) / 1e6)
     return Corpus(train=_as_tensor(train), val=_as_tensor(val), n_files=len(files), source=source)
@@ -104,7 +115,7 @@ class BatchSampler:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One batch: inputs (B, T) and targets (B, T), int64."""
-        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=self.generator)
+        starts = torch.randint(0, len(self.data) - self.seq_len, (self.batch_size,), generator=self.generator)
         rows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
         return rows[:, :-1], rows[:, 1:]
 

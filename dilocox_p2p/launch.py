@@ -73,6 +73,7 @@ def prepare_run_dir(cfg: Config, *, resume: bool) -> int:
     }
     info_path.write_text(json.dumps(info, indent=2) + "\n")
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (run_dir / "multiaddrs.txt").unlink(missing_ok=True)
     return seed
 
 
@@ -85,7 +86,9 @@ def _threads(cfg: Config) -> int:
 
 def _stage_process(spec: WorkerSpec, store_port: int, factory: WorkerFactory) -> None:
     """Entry point of a spawned stage process."""
-    os.setpgid(0, 0)  # Ctrl-C reaches the launcher only; it forwards one SIGTERM
+    # Ctrl-C on a terminal reaches every process of the group: the launcher forwards one
+    # SIGTERM instead, so the stages ignore SIGINT (and so do the DHT processes they fork).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
     sys.exit(_run_stage(spec, factory, store=store))
 
@@ -94,6 +97,8 @@ def _run_stage(spec: WorkerSpec, factory: WorkerFactory, *, store: Any = None) -
     cfg = spec.cfg
     init_logging(cfg.control.log_level, prefix=f"[stage {spec.stage}] ", file=cfg.run.path / "logs" / f"stage{spec.stage}.log")
     torch.set_num_threads(_threads(cfg))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mp.set_start_method("fork", force=True)  # hivemind's DHT and averager processes are forked from here
     try:
         device = resolve_device(cfg.run.device, spec.stage)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -119,8 +124,17 @@ def _run_stage(spec: WorkerSpec, factory: WorkerFactory, *, store: Any = None) -
             dist.destroy_process_group()
 
 
-def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory = StageWorker) -> int:
+def _default_factory(cfg: Config) -> WorkerFactory:
+    if not cfg.swarm.enabled:
+        return StageWorker
+    from .swarm.worker import SwarmStageWorker  # imports hivemind
+
+    return SwarmStageWorker
+
+
+def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None) -> int:
     """Run this peer's stages to the end of the run; return the process exit code."""
+    factory = factory or _default_factory(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg, resume=resume, factory=factory)
     data_seed = prepare_run_dir(cfg, resume=resume)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -147,6 +148,9 @@ class OuterLoop:
         self.theta_g = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.optimizer = OuterNesterov(self.theta_g, lr=cfg.effective_lr, momentum=cfg.momentum)
         self.pending: _Pending | None = None
+        self.boundary = 0  # rounds completed: theta_g is theta_g(boundary)
+        self.missing_pending: int | None = None  # set when restored without the average still in flight
+        self.lock = threading.RLock()  # held while theta_g changes, so a copy served to a peer is consistent
 
     @torch.no_grad()
     def load_into_model(self) -> None:
@@ -158,21 +162,26 @@ class OuterLoop:
         """Compute delta_round, start its all-reduce, apply the average this mode applies now."""
         delta = pseudo_gradient(self.theta_g, self.params)
         launched = _Pending(round, self.averager.all_reduce(delta, round=round, weight=weight))
-        if self.mode == "sync":
-            return self._apply(launched)
-        previous, self.pending = self.pending, launched
-        return self._apply(previous) if previous is not None else RoundOutcome(applied_round=None)
+        to_apply = launched if self.mode == "sync" else self.pending
+        return self._apply(to_apply, keep=None if self.mode == "sync" else launched, boundary=round + 1)
 
     def drain(self) -> RoundOutcome | None:
         """Apply the average still pending (delayed mode), e.g. at the end of the run."""
-        previous, self.pending = self.pending, None
-        return self._apply(previous) if previous is not None else None
+        if self.pending is None:
+            return None
+        return self._apply(self.pending, keep=None, boundary=self.boundary)
 
-    def _apply(self, pending: _Pending) -> RoundOutcome:
+    def _apply(self, pending: _Pending | None, *, keep: _Pending | None, boundary: int) -> RoundOutcome:
+        """Wait for `pending` (outside the lock), then step theta_g, keep `keep` pending, move the boundary."""
         started = time.perf_counter()
-        result = pending.future.result()
+        result = pending.future.result() if pending is not None else None
         waited = time.perf_counter() - started
-        self.optimizer.step(result.tensors)
+        with self.lock:
+            if result is not None:
+                self.optimizer.step(result.tensors)
+            self.pending, self.boundary = keep, boundary
+        if result is None:
+            return RoundOutcome(applied_round=None)
         if result.group_size == 1 and result.note:
             logger.warning("round %d averaged alone: %s", pending.round, result.note)
         return RoundOutcome(
@@ -190,21 +199,48 @@ class OuterLoop:
 
     def state_dict(self) -> dict:
         """theta_g, momentum and the pending average if it is already known."""
-        pending = None
+        pending, missing = None, None
         if self.pending is not None and self.pending.future.done():
             result = self.pending.future.result()
             pending = {"round": self.pending.round, "tensors": result.tensors, "group_size": result.group_size}
-        return {"theta_g": self.theta_g, "momentum": self.optimizer.buffers, "pending": pending}
+        elif self.pending is not None:
+            missing = self.pending.round  # still in flight: a resumed worker must get it from its stage group
+        return {
+            "boundary": self.boundary,
+            "theta_g": self.theta_g,
+            "momentum": self.optimizer.buffers,
+            "pending": pending,
+            "pending_missing": missing,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        for dst, src in zip(self.theta_g, state["theta_g"]):
-            dst.copy_(src)
-        for dst, src in zip(self.optimizer.buffers, state["momentum"]):
-            dst.copy_(src)
-        self.pending = None
-        if state.get("pending") is not None:
-            p = state["pending"]
-            future: Future[AveragingResult] = Future()
-            future.set_result(AveragingResult(tensors=list(p["tensors"]), group_size=p["group_size"]))
-            self.pending = _Pending(p["round"], future)
+        with self.lock:
+            for dst, src in zip(self.theta_g, state["theta_g"]):
+                dst.copy_(src)
+            for dst, src in zip(self.optimizer.buffers, state["momentum"]):
+                dst.copy_(src)
+            self.pending = None
+            self.boundary = state["boundary"]
+            self.missing_pending = state.get("pending_missing")
+            if state.get("pending") is not None:
+                p = state["pending"]
+                future: Future[AveragingResult] = Future()
+                future.set_result(AveragingResult(tensors=list(p["tensors"]), group_size=p["group_size"]))
+                self.pending = _Pending(p["round"], future)
+
+    def pending_future(self) -> Future[AveragingResult] | None:
+        return self.pending.future if self.pending is not None else None
+
+    def snapshot(self) -> tuple[int, list[torch.Tensor], int | None, int]:
+        """A consistent copy of what a joiner needs to continue exactly as this worker will.
+
+        Returns (boundary, theta_g + momentum [+ the pending average if known],
+        pending round or None, pending group size).
+        """
+        with self.lock:
+            tensors = [t.clone() for t in (*self.theta_g, *self.optimizer.buffers)]
+            if self.pending is None or not self.pending.future.done():
+                return self.boundary, tensors, None, 0
+            result = self.pending.future.result()
+            return self.boundary, tensors + [t.clone() for t in result.tensors], self.pending.round, result.group_size

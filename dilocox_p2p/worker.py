@@ -69,9 +69,23 @@ class StageWorker:
         self.tokens = 0
         self.n_params_peer = self._sum_over_stages(self.trainer.n_params())
 
-    # ----- hooks the swarm replaces -------------------------------------------------
+    # ----- hooks the swarm replaces (swarm/worker.py) --------------------------------------
     def make_averager(self) -> Averager:
         return LocalAverager()
+
+    def on_start(self, start: int) -> int:
+        """Before the first round: join others; return the round to start from."""
+        return start
+
+    def on_boundary(self, boundary: int) -> bool:
+        """After the outer step, before evaluation: return True if the state was replaced."""
+        return False
+
+    def after_boundary(self, boundary: int, theta_hash: str, outcome: RoundOutcome) -> None:
+        """After the boundary's hash is known (publish it)."""
+
+    def close(self) -> None:
+        self.averager.close()
 
     # ----- signals ------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -82,8 +96,7 @@ class StageWorker:
             logger.warning("got %s: abandoning the round in flight; send it again to exit at once",
                            signal.Signals(signum).name)
 
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGTERM, handler)  # SIGINT is ignored: the launcher turns Ctrl-C into one SIGTERM
 
     # ----- collectives on the peer's control group ------------------------------------
     def _gather(self, item: Any) -> list[Any] | None:
@@ -139,6 +152,7 @@ class StageWorker:
         """Train until the run's last round; return the signal number if stopped early."""
         cfg = self.cfg
         start = self.restore() if self.spec.resume else 0
+        start = self.on_start(start)
         self.outer.load_into_model()
         metrics = progress = None
         if self.lead:
@@ -165,7 +179,7 @@ class StageWorker:
         finally:
             if progress is not None:
                 progress.close()
-            self.averager.close()
+            self.close()
         return None
 
     def _record_initial_val_loss(self) -> None:
@@ -204,10 +218,14 @@ class StageWorker:
         if t + 1 == cfg.run.rounds:  # the run ends: apply what is still pending
             outcome = _merge(outcome, self.outer.drain())
         seconds_round = time.perf_counter() - started
+        repaired = self.on_boundary(t + 1)
         self.outer.load_into_model()
         val_loss = self.trainer.evaluate(self.val)
+        theta_hash = self.outer.hash()
+        self.after_boundary(t + 1, theta_hash, outcome)
         facts = {
-            "hash": self.outer.hash(),
+            "hash": theta_hash,
+            "repaired": repaired,
             "train_loss": sum(losses) / len(losses) if losses else None,
             "val_loss": val_loss,
             "outcome": outcome,
@@ -238,6 +256,7 @@ class StageWorker:
             "group_sizes": [o.group_size for o in outcomes],
             "applied_round": outcomes[0].applied_round,
             "coverage": min(o.coverage for o in outcomes),
+            "repaired_stages": [i for i, s in enumerate(stages) if s["repaired"]],
             "mode": self.cfg.outer.mode,
             "time": time.time(),
         }

@@ -38,6 +38,8 @@ _FLAG_KEYS = {
     "initial_peers": "swarm.initial_peers",
     "host_maddrs": "swarm.host_maddrs",
     "announce_maddrs": "swarm.announce_maddrs",
+    "min_peers": "swarm.min_peers",
+    "round_wait": "swarm.round_wait",
     "progress": "control.progress",
     "log_level": "control.log_level",
 }
@@ -86,6 +88,11 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
         s.add_argument(
             "--announce-maddrs", nargs="+", metavar="MADDR", help="addresses other machines should dial (public IP/NAT)"
         )
+        s.add_argument("--min-peers", type=int, metavar="N", help="wait for N peers (this one included) before training")
+        s.add_argument("--round-wait", type=float, metavar="S", help="most seconds a fast peer waits for slow ones per round")
+        s.add_argument(
+            "--no-swarm", dest="swarm_enabled", action="store_false", default=None, help="train alone, without a DHT"
+        )
 
 
 def config_from_args(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Config:
@@ -93,6 +100,8 @@ def config_from_args(args: argparse.Namespace, extra: dict[str, Any] | None = No
     for text in args.set:
         key, value = parse_override(text)
         overrides[key] = value
+    if getattr(args, "swarm_enabled", None) is False:
+        overrides["swarm.enabled"] = False
     for dest, key in _FLAG_KEYS.items():
         value = getattr(args, dest, None)
         if value is not None:

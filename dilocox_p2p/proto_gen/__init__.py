@@ -1,0 +1,1 @@
+"""GENERATED protobuf modules (scripts/gen_proto.py). DO NOT EDIT."""

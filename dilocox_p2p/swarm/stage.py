@@ -1,0 +1,340 @@
+"""A stage worker's membership in the swarm: its DHT node, averager and round bookkeeping.
+
+`SwarmStage` is the `Averager` the outer loop talks to (one background all-reduce per
+round, run one at a time in a worker thread) and the stage's view of the run:
+
+- admission: the oldest live member's config hash defines the run; a peer with another
+  hash is refused, and told which fields differ;
+- membership: a heartbeat record per worker; the round's target group size is the number
+  of live training workers of the stage, so a group forms as soon as all are in and a
+  fast peer waits at most `round_wait` for a slow one;
+- state: the worker's state at its current round boundary is served to joiners;
+- repair: after each boundary the worker compares its theta_g hash with the others'
+  records; one in the minority downloads the majority's state at its next boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+import torch
+from hivemind.utils import get_dht_time
+
+from ..config import Config, config_hash, to_dict
+from ..errors import AdmissionError
+from ..outer import AveragingResult, state_hash
+from ..wire import swarm_pb2
+from .averager import DilocoxAverager, StateDownload
+from .dht import HEARTBEAT_S, Heartbeat, Member, RunRecords, reachable_maddrs, start_dht
+
+__all__ = ["SwarmStage"]
+
+logger = logging.getLogger(__name__)
+
+
+def shared_config_json(cfg: Config) -> str:
+    from ..config import _LOCAL_FIELDS  # the fields config_hash leaves out
+
+    shared = to_dict(cfg)
+    for section, names in _LOCAL_FIELDS.items():
+        for name in names:
+            shared[section].pop(name)
+    shared["outer"]["lr"] = cfg.outer.effective_lr
+    return json.dumps(shared, sort_keys=True)
+
+
+def config_diff(ours: str, theirs: str) -> list[str]:
+    a, b = json.loads(ours), json.loads(theirs)
+    diffs = []
+    for section in sorted(set(a) | set(b)):
+        for key in sorted(set(a.get(section, {})) | set(b.get(section, {}))):
+            mine, other = a.get(section, {}).get(key), b.get(section, {}).get(key)
+            if mine != other:
+                diffs.append(f"{section}.{key}: {mine!r} here, {other!r} in the run")
+    return diffs
+
+
+def majority_hash(hashes: dict[str, str]) -> str | None:
+    """The hash most workers hold; ties go to the smallest hash, so every peer picks the same."""
+    if not hashes:
+        return None
+    counts = Counter(hashes.values())
+    return min(counts, key=lambda h: (-counts[h], h))
+
+
+class SwarmStage:
+    """One stage worker's DHT node + averager, and the Averager the outer loop uses."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        stage: int,
+        tensors: Sequence[torch.Tensor],
+        run_dir: Path,
+        peer_name: str,
+        extra_peers: Sequence[str] = (),
+    ):
+        self.cfg, self.stage, self.sw = cfg, stage, cfg.swarm
+        self.config_hash = config_hash(cfg)
+        self.shared_json = shared_config_json(cfg)
+        self.dht = start_dht(
+            cfg.swarm, identity_path=run_dir / "identity" / f"stage{stage}.key", extra_peers=extra_peers
+        )
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.records = RunRecords(self.dht, cfg.run.run_id, stage)
+        self.averager = DilocoxAverager(
+            [t.detach().to("cpu", torch.float32, copy=True) for t in tensors],
+            self.dht,
+            run_id=cfg.run.run_id,
+            config_hash=self.config_hash,
+            stage=stage,
+            prefix=f"{cfg.run.run_id}_{self.config_hash[:16]}_s{stage}",
+            start=True,
+            min_group_size=self.sw.min_group_size,
+            min_matchmaking_time=self.sw.round_wait,
+            request_timeout=min(3.0, self.sw.round_wait / 3),
+            allreduce_timeout=self.sw.allreduce_timeout,
+            next_chunk_timeout=self.sw.chunk_timeout,
+            allow_state_sharing=False,  # hivemind's own state sharing; ours is rpc_download_round
+        )
+        self.joined_at = get_dht_time()
+        self.heartbeat = Heartbeat(
+            self.records,
+            swarm_pb2.MemberRecord(
+                run_id=cfg.run.run_id,
+                config_hash=self.config_hash,
+                stage=stage,
+                boundary=-1,
+                joined_at=self.joined_at,
+                peer_name=peer_name,
+            ),
+        )
+        self._members: list[Member] = []
+        self._warned_about: set[str] = set()
+        self._jobs: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._repair: tuple[int, str, list[str]] | None = None
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run_jobs, name="allreduce", daemon=True),
+            threading.Thread(target=self._watch_members, name="members", daemon=True),
+        ]
+
+    # ----- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.records.publish_config(self.config_hash, self.shared_json)
+        self.heartbeat.start()
+        self._refresh_members()
+        for thread in self._threads:
+            thread.start()
+
+    def maddrs(self) -> list[str]:
+        return reachable_maddrs(self.dht)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._jobs.put(None)
+        try:
+            self.heartbeat.stop(leave=True)
+        except Exception as e:  # pragma: no cover - best effort on the way out
+            logger.debug("could not publish leave record: %s", e)
+        for thread in self._threads:
+            thread.join(timeout=self.sw.allreduce_timeout)
+        self.averager.shutdown()
+        self.dht.shutdown()
+
+    # ----- membership ------------------------------------------------------------------------
+    def _refresh_members(self) -> None:
+        try:
+            members = self.records.members()
+        except Exception as e:
+            logger.debug("member lookup failed: %s", e)
+            return
+        with self._lock:
+            self._members = members
+        for m in members:
+            if m.record.config_hash != self.config_hash and m.peer_id not in self._warned_about:
+                self._warned_about.add(m.peer_id)
+                logger.warning(
+                    "refusing %s (peer %s): its config hash %s differs from this run's %s",
+                    m.peer_id, m.record.peer_name, m.record.config_hash[:12], self.config_hash[:12],
+                )
+
+    def _watch_members(self) -> None:
+        while not self._closed.wait(HEARTBEAT_S):
+            self._refresh_members()
+
+    def members(self, *, training_only: bool = False, others_only: bool = True) -> list[Member]:
+        """Live members of this stage with this run's config (from the last refresh)."""
+        with self._lock:
+            members = list(self._members)
+        return [
+            m
+            for m in members
+            if m.record.config_hash == self.config_hash
+            and (m.record.training or not training_only)
+            and (m.peer_id != self.peer_id or not others_only)
+        ]
+
+    def check_admission(self) -> None:
+        """Refuse to join a run whose oldest live member has another config hash."""
+        self._refresh_members()
+        with self._lock:
+            others = [m for m in self._members if m.peer_id != self.peer_id and m.record.training]
+        if not others:
+            return
+        oldest = min(others, key=lambda m: (m.record.joined_at, m.peer_id))
+        if oldest.record.config_hash == self.config_hash:
+            return
+        theirs = self.records.config(oldest.record.config_hash)
+        diffs = config_diff(self.shared_json, theirs) if theirs else []
+        detail = "; ".join(diffs) if diffs else "compare `dilocox-peer config show` on both peers"
+        raise AdmissionError(
+            f"run {self.cfg.run.run_id!r} trains with config hash {oldest.record.config_hash[:12]} "
+            f"(peer {oldest.record.peer_name}), this peer has {self.config_hash[:12]}: {detail}"
+        )
+
+    def wait_for_peers(self, count: int, timeout: float) -> int:
+        """Wait until `count` workers of this stage (this one included) are in the run."""
+        deadline = time.monotonic() + timeout
+        last_log = 0.0
+        while True:
+            self._refresh_members()
+            n = len(self.members(others_only=False))
+            if n >= count or time.monotonic() >= deadline:
+                return n
+            if time.monotonic() - last_log > 10:
+                logger.info("waiting for peers: %d of %d workers of stage %d are here", n, count, self.stage)
+                last_log = time.monotonic()
+            time.sleep(0.5)
+
+    def set_state(self, boundary: int, *, ready: bool, training: bool = True) -> None:
+        self.averager.set_state_boundary(boundary, ready)
+        self.heartbeat.update(boundary=boundary, state_ready=ready, training=training)
+
+    # ----- the Averager protocol ---------------------------------------------------------------------
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int, weight: float) -> Future[AveragingResult]:
+        future: Future[AveragingResult] = Future()
+        expected = 1 + len(self.members(training_only=True))
+        if expected <= 1:
+            future.set_result(AveragingResult(tensors=list(tensors), group_size=1, note=""))
+        else:
+            self._jobs.put((future, list(tensors), round, weight, expected))
+        return future
+
+    def _run_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, tensors, round, weight, expected = job
+            try:
+                future.set_result(self._average(tensors, round, weight, expected))
+            except Exception as e:  # never leave the outer loop hanging
+                logger.exception("all-reduce of round %d failed unexpectedly", round)
+                future.set_result(AveragingResult(tensors=tensors, group_size=1, note=f"internal error: {e!r}"))
+
+    def _average(self, tensors: list[torch.Tensor], round: int, weight: float, expected: int) -> AveragingResult:
+        with self.averager.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors):
+                buf.copy_(t)
+        self.averager.prepare_round(round, expected)
+        started = time.monotonic()
+        try:
+            out = self.averager.step(weight=weight, timeout=self.sw.round_wait + 5.0, allow_retries=True)
+        except Exception as e:
+            reason = f"no group formed for round {round} ({type(e).__name__}: {str(e)[:200]})"
+            return AveragingResult(tensors=tensors, group_size=1, note=reason)
+        if not out:
+            return AveragingResult(tensors=tensors, group_size=1, note=f"no group formed for round {round}")
+        with self.averager.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        stats = out["stats"]
+        if stats.coverage < 1.0:
+            logger.warning(
+                "round %d: reducers %s failed; %.1f%% of coordinates averaged, the rest not updated on any member",
+                round, ", ".join(stats.failed_reducers), 100 * stats.coverage,
+            )
+        logger.info(
+            "round %d averaged in a group of %d (expected %d) in %.2fs",
+            round, len(stats.group), expected, time.monotonic() - started,
+        )
+        return AveragingResult(
+            tensors=averaged,
+            group_size=len(stats.group),
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            coverage=stats.coverage,
+            peers=tuple(stats.group),
+        )
+
+    # ----- round records and repair -------------------------------------------------------------------
+    def publish_boundary(self, boundary: int, theta_hash: str, *, group_size: int, coverage: float) -> None:
+        """Publish the hash held at `boundary`, then check it against the others in the background."""
+        self.records.publish_round(boundary, theta_hash, group_size=group_size, coverage=coverage)
+        threading.Thread(
+            target=self._check_boundary, args=(boundary, theta_hash), name=f"check-{boundary}", daemon=True
+        ).start()
+
+    def _check_boundary(self, boundary: int, theta_hash: str) -> None:
+        deadline = time.monotonic() + self.sw.round_wait
+        expected = {m.peer_id for m in self.members(training_only=True)}
+        hashes: dict[str, str] = {}
+        while not self._closed.is_set():
+            try:
+                hashes = self.records.round_hashes(boundary)
+            except Exception as e:
+                logger.debug("round record lookup failed: %s", e)
+            if expected <= set(hashes) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        hashes[self.peer_id] = theta_hash
+        winner = majority_hash(hashes)
+        if winner is not None and winner != theta_hash:
+            holders = sorted(p for p, h in hashes.items() if h == winner)
+            logger.warning(
+                "theta_g at boundary %d differs from the majority (%d of %d workers hold %s, this one %s): "
+                "repairing at the next boundary",
+                boundary, len(holders), len(hashes), winner[:12], theta_hash[:12],
+            )
+            with self._lock:
+                self._repair = (boundary, winner, holders)
+
+    def take_repair(self) -> tuple[int, str, list[str]] | None:
+        with self._lock:
+            repair, self._repair = self._repair, None
+        return repair
+
+    def donors(self, boundary: int | None = None) -> list[Member]:
+        """Training members that hold (or will soon hold) `boundary`, most advanced first."""
+        members = [m for m in self.members(training_only=True) if boundary is None or m.record.boundary <= boundary]
+        return sorted(members, key=lambda m: (-m.record.boundary, not m.record.state_ready, m.record.joined_at))
+
+    def fetch_state(self, boundary: int, donors: Sequence[str]) -> StateDownload | None:
+        """Download the state at `boundary` from the first donor that has it; None if none did."""
+        for donor in donors:
+            result = self.averager.download_round(
+                donor, boundary, wait_s=self.sw.round_wait + self.sw.allreduce_timeout, timeout=self.sw.state_timeout
+            )
+            if result.status != swarm_pb2.STATE_OK:
+                logger.info("state of boundary %d not taken from %s: status %s %s",
+                            boundary, donor, result.status, result.reason)
+                continue
+            n = len(result.tensors)
+            received = state_hash(result.tensors[: n // 2 if not result.has_pending else n // 3])
+            if received != result.theta_hash:
+                logger.warning("state from %s does not match the hash it announced; ignoring it", donor)
+                continue
+            return result
+        return None
+

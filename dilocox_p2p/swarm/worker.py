@@ -1,0 +1,191 @@
+"""A stage worker that trains as part of a swarm (the round loop is the one in worker.py).
+
+Start: join the DHT, publish multiaddrs (lead), check admission, wait for `min_peers`,
+then, if the run has moved on, download the state of the swarm's current boundary from
+a live worker of the same stage (all local stages agree on the boundary first).
+Each boundary: repair from the majority if the last hash check said so, then publish the
+new hash and offer the state to joiners once it is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..outer import Averager, RoundOutcome, state_hash
+from ..worker import StageWorker
+from .averager import StateDownload
+from .stage import SwarmStage, majority_hash
+
+__all__ = ["SwarmStageWorker"]
+
+logger = logging.getLogger(__name__)
+
+JOIN_ATTEMPTS = 5
+
+
+class SwarmStageWorker(StageWorker):
+    swarm: SwarmStage
+
+    def make_averager(self) -> Averager:
+        """Start this stage's DHT node: stage 0 first, the others bootstrap from it (one DHT, no islands)."""
+        peer_name = f"{socket.gethostname()}:{self.run_dir.resolve().name}"
+
+        def start(extra_peers: list[str]) -> SwarmStage:
+            return SwarmStage(
+                self.cfg,
+                stage=self.stage,
+                tensors=self.trainer.params,
+                run_dir=self.run_dir,
+                peer_name=peer_name,
+                extra_peers=extra_peers,
+            )
+
+        if self.lead:
+            self.swarm = start([])
+        lead_maddrs = [self.swarm.maddrs() if self.lead else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(lead_maddrs, src=0, group=self.control_group)
+        if not self.lead:
+            self.swarm = start(lead_maddrs[0])
+        self.swarm.averager.set_state_provider(self._state_for_peers)
+        return self.swarm
+
+    # ----- collectives over this peer's stages -------------------------------------------------
+    def _all_gather(self, item: Any) -> list[Any]:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [item]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, item, group=self.control_group)
+        return out
+
+    # ----- start ----------------------------------------------------------------------------------
+    def on_start(self, start: int) -> int:
+        swarm = self.swarm
+        swarm.start()
+        self._announce(swarm.maddrs())
+        failures = self._all_gather(self._try(swarm.check_admission))
+        if any(failures):
+            raise next(f for f in failures if f)
+        if self.cfg.swarm.min_peers > 1:
+            n = swarm.wait_for_peers(self.cfg.swarm.min_peers, timeout=self.cfg.swarm.peer_wait)
+            counts = self._all_gather(n)
+            if self.lead:
+                logger.info("%d peers in the run (waited for %d)", min(counts), self.cfg.swarm.min_peers)
+        start = self._join(start)
+        self._publish(start)
+        return start
+
+    @staticmethod
+    def _try(fn: Any) -> Exception | None:
+        try:
+            fn()
+        except Exception as e:
+            return e
+        return None
+
+    def _announce(self, maddrs: list[str]) -> None:
+        everyone = self._all_gather(maddrs)
+        if not self.lead:
+            return
+        lines = [m for stage_maddrs in everyone for m in stage_maddrs]
+        (self.run_dir / "multiaddrs.txt").write_text("\n".join(lines) + "\n")
+        print(f"peer multiaddrs (also in {self.run_dir / 'multiaddrs.txt'}); others join with --initial-peers:", flush=True)
+        for m in everyone[0]:
+            print(f"  {m}", flush=True)
+
+    def _join(self, start: int) -> int:
+        """Download the swarm's current state if it is ahead of (or different from) ours."""
+        for attempt in range(JOIN_ATTEMPTS):
+            donors = self.swarm.donors()
+            local_target = max((m.record.boundary for m in donors), default=-1)
+            target = max(self._all_gather(local_target))
+            complete = all(self._all_gather(self.outer.missing_pending is None))
+            if target < 0 or (target <= start and complete and self._holds_majority(start)):
+                if not complete and self.lead:
+                    logger.warning("no live peer to fetch the average still in flight at the checkpoint; it is skipped")
+                return start
+            result = self.swarm.fetch_state(target, [m.peer_id for m in self.swarm.donors(target)])
+            if all(self._all_gather(result is not None)):
+                self._install(result)
+                if self.lead:
+                    logger.info("joined the run at round %d with the swarm's state", target)
+                return target
+            logger.info("state download for round %d incomplete (attempt %d); retrying", target, attempt + 1)
+            time.sleep(1.0)
+        if self.lead:
+            logger.warning("could not download the swarm's state; training on from round %d", start)
+        return start
+
+    def _holds_majority(self, boundary: int) -> bool:
+        if boundary == 0:
+            return True  # every peer initializes theta_g(0) from the run seed
+        hashes = self.swarm.records.round_hashes(boundary)
+        ours = self.outer.hash()
+        agree = majority_hash(hashes) in (None, ours)
+        return all(self._all_gather(agree))
+
+    def _install(self, download: StateDownload) -> None:
+        n = len(self.outer.theta_g)
+        tensors = download.tensors
+        pending = None
+        if download.has_pending:
+            pending = {"round": download.boundary - 1, "tensors": tensors[2 * n :], "group_size": download.pending_group_size}
+        self.outer.load_state_dict(
+            {"boundary": download.boundary, "theta_g": tensors[:n], "momentum": tensors[n : 2 * n], "pending": pending}
+        )
+        logger.info("installed the state of round %d from %s (hash %s)", download.boundary, download.donor, download.theta_hash[:12])
+
+    # ----- boundaries ---------------------------------------------------------------------------------
+    def on_boundary(self, boundary: int) -> bool:
+        repair = self.swarm.take_repair()
+        if repair is None:
+            return False
+        _, winner, holders = repair
+        self.swarm.set_state(boundary, ready=False)
+        result = self.swarm.fetch_state(boundary, holders)
+        if result is None:
+            logger.warning("repair at round %d failed: no holder of %s served its state", boundary, winner[:12])
+            return False
+        self._install(result)
+        return True
+
+    def after_boundary(self, boundary: int, theta_hash: str, outcome: RoundOutcome) -> None:
+        self.swarm.publish_boundary(boundary, theta_hash, group_size=outcome.group_size, coverage=outcome.coverage)
+        self._publish(boundary)
+
+    def _publish(self, boundary: int) -> None:
+        """Offer the state of `boundary` to joiners once it is complete (delayed: once the pending average is in)."""
+        future = self.outer.pending_future()
+        if future is None or future.done():
+            self.swarm.set_state(boundary, ready=True)
+            return
+        self.swarm.set_state(boundary, ready=False)
+
+        def ready(_: Any) -> None:
+            if self.outer.boundary == boundary:
+                self.swarm.set_state(boundary, ready=True)
+
+        future.add_done_callback(ready)
+
+    def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        boundary, tensors, pending_round, group_size = self.outer.snapshot()
+        n = len(self.outer.theta_g)
+        metadata = {
+            "boundary": boundary,
+            "theta_hash": state_hash(tensors[:n]),
+            "has_pending": pending_round is not None,
+            "pending_group_size": group_size,
+        }
+        if self.cfg.outer.mode == "delayed" and boundary > 0 and pending_round is None:
+            metadata["boundary"] = -1  # not complete yet: the pending average is still in flight
+        return metadata, tensors
+
+    def close(self) -> None:
+        self.swarm.close()
+

@@ -1,0 +1,135 @@
+"""Checkpoints: round trip, atomic writes, pruning, the newest round all stages share.
+
+Run: python -m pytest tests/unit/test_checkpoint.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilocox_p2p.checkpoint import latest_common_round, load_checkpoint, save_checkpoint
+from dilocox_p2p.errors import CheckpointError
+
+pytestmark = pytest.mark.unit
+
+
+def _state(value: float = 1.0) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "config_hash": "ab" * 32,
+        "outer": {
+            "theta_g": [torch.full((2, 3), value), torch.arange(4.0)],
+            "momentum": [torch.zeros(2, 3), torch.ones(4)],
+            "pending": {"round": 4, "tensors": [torch.ones(2, 3)], "group_size": 3},
+        },
+        "data": gen.get_state(),
+        "rng": torch.get_rng_state(),
+        "tokens": 123_456,
+    }
+
+
+def _files(run_dir, stage):
+    return sorted(p.name for p in (run_dir / "checkpoints" / f"stage{stage}").iterdir())
+
+
+def test_save_then_load_returns_the_same_state(tmp_path):
+    state = _state(2.5)
+    path = save_checkpoint(tmp_path, 1, 5, state)
+    assert path == tmp_path / "checkpoints" / "stage1" / "round000005.pt"
+    loaded = load_checkpoint(tmp_path, 1, 5)
+    assert loaded["round"] == 5 and loaded["stage"] == 1
+    assert loaded["tokens"] == 123_456
+    assert loaded["config_hash"] == state["config_hash"]
+    for a, b in zip(loaded["outer"]["theta_g"], state["outer"]["theta_g"]):
+        assert torch.equal(a, b)
+    assert loaded["outer"]["pending"]["round"] == 4
+    assert torch.equal(loaded["outer"]["pending"]["tensors"][0], torch.ones(2, 3))
+    assert torch.equal(loaded["data"], state["data"])
+    assert torch.equal(loaded["rng"], state["rng"])
+
+
+def test_a_loaded_generator_state_resumes_the_same_random_stream(tmp_path):
+    gen = torch.Generator().manual_seed(11)
+    torch.randint(0, 100, (5,), generator=gen)
+    save_checkpoint(tmp_path, 0, 1, {"data": gen.get_state()})
+    expected = torch.randint(0, 100, (5,), generator=gen)
+    resumed = torch.Generator().manual_seed(0)
+    resumed.set_state(load_checkpoint(tmp_path, 0, 1)["data"])
+    assert torch.equal(torch.randint(0, 100, (5,), generator=resumed), expected)
+
+
+def test_saving_leaves_no_temp_files_and_keeps_only_the_newest(tmp_path):
+    for round in range(5):
+        save_checkpoint(tmp_path, 0, round, _state(float(round)), keep=2)
+    assert _files(tmp_path, 0) == ["round000003.pt", "round000004.pt"]
+    assert load_checkpoint(tmp_path, 0, 4)["outer"]["theta_g"][0][0, 0].item() == 4.0
+
+
+def test_keep_three_keeps_three(tmp_path):
+    for round in (0, 2, 4, 6, 8):
+        save_checkpoint(tmp_path, 0, round, {}, keep=3)
+    assert _files(tmp_path, 0) == ["round000004.pt", "round000006.pt", "round000008.pt"]
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_of_that_round_intact(tmp_path):
+    save_checkpoint(tmp_path, 0, 3, _state(7.0))
+    with pytest.raises(Exception):
+        save_checkpoint(tmp_path, 0, 3, {"unpicklable": lambda: None})
+    loaded = load_checkpoint(tmp_path, 0, 3)
+    assert loaded["outer"]["theta_g"][0][0, 0].item() == 7.0
+
+
+def test_latest_common_round_is_the_newest_round_every_stage_has(tmp_path):
+    for round in (2, 3):
+        save_checkpoint(tmp_path, 0, round, {}, keep=5)
+    save_checkpoint(tmp_path, 1, 2, {}, keep=5)
+    assert latest_common_round(tmp_path, 2) == 2
+    assert latest_common_round(tmp_path, 1) == 3
+
+
+def test_latest_common_round_is_none_without_checkpoints(tmp_path):
+    assert latest_common_round(tmp_path, 2) is None
+    assert latest_common_round(tmp_path / "never-created", 1) is None
+
+
+def test_latest_common_round_is_none_when_one_stage_has_none(tmp_path):
+    save_checkpoint(tmp_path, 0, 4, {})
+    assert latest_common_round(tmp_path, 2) is None
+
+
+def test_latest_common_round_ignores_temp_and_foreign_files(tmp_path):
+    save_checkpoint(tmp_path, 0, 1, {})
+    folder = tmp_path / "checkpoints" / "stage0"
+    (folder / ".round000009.pt.tmp").write_bytes(b"half")
+    (folder / "round9.pt").write_bytes(b"x")
+    (folder / "notes.txt").write_text("hi")
+    assert latest_common_round(tmp_path, 1) == 1
+
+
+def test_a_corrupt_file_is_a_checkpoint_error_naming_it(tmp_path):
+    path = save_checkpoint(tmp_path, 0, 3, _state())
+    path.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(tmp_path, 0, 3)
+
+
+def test_a_truncated_file_is_a_checkpoint_error_naming_it(tmp_path):
+    path = save_checkpoint(tmp_path, 0, 3, _state())
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(tmp_path, 0, 3)
+
+
+def test_a_missing_checkpoint_is_a_checkpoint_error_naming_it(tmp_path):
+    with pytest.raises(CheckpointError, match=r"stage0/round000007\.pt is missing"):
+        load_checkpoint(tmp_path, 0, 7)
+
+
+def test_another_stages_checkpoint_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path, 0, 3, _state())
+    foreign = tmp_path / "checkpoints" / "stage1" / path.name
+    foreign.parent.mkdir(parents=True)
+    foreign.write_bytes(path.read_bytes())
+    with pytest.raises(CheckpointError, match=r"not a stage-1 checkpoint"):
+        load_checkpoint(tmp_path, 1, 3)

@@ -1,0 +1,190 @@
+"""CLI: `config show`, flags over files, one-line errors with exit code 2, a subprocess smoke test.
+
+Most tests call `dilocox_p2p.cli.__main__.main(argv)` in-process; the last two run
+`python -m dilocox_p2p.cli` as a real subprocess.
+
+Run: python -m pytest tests/unit/test_cli.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from dilocox_p2p import __version__
+from dilocox_p2p.cli.__main__ import main
+from dilocox_p2p.config import config_hash, load_config
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """main() calls init_logging(), which rebinds the root logger to this test's stderr."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _run(argv: list[str]) -> int:
+    """main(argv)'s exit code, whether it returns it or argparse raises SystemExit."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return 0 if e.code is None else int(e.code) if isinstance(e.code, int) else 1
+
+
+def _show(capsys, *argv: str):
+    code = _run(["config", "show", *argv])
+    out = capsys.readouterr().out
+    assert code == 0
+    return out
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    code = _run(argv)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2, captured.err
+    assert "Traceback" not in captured.err
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+# ----- config show -----------------------------------------------------------------------
+
+
+def test_config_show_prints_toml_that_load_config_accepts_and_its_hash(capsys, tmp_path):
+    out = _show(capsys)
+    first = out.splitlines()[0]
+    match = re.fullmatch(r"# config hash ([0-9a-f]{64}) .*", first)
+    assert match, first
+    path = tmp_path / "shown.toml"
+    path.write_text(out)
+    cfg = load_config(path)
+    assert config_hash(cfg) == match.group(1)
+    assert cfg == load_config()
+
+
+def test_config_show_applies_flags(capsys, tmp_path):
+    out = _show(capsys, "--preset", "small", "--stages", "4", "--inner-lr", "3e-4", "--mode", "sync",
+                "--data", "a.txt", "b/", "--set", "inner.warmup_steps=7")
+    cfg = tomllib.loads(out)
+    assert cfg["model"]["preset"] == "small"
+    assert cfg["model"]["stages"] == 4
+    assert cfg["inner"]["lr"] == pytest.approx(3e-4)
+    assert cfg["inner"]["warmup_steps"] == 7
+    assert cfg["outer"]["mode"] == "sync"
+    assert cfg["data"]["paths"] == ["a.txt", "b/"]
+
+
+def test_flags_override_the_config_file_and_the_file_overrides_defaults(capsys, tmp_path):
+    path = tmp_path / "peer.toml"
+    path.write_text('[inner]\nsteps = 7\nbatch_size = 8\n[model]\nstages = 1\n[run]\nrun_id = "fromfile"\n')
+    cfg = tomllib.loads(_show(capsys, "--config", str(path), "--inner-steps", "9", "--set", "run.run_id=fromflag"))
+    assert cfg["inner"]["steps"] == 9
+    assert cfg["inner"]["batch_size"] == 8
+    assert cfg["model"]["stages"] == 1
+    assert cfg["run"]["run_id"] == "fromflag"
+
+
+def test_a_named_flag_wins_over_set_for_the_same_field(capsys):
+    cfg = tomllib.loads(_show(capsys, "--set", "inner.steps=3", "--inner-steps", "4"))
+    assert cfg["inner"]["steps"] == 4
+
+
+# ----- user errors: one line on stderr, exit code 2 --------------------------------------
+
+
+def test_a_missing_config_file_is_one_line_naming_it(capsys, tmp_path):
+    missing = tmp_path / "missing.toml"
+    line = _one_line_error(capsys, ["config", "show", "--config", str(missing)])
+    assert str(missing) in line and "does not exist" in line
+
+
+def test_invalid_toml_is_one_line_naming_the_file(capsys, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[inner\nsteps = = 3\n")
+    line = _one_line_error(capsys, ["config", "show", "--config", str(path)])
+    assert str(path) in line and "not valid TOML" in line
+
+
+def test_an_unknown_preset_is_one_line_listing_the_presets(capsys):
+    line = _one_line_error(capsys, ["config", "show", "--preset", "huge"])
+    assert "model.preset" in line and "'huge'" in line and "tiny" in line
+
+
+def test_more_stages_than_layers_is_one_line_naming_the_layer_count(capsys):
+    line = _one_line_error(capsys, ["config", "show", "--preset", "tiny", "--stages", "9"])
+    assert "model.stages = 9" in line and "only 4 layers" in line
+
+
+def test_negative_inner_steps_is_one_line(capsys):
+    line = _one_line_error(capsys, ["config", "show", "--inner-steps", "-5"])
+    assert "inner.steps = -5" in line
+
+
+def test_an_unknown_flag_is_one_line(capsys):
+    line = _one_line_error(capsys, ["config", "show", "--no-such-flag"])
+    assert "--no-such-flag" in line
+
+
+def test_a_non_integer_for_an_integer_flag_is_one_line(capsys):
+    line = _one_line_error(capsys, ["config", "show", "--stages", "two"])
+    assert "--stages" in line and "'two'" in line
+
+
+def test_set_with_an_unknown_section_is_one_line(capsys):
+    line = _one_line_error(capsys, ["config", "show", "--set", "nosuchsection.x=1"])
+    assert "nosuchsection" in line
+
+
+def test_set_with_an_unknown_key_is_one_line(capsys):
+    line = _one_line_error(capsys, ["config", "show", "--set", "inner.nosuchkey=1"])
+    assert "inner.nosuchkey" in line
+
+
+def test_set_without_a_value_is_one_line(capsys):
+    line = _one_line_error(capsys, ["config", "show", "--set", "inner.steps"])
+    assert "section.key=value" in line
+
+
+def test_no_command_is_one_line(capsys):
+    line = _one_line_error(capsys, [])
+    assert "COMMAND" in line or "required" in line
+
+
+def test_version_prints_the_package_version(capsys):
+    assert _run(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dilocox-p2p {__version__}"
+
+
+# ----- real subprocess -------------------------------------------------------------------
+
+
+def test_python_dash_m_config_show_runs_as_a_subprocess(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dilocox_p2p.cli", "config", "show", "--preset", "small"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    cfg = tomllib.loads(proc.stdout)
+    assert cfg["model"]["preset"] == "small"
+
+
+def test_python_dash_m_version_runs_as_a_subprocess(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dilocox_p2p.cli", "--version"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"dilocox-p2p {__version__}"

@@ -1,0 +1,334 @@
+"""Outer loop: Nesterov math, pseudo-gradients, and when each round's average is applied.
+
+The order of launches and waits is checked with tests/helpers/recording_averager.py, an
+in-memory Averager whose "average" of round r is a known multiple of round r's delta.
+
+Run: python -m pytest tests/unit/test_outer.py -q
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from dilocox_p2p.config import OuterConfig
+from dilocox_p2p.outer import LocalAverager, OuterLoop, OuterNesterov, pseudo_gradient, state_hash
+from tests.helpers.recording_averager import RecordingAverager
+
+pytestmark = pytest.mark.unit
+
+LR, MU = 0.7, 0.9
+
+
+# ----- Nesterov --------------------------------------------------------------------------
+
+
+def test_nesterov_matches_hand_computed_numbers():
+    theta = torch.tensor([1.0], dtype=torch.float64)
+    opt = OuterNesterov([theta], lr=0.7, momentum=0.9)
+    # step 1: buf = 0.5; theta = 1.0 - 0.7 * (0.5 + 0.9 * 0.5) = 1.0 - 0.665 = 0.335
+    opt.step([torch.tensor([0.5], dtype=torch.float64)])
+    assert theta.item() == pytest.approx(0.335, abs=1e-12)
+    assert opt.buffers[0].item() == pytest.approx(0.5, abs=1e-12)
+    # step 2, delta -0.2: buf = 0.9 * 0.5 - 0.2 = 0.25
+    #   theta = 0.335 - 0.7 * (-0.2 + 0.9 * 0.25) = 0.335 - 0.7 * 0.025 = 0.3175
+    opt.step([torch.tensor([-0.2], dtype=torch.float64)])
+    assert opt.buffers[0].item() == pytest.approx(0.25, abs=1e-12)
+    assert theta.item() == pytest.approx(0.3175, abs=1e-12)
+    # step 3, delta 0.5 again: buf = 0.9 * 0.25 + 0.5 = 0.725
+    #   theta = 0.3175 - 0.7 * (0.5 + 0.9 * 0.725) = 0.3175 - 0.7 * 1.1525 = -0.48925
+    opt.step([torch.tensor([0.5], dtype=torch.float64)])
+    assert theta.item() == pytest.approx(-0.48925, abs=1e-12)
+
+
+def test_nesterov_matches_torch_sgd_with_nesterov_momentum():
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 2, 2)]
+    ours = [torch.randn(s, generator=gen) for s in shapes]
+    theirs = [torch.nn.Parameter(t.clone()) for t in ours]
+    opt = OuterNesterov(ours, lr=LR, momentum=MU)
+    sgd = torch.optim.SGD(theirs, lr=LR, momentum=MU, nesterov=True)
+    for _ in range(6):
+        deltas = [torch.randn(s, generator=gen) for s in shapes]
+        opt.step(deltas)
+        for p, d in zip(theirs, deltas):
+            p.grad = d.clone()
+        sgd.step()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
+
+
+def test_nesterov_updates_theta_g_in_place():
+    theta = torch.ones(3)
+    opt = OuterNesterov([theta], lr=LR, momentum=MU)
+    opt.step([torch.full((3,), 0.5)])
+    assert opt.theta_g[0] is theta
+    assert torch.allclose(theta, torch.full((3,), 0.335))
+
+
+# ----- pseudo-gradient and hashes --------------------------------------------------------
+
+
+def test_pseudo_gradient_is_theta_g_minus_the_local_params_in_fp32_on_cpu():
+    theta_g = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
+    params = [torch.nn.Parameter(torch.tensor([0.25, 2.5])), torch.nn.Parameter(torch.tensor([[1.0]], dtype=torch.bfloat16))]
+    delta = pseudo_gradient(theta_g, params)
+    assert torch.equal(delta[0], torch.tensor([0.75, -0.5]))
+    assert torch.equal(delta[1], torch.tensor([[2.0]]))
+    assert all(d.dtype == torch.float32 and d.device.type == "cpu" and not d.requires_grad for d in delta)
+
+
+def test_state_hash_is_equal_for_equal_tensors_and_differs_otherwise():
+    a = [torch.arange(6.0).reshape(2, 3), torch.ones(4)]
+    same = [t.clone() for t in a]
+    changed = [a[0].clone(), torch.ones(4)]
+    changed[1][2] = 1.0 + 2**-20
+    assert state_hash(a) == state_hash(same)
+    assert state_hash(a) != state_hash(changed)
+    assert state_hash(a) != state_hash(list(reversed(a)))
+
+
+def test_local_averager_returns_the_input_over_a_group_of_one():
+    tensors = [torch.tensor([1.0, -2.0]), torch.zeros(3)]
+    future = LocalAverager().all_reduce(tensors, round=4, weight=10.0)
+    assert future.done()
+    result = future.result()
+    assert result.group_size == 1
+    assert len(result.tensors) == 2
+    assert all(torch.equal(r, t) for r, t in zip(result.tensors, tensors))
+
+
+# ----- rounds ----------------------------------------------------------------------------
+
+# Per-round local deltas (what inner training moved each of the two tensors by).
+DELTAS = [
+    [[0.5, -0.25, 0.125], [[0.5, 0.0], [-1.0, 0.25]]],
+    [[-0.2, 0.1, 0.3], [[0.05, -0.5], [0.75, 0.0]]],
+    [[0.4, 0.4, -0.1], [[-0.3, 0.2], [0.1, 0.6]]],
+    [[0.0, -0.6, 0.2], [[0.25, 0.25], [-0.5, -0.125]]],
+]
+THETA0 = [[1.0, 2.0, -1.0], [[0.5, -0.5], [1.5, 0.0]]]
+
+
+def _flat(nested):
+    if isinstance(nested, (list, tuple)):
+        return [x for item in nested for x in _flat(item)]
+    return [float(nested)]
+
+
+class HandNesterov:
+    """Element-wise Nesterov on Python floats (float64): the reference for OuterLoop."""
+
+    def __init__(self, theta, lr, mu):
+        self.theta, self.buf, self.lr, self.mu = list(theta), [0.0] * len(theta), lr, mu
+
+    def step(self, delta):
+        for i, d in enumerate(delta):
+            self.buf[i] = self.mu * self.buf[i] + d
+            self.theta[i] -= self.lr * (d + self.mu * self.buf[i])
+
+
+def _make_loop(mode, averager, *, lr=LR):
+    params = [torch.nn.Parameter(torch.tensor(t)) for t in THETA0]
+    return OuterLoop(params, OuterConfig(mode=mode, lr=lr, momentum=MU), averager)
+
+
+def _train_inner(loop, t):
+    """Stand-in for H inner steps: theta_local <- theta_g, then move by -DELTAS[t]."""
+    loop.load_into_model()
+    with torch.no_grad():
+        for p, d in zip(loop.params, DELTAS[t]):
+            p.sub_(torch.tensor(d))
+
+
+def _theta(loop):
+    return [x for t in loop.theta_g for x in t.flatten().tolist()]
+
+
+def test_sync_mode_applies_the_average_of_round_t_at_the_end_of_round_t():
+    averager = RecordingAverager(scale=0.5, group_size=3)
+    loop = _make_loop("sync", averager)
+    hand = HandNesterov(_flat(THETA0), LR, MU)
+    for t in range(len(DELTAS)):
+        _train_inner(loop, t)
+        outcome = loop.end_round(t, weight=2.0)
+        hand.step([0.5 * d for d in _flat(DELTAS[t])])
+        assert outcome.applied_round == t
+        assert outcome.group_size == 3
+        assert _theta(loop) == pytest.approx(hand.theta, abs=1e-6)
+    assert averager.events == [e for t in range(4) for e in (("launch", t), ("wait", t), ("resolve", t))]
+    assert loop.drain() is None
+
+
+def test_each_round_launches_one_all_reduce_of_its_pseudo_gradient_with_its_weight():
+    averager = RecordingAverager()
+    loop = _make_loop("delayed", averager)
+    for t in range(3):
+        _train_inner(loop, t)
+        loop.end_round(t, weight=100.0 + t)
+    assert [(c.round, c.weight) for c in averager.calls] == [(0, 100.0), (1, 101.0), (2, 102.0)]
+    for call, deltas in zip(averager.calls, DELTAS):
+        assert _flat([c.tolist() for c in call.tensors]) == pytest.approx(_flat(deltas), abs=1e-6)
+
+
+def test_delayed_mode_applies_nothing_at_the_end_of_round_0():
+    averager = RecordingAverager()
+    loop = _make_loop("delayed", averager)
+    before = [t.clone() for t in loop.theta_g]
+    _train_inner(loop, 0)
+    outcome = loop.end_round(0, weight=1.0)
+    assert outcome.applied_round is None
+    assert all(torch.equal(a, b) for a, b in zip(loop.theta_g, before))
+    assert averager.events == [("launch", 0)]
+
+
+def test_delayed_mode_applies_round_t_minus_1_average_at_end_of_round_t_and_drain_applies_the_last():
+    averager = RecordingAverager(scale=0.5)
+    loop = _make_loop("delayed", averager)
+    hand = HandNesterov(_flat(THETA0), LR, MU)
+    for t in range(len(DELTAS)):
+        _train_inner(loop, t)
+        outcome = loop.end_round(t, weight=1.0)
+        if t == 0:
+            assert outcome.applied_round is None
+        else:
+            hand.step([0.5 * d for d in _flat(DELTAS[t - 1])])
+            assert outcome.applied_round == t - 1
+        assert _theta(loop) == pytest.approx(hand.theta, abs=1e-6)
+    last = loop.drain()
+    hand.step([0.5 * d for d in _flat(DELTAS[-1])])
+    assert last is not None and last.applied_round == len(DELTAS) - 1
+    assert _theta(loop) == pytest.approx(hand.theta, abs=1e-6)
+    assert loop.drain() is None
+
+
+def test_delayed_mode_launches_round_t_before_waiting_for_round_t_minus_1():
+    averager = RecordingAverager()
+    loop = _make_loop("delayed", averager)
+    for t in range(3):
+        _train_inner(loop, t)
+        loop.end_round(t, weight=1.0)
+    loop.drain()
+    assert averager.events == [
+        ("launch", 0),
+        ("launch", 1), ("wait", 0), ("resolve", 0),
+        ("launch", 2), ("wait", 1), ("resolve", 1),
+        ("wait", 2), ("resolve", 2),
+    ]  # fmt: skip
+
+
+def test_delayed_and_sync_differ_only_by_the_one_round_shift():
+    # With the same per-round deltas, delayed after drain applied the same averages as sync,
+    # one round later each; the final theta_g is the same.
+    sync, delayed = _make_loop("sync", RecordingAverager()), _make_loop("delayed", RecordingAverager())
+    for t in range(len(DELTAS)):
+        for loop in (sync, delayed):
+            _train_inner(loop, t)
+            loop.end_round(t, weight=1.0)
+    delayed.drain()
+    assert _theta(delayed) == pytest.approx(_theta(sync), abs=1e-6)
+
+
+def test_load_into_model_copies_theta_g_into_the_params():
+    loop = _make_loop("sync", RecordingAverager())
+    _train_inner(loop, 0)
+    loop.end_round(0, weight=1.0)
+    loop.load_into_model()
+    for p, g in zip(loop.params, loop.theta_g):
+        assert torch.equal(p.detach(), g)
+        assert p.data_ptr() != g.data_ptr()
+
+
+def test_the_default_outer_lr_follows_the_mode():
+    sync = OuterLoop([torch.zeros(1)], OuterConfig(mode="sync"), RecordingAverager())
+    delayed = OuterLoop([torch.zeros(1)], OuterConfig(mode="delayed"), RecordingAverager())
+    assert sync.optimizer.lr == 0.7
+    assert delayed.optimizer.lr == 0.1
+
+
+# ----- state -----------------------------------------------------------------------------
+
+
+def _through_disk(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_state_dict_round_trips_theta_g_momentum_and_the_pending_average():
+    original = _make_loop("delayed", RecordingAverager(resolve="at_launch"))
+    for t in range(2):
+        _train_inner(original, t)
+        original.end_round(t, weight=1.0)
+    state = _through_disk(original.state_dict())
+    assert state["pending"] is not None and state["pending"]["round"] == 1
+
+    restored = OuterLoop([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))],
+                         OuterConfig(mode="delayed", lr=LR, momentum=MU), RecordingAverager(resolve="at_launch"))
+    restored.load_state_dict(state)
+    assert restored.hash() == original.hash()
+    assert all(torch.equal(a, b) for a, b in zip(restored.optimizer.buffers, original.optimizer.buffers))
+
+    for loop in (original, restored):
+        _train_inner(loop, 2)
+        outcome = loop.end_round(2, weight=1.0)
+        assert outcome.applied_round == 1
+    assert restored.hash() == original.hash()
+    assert restored.drain().applied_round == 2
+    original.drain()
+    assert restored.hash() == original.hash()
+
+
+def test_state_dict_without_a_pending_average_round_trips():
+    original = _make_loop("sync", RecordingAverager())
+    _train_inner(original, 0)
+    original.end_round(0, weight=1.0)
+    state = _through_disk(original.state_dict())
+    assert state["pending"] is None
+    restored = _make_loop("sync", RecordingAverager())
+    restored.load_state_dict(state)
+    assert restored.hash() == original.hash()
+    assert restored.pending is None
+
+
+def test_a_checkpoint_taken_while_an_average_is_in_flight_names_the_round_it_lacks():
+    # At a round boundary in delayed mode, round t's all-reduce is still running when the
+    # worker checkpoints (waiting for it would stall training for the whole all-reduce).
+    # The checkpoint must not pretend it has that average: it records which round is
+    # missing, so a resumed swarm worker downloads the stage group's state instead of
+    # silently skipping round t's average.
+    original = _make_loop("delayed", RecordingAverager(resolve="on_wait"))
+    for t in range(2):
+        _train_inner(original, t)
+        original.end_round(t, weight=1.0)
+    state = _through_disk(original.state_dict())
+    assert state["pending"] is None
+    assert state["pending_missing"] == 1
+    restored = _make_loop("delayed", RecordingAverager(resolve="on_wait"))
+    restored.load_state_dict(state)
+    assert restored.missing_pending == 1
+    assert restored.hash() == original.hash()
+
+
+def test_a_checkpoint_taken_after_the_average_arrived_carries_it():
+    original = _make_loop("delayed", RecordingAverager(resolve="at_launch"))
+    for t in range(2):
+        _train_inner(original, t)
+        original.end_round(t, weight=1.0)
+    state = _through_disk(original.state_dict())
+    assert state["pending_missing"] is None
+    restored = _make_loop("delayed", RecordingAverager(resolve="at_launch"))
+    restored.load_state_dict(state)
+    assert restored.missing_pending is None
+    for loop in (original, restored):
+        _train_inner(loop, 2)
+        assert loop.end_round(2, weight=1.0).applied_round == 1
+    assert restored.hash() == original.hash()
+
+
+def test_loop_hash_is_the_state_hash_of_theta_g():
+    loop = _make_loop("sync", RecordingAverager())
+    assert loop.hash() == state_hash([torch.tensor(t) for t in THETA0])
