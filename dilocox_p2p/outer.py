@@ -58,6 +58,10 @@ class AveragingResult:
     peers: tuple[str, ...] = ()
     note: str = ""
     """Why the group is smaller than hoped (e.g. no partner found), for the log."""
+    window: tuple[float, float] | None = None
+    """Wall-clock (unix) start and end of the network exchange, when there was one."""
+    fallback: bool = False
+    """Other workers were expected but no group formed: this is the local delta alone."""
 
 
 class Averager(Protocol):
@@ -124,12 +128,14 @@ class RoundOutcome:
     """What the outer step at the end of a round did."""
 
     applied_round: int | None  # whose average was applied (t in sync, t-1 in delayed, None at round 0)
-    group_size: int = 1
+    group_size: int | None = None  # None when nothing was applied
     seconds_wait: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
     coverage: float = 1.0
     peers: tuple[str, ...] = ()
+    allreduce_window: tuple[float, float] | None = None  # unix start/end of the applied all-reduce
+    fallback: bool = False  # the applied "average" is the local delta because no group formed
 
 
 @dataclass
@@ -192,6 +198,8 @@ class OuterLoop:
             bytes_received=result.bytes_received,
             coverage=result.coverage,
             peers=result.peers,
+            allreduce_window=result.window,
+            fallback=result.fallback,
         )
 
     def hash(self) -> str:
@@ -232,15 +240,18 @@ class OuterLoop:
     def pending_future(self) -> Future[AveragingResult] | None:
         return self.pending.future if self.pending is not None else None
 
-    def snapshot(self) -> tuple[int, list[torch.Tensor], int | None, int]:
+    def snapshot(self) -> tuple[int, list[torch.Tensor], int | None, int] | None:
         """A consistent copy of what a joiner needs to continue exactly as this worker will.
 
-        Returns (boundary, theta_g + momentum [+ the pending average if known],
-        pending round or None, pending group size).
+        Returns (boundary, theta_g + momentum [+ the pending average], pending round or
+        None, pending group size), or None while the pending average is still in flight
+        (or was lost with a checkpoint) and the state is therefore incomplete.
         """
         with self.lock:
+            if self.missing_pending is not None or (self.pending is not None and not self.pending.future.done()):
+                return None
             tensors = [t.clone() for t in (*self.theta_g, *self.optimizer.buffers)]
-            if self.pending is None or not self.pending.future.done():
+            if self.pending is None:
                 return self.boundary, tensors, None, 0
             result = self.pending.future.result()
             return self.boundary, tensors + [t.clone() for t in result.tensors], self.pending.round, result.group_size

@@ -77,12 +77,15 @@ class StageWorker:
         """Before the first round: join others; return the round to start from."""
         return start
 
-    def on_boundary(self, boundary: int) -> bool:
+    def on_boundary(self, boundary: int, outcome: RoundOutcome) -> bool:
         """After the outer step, before evaluation: return True if the state was replaced."""
         return False
 
     def after_boundary(self, boundary: int, theta_hash: str, outcome: RoundOutcome) -> None:
         """After the boundary's hash is known (publish it)."""
+
+    def on_finish(self, boundary: int) -> None:
+        """After the last round, before leaving."""
 
     def close(self) -> None:
         self.averager.close()
@@ -171,6 +174,7 @@ class StageWorker:
                     progress.round_done(record)
                 if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds:
                     self.save(t + 1)
+            self.on_finish(cfg.run.rounds)
         except StopRequested:
             done = latest_common_round(self.run_dir, cfg.model.stages)
             if self.lead:
@@ -209,16 +213,17 @@ class StageWorker:
 
     def run_round(self, t: int, progress: Progress | None) -> dict[str, Any] | None:
         cfg = self.cfg
-        started = time.perf_counter()
+        started, compute_start = time.perf_counter(), time.time()
         losses = self._train_inner(t, progress)
         seconds_compute = time.perf_counter() - started
+        compute_window = (compute_start, time.time())
         round_tokens = cfg.inner.steps * cfg.inner.batch_size * cfg.model.shape.seq_len
         self.tokens += round_tokens
         outcome = self.outer.end_round(t, weight=float(round_tokens))
         if t + 1 == cfg.run.rounds:  # the run ends: apply what is still pending
             outcome = _merge(outcome, self.outer.drain())
         seconds_round = time.perf_counter() - started
-        repaired = self.on_boundary(t + 1)
+        repaired = self.on_boundary(t + 1, outcome)
         self.outer.load_into_model()
         val_loss = self.trainer.evaluate(self.val)
         theta_hash = self.outer.hash()
@@ -231,6 +236,7 @@ class StageWorker:
             "outcome": outcome,
             "seconds_compute": seconds_compute,
             "seconds_round": seconds_round,
+            "compute_window": compute_window,
         }
         gathered = self._gather(facts)
         return self._make_record(t, gathered) if self.lead else None
@@ -252,9 +258,11 @@ class StageWorker:
             "bytes_received": sum(o.bytes_received for o in outcomes),
             "params": self.n_params_peer,
             "stage_hashes": [s["hash"] for s in stages],
-            "group_size": min(o.group_size for o in outcomes),
+            "group_size": min((o.group_size for o in outcomes if o.group_size is not None), default=None),
             "group_sizes": [o.group_size for o in outcomes],
             "applied_round": outcomes[0].applied_round,
+            "compute_windows": [s["compute_window"] for s in stages],
+            "allreduce_windows": [o.allreduce_window for o in outcomes],
             "coverage": min(o.coverage for o in outcomes),
             "repaired_stages": [i for i, s in enumerate(stages) if s["repaired"]],
             "mode": self.cfg.outer.mode,
@@ -265,14 +273,16 @@ class StageWorker:
 def _merge(first: RoundOutcome, second: RoundOutcome | None) -> RoundOutcome:
     if second is None:
         return first
+    sizes = [o.group_size for o in (first, second) if o.group_size is not None]
     return RoundOutcome(
         applied_round=second.applied_round,
-        group_size=min(first.group_size, second.group_size) if first.applied_round is not None else second.group_size,
+        group_size=min(sizes) if sizes else None,
         seconds_wait=first.seconds_wait + second.seconds_wait,
         bytes_sent=first.bytes_sent + second.bytes_sent,
         bytes_received=first.bytes_received + second.bytes_received,
         coverage=min(first.coverage, second.coverage),
         peers=second.peers,
+        allreduce_window=second.allreduce_window,
     )
 
 

@@ -317,7 +317,8 @@ class DilocoxAverager(DecentralizedAverager):
                 yield swarm_pb2.StateChunk(header=header)
                 return
             if boundary == request.boundary and ready:
-                metadata, tensors, _ = await self._get_current_state_from_host_process()
+                blob, tensors, _ = await self._get_current_state_from_host_process()
+                metadata = self.serializer.loads(blob)
                 if metadata.get("boundary") == request.boundary:
                     break
             if time.monotonic() >= deadline:

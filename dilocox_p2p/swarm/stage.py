@@ -100,7 +100,7 @@ class SwarmStage:
             start=True,
             min_group_size=self.sw.min_group_size,
             min_matchmaking_time=self.sw.round_wait,
-            request_timeout=min(3.0, self.sw.round_wait / 3),
+            request_timeout=min(5.0, self.sw.round_wait / 2),
             allreduce_timeout=self.sw.allreduce_timeout,
             next_chunk_timeout=self.sw.chunk_timeout,
             allow_state_sharing=False,  # hivemind's own state sharing; ours is rpc_download_round
@@ -225,11 +225,10 @@ class SwarmStage:
     # ----- the Averager protocol ---------------------------------------------------------------------
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int, weight: float) -> Future[AveragingResult]:
         future: Future[AveragingResult] = Future()
-        expected = 1 + len(self.members(training_only=True))
-        if expected <= 1:
-            future.set_result(AveragingResult(tensors=list(tensors), group_size=1, note=""))
+        if not self.members():  # nobody else in the run: the average of one, at once (and deterministic)
+            future.set_result(AveragingResult(tensors=list(tensors), group_size=1))
         else:
-            self._jobs.put((future, list(tensors), round, weight, expected))
+            self._jobs.put((future, list(tensors), round, weight))
         return future
 
     def _run_jobs(self) -> None:
@@ -237,26 +236,34 @@ class SwarmStage:
             job = self._jobs.get()
             if job is None:
                 return
-            future, tensors, round, weight, expected = job
+            future, tensors, round, weight = job
             try:
-                future.set_result(self._average(tensors, round, weight, expected))
+                self._refresh_members()
+                expected = 1 + len(self.members(training_only=True))
+                if expected <= 1:
+                    result = AveragingResult(tensors=tensors, group_size=1)
+                else:
+                    result = self._average(tensors, round, weight, expected)
+                future.set_result(result)
             except Exception as e:  # never leave the outer loop hanging
                 logger.exception("all-reduce of round %d failed unexpectedly", round)
-                future.set_result(AveragingResult(tensors=tensors, group_size=1, note=f"internal error: {e!r}"))
+                future.set_result(
+                    AveragingResult(tensors=tensors, group_size=1, note=f"internal error: {e!r}", fallback=True)
+                )
 
     def _average(self, tensors: list[torch.Tensor], round: int, weight: float, expected: int) -> AveragingResult:
         with self.averager.get_tensors() as buffers:
             for buf, t in zip(buffers, tensors):
                 buf.copy_(t)
         self.averager.prepare_round(round, expected)
-        started = time.monotonic()
+        started, window_start = time.monotonic(), time.time()
         try:
             out = self.averager.step(weight=weight, timeout=self.sw.round_wait + 5.0, allow_retries=True)
         except Exception as e:
             reason = f"no group formed for round {round} ({type(e).__name__}: {str(e)[:200]})"
-            return AveragingResult(tensors=tensors, group_size=1, note=reason)
+            return AveragingResult(tensors=tensors, group_size=1, note=reason, fallback=True)
         if not out:
-            return AveragingResult(tensors=tensors, group_size=1, note=f"no group formed for round {round}")
+            return AveragingResult(tensors=tensors, group_size=1, note=f"no group formed for round {round}", fallback=True)
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
         stats = out["stats"]
@@ -276,6 +283,7 @@ class SwarmStage:
             bytes_received=stats.bytes_received,
             coverage=stats.coverage,
             peers=tuple(stats.group),
+            window=(window_start, time.time()),
         )
 
     # ----- round records and repair -------------------------------------------------------------------
@@ -286,19 +294,26 @@ class SwarmStage:
             target=self._check_boundary, args=(boundary, theta_hash), name=f"check-{boundary}", daemon=True
         ).start()
 
-    def _check_boundary(self, boundary: int, theta_hash: str) -> None:
-        deadline = time.monotonic() + self.sw.round_wait
-        expected = {m.peer_id for m in self.members(training_only=True)}
+    def boundary_hashes(self, boundary: int, theta_hash: str, *, timeout: float) -> dict[str, str]:
+        """The hashes workers hold at `boundary` (this one's included), waiting up to `timeout`
+        for every live training member of the stage to publish its own."""
+        deadline = time.monotonic() + timeout
         hashes: dict[str, str] = {}
         while not self._closed.is_set():
             try:
                 hashes = self.records.round_hashes(boundary)
             except Exception as e:
                 logger.debug("round record lookup failed: %s", e)
+            expected = {m.peer_id for m in self.members(training_only=True)}
             if expected <= set(hashes) or time.monotonic() >= deadline:
                 break
-            time.sleep(0.5)
+            time.sleep(0.3)
+            self._refresh_members()
         hashes[self.peer_id] = theta_hash
+        return hashes
+
+    def _check_boundary(self, boundary: int, theta_hash: str) -> None:
+        hashes = self.boundary_hashes(boundary, theta_hash, timeout=self.sw.round_wait)
         winner = majority_hash(hashes)
         if winner is not None and winner != theta_hash:
             holders = sorted(p for p, h in hashes.items() if h == winner)

@@ -142,21 +142,50 @@ class SwarmStageWorker(StageWorker):
         logger.info("installed the state of round %d from %s (hash %s)", download.boundary, download.donor, download.theta_hash[:12])
 
     # ----- boundaries ---------------------------------------------------------------------------------
-    def on_boundary(self, boundary: int) -> bool:
+    def on_boundary(self, boundary: int, outcome: RoundOutcome) -> bool:
+        """Repair theta_g before it is used if it is known (or likely) to differ from the stage group's.
+
+        Two triggers: the background check of an earlier boundary found this worker in the
+        minority; or the average just applied is this worker's own delta because no group
+        formed while others trained (it then waits, bounded, for the others' hashes of this
+        boundary, so the repair lands before the round is recorded).
+        """
         repair = self.swarm.take_repair()
-        if repair is None:
+        holders = repair[2] if repair is not None else []
+        if outcome.fallback and self.swarm.members(training_only=True):
+            ours = self.outer.hash()
+            self.swarm.records.publish_round(boundary, ours, group_size=1, coverage=1.0)
+            hashes = self.swarm.boundary_hashes(boundary, ours, timeout=self.cfg.swarm.round_wait)
+            winner = majority_hash(hashes)
+            if winner != ours:
+                holders = sorted(p for p, h in hashes.items() if h == winner)
+                logger.warning("round %d: no group formed for this worker; taking the state %d of %d workers hold",
+                               boundary - 1, len(holders), len(hashes))
+        if not holders:
             return False
-        _, winner, holders = repair
         self.swarm.set_state(boundary, ready=False)
         result = self.swarm.fetch_state(boundary, holders)
         if result is None:
-            logger.warning("repair at round %d failed: no holder of %s served its state", boundary, winner[:12])
+            logger.warning("repair at round %d failed: no majority holder served its state", boundary)
             return False
         self._install(result)
         return True
 
+    def on_finish(self, boundary: int) -> None:
+        """Keep serving the final state until the stage's other workers hold it too (or left)."""
+        ours = self.outer.hash()
+        deadline = time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
+        while time.monotonic() < deadline:
+            others = {m.peer_id for m in self.swarm.members(training_only=True)}
+            hashes = self.swarm.records.round_hashes(boundary)
+            if all(hashes.get(p) == ours for p in others):
+                return
+            time.sleep(0.5)
+            self.swarm._refresh_members()
+        logger.info("left with workers of stage %d still on another state at the final round", self.stage)
+
     def after_boundary(self, boundary: int, theta_hash: str, outcome: RoundOutcome) -> None:
-        self.swarm.publish_boundary(boundary, theta_hash, group_size=outcome.group_size, coverage=outcome.coverage)
+        self.swarm.publish_boundary(boundary, theta_hash, group_size=outcome.group_size or 0, coverage=outcome.coverage)
         self._publish(boundary)
 
     def _publish(self, boundary: int) -> None:
@@ -174,7 +203,10 @@ class SwarmStageWorker(StageWorker):
         future.add_done_callback(ready)
 
     def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        boundary, tensors, pending_round, group_size = self.outer.snapshot()
+        snapshot = self.outer.snapshot()
+        if snapshot is None:  # the pending average is still in flight: not complete yet
+            return {"boundary": -1}, []
+        boundary, tensors, pending_round, group_size = snapshot
         n = len(self.outer.theta_g)
         metadata = {
             "boundary": boundary,
@@ -182,8 +214,6 @@ class SwarmStageWorker(StageWorker):
             "has_pending": pending_round is not None,
             "pending_group_size": group_size,
         }
-        if self.cfg.outer.mode == "delayed" and boundary > 0 and pending_round is None:
-            metadata["boundary"] = -1  # not complete yet: the pending average is still in flight
         return metadata, tensors
 
     def close(self) -> None:

@@ -1,0 +1,122 @@
+"""Real `dilocox-peer join` processes on loopback, for the swarm tier.
+
+Each peer runs in its own session (process group), so `kill()` takes down every process
+of the peer at once (launcher, stage workers, DHT and averager processes, p2pd), as a
+crash of the machine would. `stop_all()` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PEER_ARGS = [
+    "--preset", "tiny",
+    "--stages", "2",
+    "--inner-steps", "10",
+    "--progress", "lines",
+    "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+    "--device", "cpu",
+    "--round-wait", "10",
+    "--set", "swarm.chunk_timeout=3.0",
+    "--set", "swarm.allreduce_timeout=20.0",
+    "--set", "inner.threads=1",
+]
+
+
+class Peer:
+    def __init__(self, run_dir: Path, args: list[str], env: dict[str, str] | None = None):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = run_dir.parent / f"{run_dir.name}.out"
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-dir", str(run_dir), *PEER_ARGS, *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
+
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        return records
+
+    def maddrs(self, timeout: float = 60.0) -> list[str]:
+        path = self.run_dir / "multiaddrs.txt"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text().strip():
+                return path.read_text().split()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"peer exited with {self.proc.returncode} before announcing:\n{self.output()}")
+            time.sleep(0.2)
+        raise AssertionError(f"no multiaddrs from {self.run_dir} in {timeout}s:\n{self.output()}")
+
+    def wait_for_round(self, round: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(r["round"] >= round for r in self.metrics()):
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"peer exited with {self.proc.returncode}:\n{self.output()}")
+            time.sleep(0.2)
+        raise AssertionError(f"{self.run_dir} did not finish round {round} in {timeout}s:\n{self.output()}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.run_dir} still running after {timeout}s:\n{self.output()}") from None
+
+    def output(self) -> str:
+        self.log.flush()
+        text = self.log_path.read_text()
+        return text[-6000:]
+
+    def kill(self) -> None:
+        """SIGKILL every process of this peer."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+
+class Swarm:
+    """Peers of one run; the first starts the swarm, the others join through its multiaddrs."""
+
+    def __init__(self, root: Path, run_id: str):
+        self.root, self.run_id = root, run_id
+        self.peers: list[Peer] = []
+        self.initial: list[str] = []
+
+    def start_peer(self, *args: str, env: dict[str, str] | None = None) -> Peer:
+        index = len(self.peers)
+        extra = ["--run-id", self.run_id, "--data-seed", str(index), *args]
+        if self.initial:
+            extra += ["--initial-peers", *self.initial]
+        peer = Peer(self.root / f"peer{index}", extra, env=env)
+        self.peers.append(peer)
+        if not self.initial:
+            self.initial = peer.maddrs()[:1]
+        return peer
+
+    def stop_all(self) -> None:
+        for peer in self.peers:
+            if peer.proc.poll() is None:
+                peer.kill()
+            peer.log.close()
