@@ -77,9 +77,10 @@ class StageWorker:
         """Before the first round: join others; return the round to start from."""
         return start
 
-    def on_boundary(self, boundary: int, outcome: RoundOutcome) -> bool:
-        """After the outer step, before evaluation: return True if the state was replaced."""
-        return False
+    def on_boundary(self, boundary: int, outcome: RoundOutcome) -> tuple[int, bool]:
+        """After the outer step, before evaluation: (the boundary to go on from, whether the state
+        was replaced). A later boundary means this peer jumped ahead to the swarm's state."""
+        return boundary, False
 
     def after_boundary(self, boundary: int, theta_hash: str, outcome: RoundOutcome) -> None:
         """After the boundary's hash is known (publish it)."""
@@ -167,13 +168,17 @@ class StageWorker:
         if self.lead:
             progress = Progress(rounds=cfg.run.rounds, steps=cfg.inner.steps, first_round=start, style=cfg.control.progress)
         try:
-            for t in range(start, cfg.run.rounds):
-                record = self.run_round(t, progress)
-                if self.lead:
+            t = start
+            while t < cfg.run.rounds:
+                record, boundary = self.run_round(t, progress)
+                if self.lead and record is not None:
                     metrics.append(record)
                     progress.round_done(record)
-                if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds:
-                    self.save(t + 1)
+                if boundary != t + 1 and self.lead:
+                    logger.warning("round %d abandoned: this peer caught up with the swarm at round %d", t, boundary)
+                if boundary % cfg.run.checkpoint_every == 0 or boundary == cfg.run.rounds or boundary != t + 1:
+                    self.save(boundary)
+                t = boundary
             self.on_finish(cfg.run.rounds)
         except StopRequested:
             done = latest_common_round(self.run_dir, cfg.model.stages)
@@ -211,7 +216,8 @@ class StageWorker:
                 progress.step(t)
         return losses
 
-    def run_round(self, t: int, progress: Progress | None) -> dict[str, Any] | None:
+    def run_round(self, t: int, progress: Progress | None) -> tuple[dict[str, Any] | None, int]:
+        """Train round t; return (the lead's metrics record, the boundary to continue from)."""
         cfg = self.cfg
         started, compute_start = time.perf_counter(), time.time()
         losses = self._train_inner(t, progress)
@@ -223,8 +229,10 @@ class StageWorker:
         if t + 1 == cfg.run.rounds:  # the run ends: apply what is still pending
             outcome = _merge(outcome, self.outer.drain())
         seconds_round = time.perf_counter() - started
-        repaired = self.on_boundary(t + 1, outcome)
+        boundary, repaired = self.on_boundary(t + 1, outcome)
         self.outer.load_into_model()
+        if boundary != t + 1:
+            return None, boundary
         val_loss = self.trainer.evaluate(self.val)
         theta_hash = self.outer.hash()
         self.after_boundary(t + 1, theta_hash, outcome)
@@ -239,7 +247,7 @@ class StageWorker:
             "compute_window": compute_window,
         }
         gathered = self._gather(facts)
-        return self._make_record(t, gathered) if self.lead else None
+        return (self._make_record(t, gathered) if self.lead else None), boundary
 
     def _make_record(self, t: int, stages: list[dict[str, Any]]) -> dict[str, Any]:
         outcomes: list[RoundOutcome] = [s["outcome"] for s in stages]

@@ -15,6 +15,8 @@ What changes against hivemind 1.1 (and why):
 4. Bytes sent and received are counted per all-reduce.
 5. `rpc_download_round`: a joining or repairing worker downloads the state of a given
    round boundary (theta_g, momentum, pending average) from a live worker of its stage.
+6. `rpc_download_average`: a worker whose own all-reduce failed (it was too slow, its
+   leader vanished...) takes the average its group computed, instead of diverging.
 
 Everything runs in hivemind's averager process; the stage worker talks to it through
 `run_round`, `download_round` and the state it publishes with `set_state_boundary`.
@@ -35,7 +37,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -51,6 +53,7 @@ __all__ = ["DilocoxAverager", "RoundStats", "StateDownload"]
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 24
+KEEP_AVERAGES = 2  # recent round averages kept to hand to a group member whose own all-reduce failed
 
 
 def round_group_bits(round: int) -> str:
@@ -95,11 +98,54 @@ class _CountingStub:
         return self._runner._count_received(stream)
 
 
+class _TensorPartReducer(TensorPartReducer):
+    """hivemind's reducer with two races fixed (seen here under CPU load when a peer dies):
+
+    - a sender banned while its part k was already received but waiting for earlier parts
+      is counted for part k (the ban covers its parts < num_parts_received), yet hivemind
+      then rejects that part, so part k waits forever (until the all-reduce timeout);
+      here a part the ban counts is accumulated;
+    - a part finished twice raised InvalidStateError and broke the reducer's streams.
+    """
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if part_index >= self.sender_failed_after[sender_index]:
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        self.accumulator.add_(tensor_part, alpha=weight)
+        self.current_part_accumulated_from += 1
+        self.denominator += weight
+        self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders and not self.current_part_future.done():
+            self.current_part_future.set_result(self.accumulator.div_(self.denominator))
+            self.reset_accumulators()
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce that hands members the averaged parts, not differences."""
 
     def __init__(self, *, kill_on_first_part: bool = False, **kwargs: Any):
         super().__init__(**kwargs)
+        self.tensor_part_reducer = _TensorPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+        )
         container = self.tensor_part_container
         # reducer i owns a contiguous block of the flattened tensors: remember its part sizes
         self.part_sizes_by_peer = [[part.numel() for part, _ in parts] for parts in container._input_parts_by_peer]
@@ -129,11 +175,17 @@ class ExactAllReduceRunner(AllReduceRunner):
             return await super()._communicate_with_peer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
-            )
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+        try:
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged_part = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight
+                )
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+        except BaseException as e:
+            # hivemind lets this task die silently, and the outputs then wait forever for our own parts
+            logger.warning("local reduction failed: %r", e)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -218,6 +270,7 @@ class DilocoxAverager(DecentralizedAverager):
         self._state_provider: StateProvider | None = None
         self._current_round = -1
         self._last_stats = RoundStats()
+        self._recent: dict[int, tuple[list[torch.Tensor], int]] = {}  # round -> (average, group size), averager process
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # ----- host side --------------------------------------------------------------------
@@ -290,6 +343,9 @@ class DilocoxAverager(DecentralizedAverager):
         for tensor, averaged in zip(tensors, outputs):
             tensor.copy_(averaged)
         peers = list(group_info.peer_ids)
+        self._recent[self._current_round] = (outputs, len(peers))
+        for old in sorted(self._recent)[:-KEEP_AVERAGES]:
+            del self._recent[old]
         self._last_stats = RoundStats(
             group=[p.to_base58() for p in peers],
             coverage=coverage,
@@ -353,32 +409,80 @@ class DilocoxAverager(DecentralizedAverager):
         request = swarm_pb2.StateRequest(
             run_id=self.run_id, config_hash=self.config_hash, stage=self.stage, boundary=boundary, wait_s=wait_s
         )
-        stream = await stub.rpc_download_round(request)
-        header, parts, tensors = None, [], []
-        async for chunk in stream:
-            if header is None:
-                header = chunk.header
-                if header.status != swarm_pb2.STATE_OK:
-                    break
-                continue
-            part = runtime_pb2.Tensor.FromString(chunk.tensor_part)
-            if part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        if header is None:
-            return StateDownload(status=-1, boundary=-1, donor=peer_id, reason="empty reply")
-        if header.status == swarm_pb2.STATE_OK and len(tensors) != header.n_tensors:
-            return StateDownload(status=-1, boundary=header.boundary, donor=peer_id, reason="truncated state")
-        return StateDownload(
-            status=header.status,
-            boundary=header.boundary,
-            theta_hash=header.theta_hash,
-            tensors=tensors,
-            has_pending=header.has_pending,
-            pending_group_size=header.pending_group_size,
-            donor=peer_id,
-            reason=header.reason,
+        return await _read_state_stream(await stub.rpc_download_round(request), peer_id)
+
+    # ----- a group's average, for a member whose own all-reduce failed ------------------------------------
+    def download_average(self, peer_id: str, round: int, *, wait_s: float, timeout: float) -> StateDownload:
+        future = MPFuture()
+        kwargs = dict(peer_id=peer_id, round=round, wait_s=wait_s, timeout=timeout, future=future)
+        self._outer_pipe.send(("_download_average", [], kwargs))
+        return future.result(timeout=timeout + wait_s + 10)
+
+    async def _download_average(self, peer_id: str, round: int, wait_s: float, timeout: float, future: MPFuture) -> None:
+        try:
+            stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+            request = swarm_pb2.AverageRequest(
+                run_id=self.run_id, config_hash=self.config_hash, stage=self.stage, round=round, wait_s=wait_s
+            )
+            stream = await asyncio.wait_for(stub.rpc_download_average(request), timeout)
+            future.set_result(await asyncio.wait_for(_read_state_stream(stream, peer_id), timeout + wait_s))
+        except Exception as e:
+            if not future.done():
+                future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=repr(e)))
+
+    async def rpc_download_average(
+        self, request: swarm_pb2.AverageRequest, context: P2PContext
+    ) -> AsyncIterator[swarm_pb2.StateChunk]:
+        """Stream the average this worker's group computed in `request.round` (waiting up to `wait_s`)."""
+        header = swarm_pb2.StateHeader(status=swarm_pb2.STATE_REFUSED, boundary=request.round)
+        if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
+            header.reason = "another run, config or stage"
+            yield swarm_pb2.StateChunk(header=header)
+            return
+        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 600.0)
+        while request.round not in self._recent and time.monotonic() < deadline and self._current_round <= request.round:
+            await asyncio.sleep(0.2)
+        if request.round not in self._recent:
+            header.status = swarm_pb2.STATE_NOT_READY
+            yield swarm_pb2.StateChunk(header=header)
+            return
+        tensors, group_size = self._recent[request.round]
+        header = swarm_pb2.StateHeader(
+            status=swarm_pb2.STATE_OK, boundary=request.round, n_tensors=len(tensors), pending_group_size=group_size
         )
+        yield swarm_pb2.StateChunk(header=header)
+        for tensor in tensors:
+            for part in split_for_streaming(serialize_torch_tensor(tensor)):
+                yield swarm_pb2.StateChunk(tensor_part=part.SerializeToString())
+
+
+async def _read_state_stream(stream: AsyncIterator[swarm_pb2.StateChunk], peer_id: str) -> StateDownload:
+    """Collect a header and the tensors that follow it (a part with a dtype starts a new tensor)."""
+    header, parts, tensors = None, [], []
+    async for chunk in stream:
+        if header is None:
+            header = chunk.header
+            if header.status != swarm_pb2.STATE_OK:
+                break
+            continue
+        part = runtime_pb2.Tensor.FromString(chunk.tensor_part)
+        if part.dtype and parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            parts = []
+        parts.append(part)
+    if parts:
+        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+    if header is None:
+        return StateDownload(status=-1, boundary=-1, donor=peer_id, reason="empty reply")
+    if header.status == swarm_pb2.STATE_OK and len(tensors) != header.n_tensors:
+        return StateDownload(status=-1, boundary=header.boundary, donor=peer_id, reason="truncated reply")
+    return StateDownload(
+        status=header.status,
+        boundary=header.boundary,
+        theta_hash=header.theta_hash,
+        tensors=tensors,
+        has_pending=header.has_pending,
+        pending_group_size=header.pending_group_size,
+        donor=peer_id,
+        reason=header.reason,
+    )

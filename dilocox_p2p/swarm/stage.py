@@ -22,9 +22,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError
 from pathlib import Path
+from typing import Any
+
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from ..config import Config, config_hash, to_dict
@@ -32,7 +35,7 @@ from ..errors import AdmissionError
 from ..outer import AveragingResult, state_hash
 from ..wire import swarm_pb2
 from .averager import DilocoxAverager, StateDownload
-from .dht import HEARTBEAT_S, Heartbeat, Member, RunRecords, reachable_maddrs, start_dht
+from .dht import HEARTBEAT_S, MEMBER_TTL_S, Heartbeat, Member, RunRecords, reachable_maddrs, start_dht
 
 __all__ = ["SwarmStage"]
 
@@ -119,6 +122,9 @@ class SwarmStage:
         )
         self._members: list[Member] = []
         self._warned_about: set[str] = set()
+        self._suspects: dict[str, float] = {}  # peer id -> DHT time it failed in an all-reduce
+        self._running: tuple[int, Any] | None = None  # (round, hivemind StepControl) of the all-reduce in flight
+        self._abandon_below = -1  # all-reduces of earlier rounds are abandoned (this peer caught up)
         self._jobs: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._repair: tuple[int, str, list[str]] | None = None
@@ -178,12 +184,15 @@ class SwarmStage:
         """Live members of this stage with this run's config (from the last refresh)."""
         with self._lock:
             members = list(self._members)
+            suspects = dict(self._suspects)
         return [
             m
             for m in members
             if m.record.config_hash == self.config_hash
             and (m.record.training or not training_only)
             and (m.peer_id != self.peer_id or not others_only)
+            # a peer that failed in an all-reduce counts again once it heartbeats after the failure
+            and not (m.peer_id in suspects and m.expiration < suspects[m.peer_id] + MEMBER_TTL_S + HEARTBEAT_S)
         ]
 
     def check_admission(self) -> None:
@@ -237,6 +246,9 @@ class SwarmStage:
             if job is None:
                 return
             future, tensors, round, weight = job
+            if round < self._abandon_below:
+                future.set_result(AveragingResult(tensors=tensors, group_size=1, note="abandoned"))
+                continue
             try:
                 self._refresh_members()
                 expected = 1 + len(self.members(training_only=True))
@@ -257,16 +269,25 @@ class SwarmStage:
                 buf.copy_(t)
         self.averager.prepare_round(round, expected)
         started, window_start = time.monotonic(), time.time()
+        control = self.averager.step(weight=weight, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False)
+        with self._lock:
+            self._running = (round, control)
         try:
-            out = self.averager.step(weight=weight, timeout=self.sw.round_wait + 5.0, allow_retries=True)
-        except Exception as e:
-            reason = f"no group formed for round {round} ({type(e).__name__}: {str(e)[:200]})"
-            return AveragingResult(tensors=tensors, group_size=1, note=reason, fallback=True)
+            out = self._wait_for_step(control, round, started)
+            failure = "" if out else "no group formed"
+        except BaseException as e:  # includes the CancelledError of an abandoned round
+            out, failure = None, f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            with self._lock:
+                self._running = None
         if not out:
-            return AveragingResult(tensors=tensors, group_size=1, note=f"no group formed for round {round}", fallback=True)
+            if round < self._abandon_below:
+                return AveragingResult(tensors=tensors, group_size=1, note="abandoned")
+            return self._group_average_or_own(tensors, round, failure, window_start)
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
         stats = out["stats"]
+        self._suspect(stats.failed_reducers + stats.banned_senders)
         if stats.coverage < 1.0:
             logger.warning(
                 "round %d: reducers %s failed; %.1f%% of coordinates averaged, the rest not updated on any member",
@@ -285,6 +306,68 @@ class SwarmStage:
             peers=tuple(stats.group),
             window=(window_start, time.time()),
         )
+
+    def _wait_for_step(self, control: Any, round: int, started: float) -> Any:
+        """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage
+        has finished this round's all-reduce without us (its group formed and is done)."""
+        while True:
+            try:
+                return control.result(timeout=1.0)
+            except TimeoutError:
+                pass
+            if control.stage != AveragingStage.LOOKING_FOR_GROUP or time.monotonic() - started < self.sw.round_wait / 4:
+                continue
+            self._refresh_members()
+            if any(self._finished(m, round) for m in self.members(training_only=True)):
+                logger.info("round %d: the stage group averaged without this worker; taking its result", round)
+                control.cancel()
+                return None
+
+    @staticmethod
+    def _finished(member: Member, round: int) -> bool:
+        """The member's record shows it completed round `round`'s all-reduce."""
+        b = member.record.boundary
+        return b > round + 1 or (b == round + 1 and member.record.state_ready)
+
+    def _group_average_or_own(
+        self, tensors: list[torch.Tensor], round: int, failure: str, window_start: float
+    ) -> AveragingResult:
+        """This worker's all-reduce failed: take its group's average from a member if there is one."""
+        self._refresh_members()
+        members = sorted(self.members(training_only=True), key=lambda m: not self._finished(m, round))
+        for member in members:
+            got = self.averager.download_average(
+                member.peer_id, round, wait_s=self.sw.chunk_timeout, timeout=self.sw.state_timeout
+            )
+            if got.status == swarm_pb2.STATE_OK and len(got.tensors) == len(tensors):
+                logger.warning(
+                    "round %d: this worker's all-reduce failed (%s); took the average of its group of %d from %s",
+                    round, failure, got.pending_group_size, member.peer_id,
+                )
+                return AveragingResult(
+                    tensors=got.tensors,
+                    group_size=got.pending_group_size,
+                    bytes_received=sum(t.numel() * t.element_size() for t in got.tensors),
+                    peers=(member.peer_id,),
+                    window=(window_start, time.time()),
+                )
+        note = f"no group formed for round {round} ({failure}) and no member had a group average"
+        return AveragingResult(tensors=tensors, group_size=1, note=note, fallback=True)
+
+    def abandon_before(self, round: int) -> None:
+        """This peer jumped to round `round`: drop earlier all-reduces, queued or in flight."""
+        with self._lock:
+            self._abandon_below = max(self._abandon_below, round)
+            running = self._running
+        if running is not None and running[0] < round:
+            running[1].cancel()
+
+    def _suspect(self, peer_ids: Sequence[str]) -> None:
+        """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again."""
+        now = get_dht_time()
+        with self._lock:
+            for peer_id in peer_ids:
+                self._suspects[peer_id] = now
 
     # ----- round records and repair -------------------------------------------------------------------
     def publish_boundary(self, boundary: int, theta_hash: str, *, group_size: int, coverage: float) -> None:
@@ -339,11 +422,12 @@ class SwarmStage:
         """Download the state at `boundary` from the first donor that has it; None if none did."""
         for donor in donors:
             result = self.averager.download_round(
-                donor, boundary, wait_s=self.sw.round_wait + self.sw.allreduce_timeout, timeout=self.sw.state_timeout
+                donor, boundary, wait_s=self.sw.allreduce_timeout, timeout=self.sw.state_timeout
             )
             if result.status != swarm_pb2.STATE_OK:
-                logger.info("state of boundary %d not taken from %s: status %s %s",
-                            boundary, donor, result.status, result.reason)
+                status = swarm_pb2.StateStatus.Name(result.status) if result.status >= 0 else "error"
+                logger.info("state of round %d not taken from %s: %s (donor at %d) %s",
+                            boundary, donor, status, result.boundary, result.reason)
                 continue
             n = len(result.tensors)
             received = state_hash(result.tensors[: n // 2 if not result.has_pending else n // 3])

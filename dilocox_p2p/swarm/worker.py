@@ -10,6 +10,7 @@ new hash and offer the state to joiners once it is complete.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -26,7 +27,7 @@ __all__ = ["SwarmStageWorker"]
 
 logger = logging.getLogger(__name__)
 
-JOIN_ATTEMPTS = 5
+RESYNC_ATTEMPTS = 6
 
 
 class SwarmStageWorker(StageWorker):
@@ -54,6 +55,9 @@ class SwarmStageWorker(StageWorker):
         if not self.lead:
             self.swarm = start(lead_maddrs[0])
         self.swarm.averager.set_state_provider(self._state_for_peers)
+        if self.device.type == "cpu":
+            # the DHT and averager processes (already forked) must not starve behind CPU training
+            os.nice(10)
         return self.swarm
 
     # ----- collectives over this peer's stages -------------------------------------------------
@@ -100,35 +104,53 @@ class SwarmStageWorker(StageWorker):
             print(f"  {m}", flush=True)
 
     def _join(self, start: int) -> int:
-        """Download the swarm's current state if it is ahead of (or different from) ours."""
-        for attempt in range(JOIN_ATTEMPTS):
-            donors = self.swarm.donors()
-            local_target = max((m.record.boundary for m in donors), default=-1)
-            target = max(self._all_gather(local_target))
-            complete = all(self._all_gather(self.outer.missing_pending is None))
-            if target < 0 or (target <= start and complete and self._holds_majority(start)):
-                if not complete and self.lead:
-                    logger.warning("no live peer to fetch the average still in flight at the checkpoint; it is skipped")
-                return start
-            result = self.swarm.fetch_state(target, [m.peer_id for m in self.swarm.donors(target)])
-            if all(self._all_gather(result is not None)):
-                self._install(result)
-                if self.lead:
-                    logger.info("joined the run at round %d with the swarm's state", target)
-                return target
-            logger.info("state download for round %d incomplete (attempt %d); retrying", target, attempt + 1)
-            time.sleep(1.0)
-        if self.lead:
-            logger.warning("could not download the swarm's state; training on from round %d", start)
-        return start
+        """At start: take the swarm's state if the run has moved on (or our checkpoint is incomplete)."""
+        behind = any(m.record.boundary > start for m in self.swarm.donors())
+        incomplete = self.outer.missing_pending is not None
+        differs = start > 0 and not self._holds_majority(start)
+        if not any(self._all_gather(behind or incomplete or differs)):
+            return start
+        boundary = self._resync(start)
+        if boundary is None and incomplete and self.lead:
+            logger.warning("no live peer had the average in flight at the checkpoint; it is skipped")
+        return start if boundary is None else boundary
 
     def _holds_majority(self, boundary: int) -> bool:
-        if boundary == 0:
-            return True  # every peer initializes theta_g(0) from the run seed
         hashes = self.swarm.records.round_hashes(boundary)
-        ours = self.outer.hash()
-        agree = majority_hash(hashes) in (None, ours)
-        return all(self._all_gather(agree))
+        return majority_hash(hashes) in (None, self.outer.hash())
+
+    def _resync(self, boundary: int) -> int | None:
+        """All stages of this peer take the swarm's state at one common boundary >= `boundary`.
+
+        The boundary is the newest one a live worker of each stage can serve (ready first),
+        the donors are the holders of that boundary's majority hash. Returns the boundary
+        the peer continues from, or None if nobody could serve a state.
+        """
+        for attempt in range(RESYNC_ATTEMPTS):
+            donors = [m for m in self.swarm.donors() if m.record.boundary >= boundary]
+            ready = [m.record.boundary for m in donors if m.record.state_ready]
+            local = max(ready or [m.record.boundary for m in donors] or [-1])
+            target = max(self._all_gather(local))
+            if target < 0:
+                return None
+            hashes = self.swarm.records.round_hashes(target)
+            winner = majority_hash({p: h for p, h in hashes.items() if p != self.swarm.peer_id})
+            at_target = [m.peer_id for m in self.swarm.donors(target) if m.record.boundary == target]
+            holders = [p for p in at_target if winner is None or hashes.get(p) == winner] or at_target
+            result = self.swarm.fetch_state(target, holders) if holders else None
+            if all(self._all_gather(result is not None)):
+                self.swarm.abandon_before(target)
+                self._install(result)
+                self._publish(target)
+                if self.lead:
+                    logger.info("took the swarm's state of round %d (was at %d)", target, boundary)
+                return target
+            time.sleep(0.5)
+            self.swarm._refresh_members()
+        if self.lead:
+            logger.warning("could not take the swarm's state after %d attempts; training on from round %d",
+                           RESYNC_ATTEMPTS, boundary)
+        return None
 
     def _install(self, download: StateDownload) -> None:
         n = len(self.outer.theta_g)
@@ -142,34 +164,28 @@ class SwarmStageWorker(StageWorker):
         logger.info("installed the state of round %d from %s (hash %s)", download.boundary, download.donor, download.theta_hash[:12])
 
     # ----- boundaries ---------------------------------------------------------------------------------
-    def on_boundary(self, boundary: int, outcome: RoundOutcome) -> bool:
-        """Repair theta_g before it is used if it is known (or likely) to differ from the stage group's.
+    def on_boundary(self, boundary: int, outcome: RoundOutcome) -> tuple[int, bool]:
+        """Resync with the swarm before theta_g is used if it is known (or likely) to be off.
 
-        Two triggers: the background check of an earlier boundary found this worker in the
-        minority; or the average just applied is this worker's own delta because no group
-        formed while others trained (it then waits, bounded, for the others' hashes of this
-        boundary, so the repair lands before the round is recorded).
+        Triggers, decided together by all stages of this peer: the background hash check of an
+        earlier boundary found a stage in the minority; a stage's "average" is its own delta
+        because no group formed while others trained; or the peer fell two rounds behind.
         """
-        repair = self.swarm.take_repair()
-        holders = repair[2] if repair is not None else []
-        if outcome.fallback and self.swarm.members(training_only=True):
-            ours = self.outer.hash()
-            self.swarm.records.publish_round(boundary, ours, group_size=1, coverage=1.0)
-            hashes = self.swarm.boundary_hashes(boundary, ours, timeout=self.cfg.swarm.round_wait)
-            winner = majority_hash(hashes)
-            if winner != ours:
-                holders = sorted(p for p, h in hashes.items() if h == winner)
-                logger.warning("round %d: no group formed for this worker; taking the state %d of %d workers hold",
-                               boundary - 1, len(holders), len(hashes))
-        if not holders:
-            return False
-        self.swarm.set_state(boundary, ready=False)
-        result = self.swarm.fetch_state(boundary, holders)
-        if result is None:
-            logger.warning("repair at round %d failed: no majority holder served its state", boundary)
-            return False
-        self._install(result)
-        return True
+        repair = self.swarm.take_repair() is not None
+        alone = outcome.fallback and bool(self.swarm.members(training_only=True))
+        behind = any(m.record.boundary >= boundary + 2 for m in self.swarm.donors())
+        reasons = self._all_gather((repair, alone, behind))
+        if not any(any(r) for r in reasons):
+            return boundary, False
+        if self.lead:
+            why = [name for i, name in enumerate(("hash mismatch", "no group formed", "behind")) if any(r[i] for r in reasons)]
+            logger.warning("round %d: resyncing with the swarm (%s)", boundary - 1, ", ".join(why))
+        # while resyncing this worker is not in the stage's groups: nobody should wait for it
+        self.swarm.set_state(boundary, ready=False, training=False)
+        new = self._resync(boundary)
+        if new is None:
+            self._publish(boundary)
+        return (boundary, False) if new is None else (new, True)
 
     def on_finish(self, boundary: int) -> None:
         """Keep serving the final state until the stage's other workers hold it too (or left)."""

@@ -23,8 +23,8 @@ PEER_ARGS = [
     "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
     "--device", "cpu",
     "--round-wait", "10",
-    "--set", "swarm.chunk_timeout=3.0",
-    "--set", "swarm.allreduce_timeout=20.0",
+    "--set", "swarm.chunk_timeout=5.0",
+    "--set", "swarm.allreduce_timeout=30.0",
     "--set", "inner.threads=1",
 ]
 

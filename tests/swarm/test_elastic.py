@@ -1,0 +1,95 @@
+"""Peers come and go: a crash mid all-reduce, a late joiner, a peer with another config, a clean stop.
+
+    pytest tests/swarm/test_elastic.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.swarm
+
+ROUND_WAIT, ALLREDUCE_TIMEOUT = 10.0, 30.0  # as in tests/helpers/peers.py
+
+
+def _hashes(peer):
+    return {r["round"]: r["stage_hashes"] for r in peer.metrics()}
+
+
+def _wait_until_dead(peer, timeout):
+    deadline = time.monotonic() + timeout
+    while peer.proc.poll() is None:
+        assert time.monotonic() < deadline, f"peer still alive after {timeout}s:\n{peer.output()}"
+        time.sleep(0.1)
+    return time.time()
+
+
+def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm):
+    args = ("--mode", "delayed", "--rounds", "6", "--min-peers", "3")
+    survivors = [swarm.start_peer(*args) for _ in range(2)]
+    victim = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "kill_peer_in_allreduce:round=2:stage=0"})
+    killed_at = _wait_until_dead(victim, timeout=180)
+    assert victim.proc.returncode == -signal.SIGKILL
+    assert not any(r["round"] >= 3 for r in victim.metrics())  # it died in round 2's all-reduce
+
+    for peer in survivors:
+        assert peer.wait(timeout=240) == 0, peer.output()
+    a, b = (_hashes(p) for p in survivors)
+    assert sorted(a) == sorted(b) == list(range(6))
+    assert all(a[t] == b[t] for t in a), "survivors disagree on theta_g"
+    records = {r["round"]: r for r in survivors[0].metrics()}
+    # the all-reduce of round 2 lost the victim's share on stage 0, identically on both survivors
+    applied_2 = next(r for r in records.values() if r["applied_round"] == 2)
+    assert applied_2["coverage"] < 1.0 or applied_2["group_sizes"][0] == 2
+    # the round after the crash finished within the timeouts plus one round
+    one_round = max(r["seconds_round"] for r in records.values() if r["round"] < 2)
+    next_round = min((r for r in records.values() if r["time"] > killed_at), key=lambda r: r["round"])
+    assert next_round["time"] - killed_at < ROUND_WAIT + ALLREDUCE_TIMEOUT + one_round + 5
+    # from then on, the survivors average as a pair
+    assert records[5]["group_sizes"] == [2, 2]
+
+
+def test_a_late_joiner_holds_the_same_theta_g_from_its_first_round(swarm):
+    # the others train long enough for the joiner's start-up (torch import, DHT) on a loaded 2-core box
+    args = ("--mode", "delayed", "--rounds", "20", "--min-peers", "3")
+    first = [swarm.start_peer(*args) for _ in range(3)]
+    first[0].wait_for_round(2, timeout=180)  # three rounds done: join at round 3
+    joiner = swarm.start_peer("--mode", "delayed", "--rounds", "20")
+    for peer in [*first, joiner]:
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    mine = _hashes(joiner)
+    assert mine, joiner.output()
+    assert min(mine) >= 3  # it started from the swarm's state, not from round 0
+    others = [_hashes(p) for p in first]
+    for t, hashes in mine.items():
+        assert all(o[t] == hashes for o in others), f"joiner differs at round {t}"
+    assert any(r["group_sizes"] == [4, 4] for r in joiner.metrics()), "the joiner never averaged with the others"
+
+
+def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm):
+    host = swarm.start_peer("--rounds", "200")
+    host.wait_for_round(0, timeout=120)
+    stranger = swarm.start_peer("--rounds", "200", "--inner-lr", "0.003")
+    assert stranger.wait(timeout=120) == 2
+    refusal = stranger.output()
+    assert "trains with config hash" in refusal and "inner.lr: 0.003 here, 0.001 in the run" in refusal
+    deadline = time.monotonic() + 30
+    while "refusing" not in (host.run_dir / "logs" / "stage0.log").read_text():
+        assert time.monotonic() < deadline, "the host never logged the refusal"
+        time.sleep(0.5)
+
+    rounds_before = len(host.metrics())
+    host.signal(signal.SIGTERM)
+    assert host.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "stopped; the last checkpoint is at round" in host.output()
+    checkpoints = sorted((host.run_dir / "checkpoints" / "stage0").glob("round*.pt"))
+    assert checkpoints and int(checkpoints[-1].stem[5:]) >= rounds_before
+    with pytest.raises(ProcessLookupError):  # nothing of the peer is left running (p2pd included)
+        for _ in range(50):
+            os.killpg(host.proc.pid, 0)
+            time.sleep(0.2)

@@ -1,0 +1,42 @@
+"""A lone peer (the first of a new swarm) trains, learns, and resumes exactly after a crash.
+
+    pytest tests/swarm/test_lone_peer.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.helpers.peers import Peer
+
+pytestmark = pytest.mark.swarm
+
+
+def test_a_lone_peer_with_two_stages_lowers_val_loss_by_30_percent(tmp_path):
+    peer = Peer(tmp_path / "lone", ["--rounds", "20", "--inner-steps", "10", "--data-seed", "0"])
+    assert peer.wait(timeout=240) == 0, peer.output()
+    initial = json.loads((peer.run_dir / "run.json").read_text())["initial_val_loss"]
+    final = peer.metrics()[-1]["val_loss"]
+    assert len(peer.metrics()) == 20
+    assert final <= 0.7 * initial, f"val loss {initial:.3f} -> {final:.3f}"
+
+
+def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tmp_path):
+    args = ["--rounds", "6", "--inner-steps", "10", "--seed", "3", "--data-seed", "5"]
+    reference = Peer(tmp_path / "reference", args)
+    crashed = Peer(tmp_path / "crashed", args)
+    crashed.wait_for_round(2, timeout=180)
+    time.sleep(0.3)  # into round 3
+    crashed.kill()
+    assert not any(r["round"] >= 3 for r in crashed.metrics()), "the kill came too late to be mid-round"
+
+    resumed = Peer(tmp_path / "crashed", [*args, "--resume"])
+    assert resumed.wait(timeout=180) == 0, resumed.output()
+    assert reference.wait(timeout=180) == 0, reference.output()
+    want, got = reference.metrics(), resumed.metrics()
+    assert [r["round"] for r in got] == list(range(6))  # rounds after the checkpoint were trained again
+    assert got[-1]["stage_hashes"] == want[-1]["stage_hashes"]
+    assert [r["stage_hashes"] for r in got] == [r["stage_hashes"] for r in want]
