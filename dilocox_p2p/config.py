@@ -275,6 +275,9 @@ class SwarmConfig:
                 _fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")
         if not self.host_maddrs:
             _fail("swarm.host_maddrs", self.host_maddrs, "needs at least one listen address")
+        for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+            for text in getattr(self, name):
+                _check_maddr(f"swarm.{name}", text, need_peer_id=name == "initial_peers")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -378,6 +381,17 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any], source: str)
             raise ConfigError(f"{source}: unknown key {name}.{key}; known keys in [{name}]: {', '.join(sorted(known))}")
         kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
     return cls(**kwargs)
+
+
+def _check_maddr(key: str, text: str, *, need_peer_id: bool) -> None:
+    import multiaddr
+
+    try:
+        protocols = [p.name for p in multiaddr.Multiaddr(text).protocols()]
+    except Exception as e:  # the multiaddr package raises several types
+        _fail(key, text, f"not a multiaddr ({e}); expected e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...")
+    if need_peer_id and "p2p" not in protocols:
+        _fail(key, text, "lacks the peer id: copy the whole address, ending in /p2p/<peer id>, from multiaddrs.txt")
 
 
 _KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a table"}

@@ -31,15 +31,26 @@ HEARTBEAT_S = 2.0
 ROUND_RECORD_TTL_S = 600.0
 
 
-def start_dht(cfg: SwarmConfig, *, identity_path: Path | None, extra_peers: Sequence[str] = ()) -> hivemind.DHT:
+def stage_maddr(maddr: str, stage: int) -> str:
+    """Stage s listens on PORT + s when a fixed TCP port is given (port 0 stays random)."""
+    parts = maddr.split("/")
+    for i in range(len(parts) - 1):
+        if parts[i] in ("tcp", "udp") and parts[i + 1].isdigit() and int(parts[i + 1]) != 0:
+            parts[i + 1] = str(int(parts[i + 1]) + stage)
+    return "/".join(parts)
+
+
+def start_dht(
+    cfg: SwarmConfig, *, stage: int, identity_path: Path | None, extra_peers: Sequence[str] = ()
+) -> hivemind.DHT:
     """Start this worker's DHT node and join the swarm; errors name the failing address.
 
     `extra_peers` are this peer's own stage-0 node, so that a peer's stages share one DHT.
     """
     kwargs: dict[str, Any] = dict(
         initial_peers=[*cfg.initial_peers, *extra_peers] or None,
-        host_maddrs=list(cfg.host_maddrs),
-        announce_maddrs=list(cfg.announce_maddrs) or None,
+        host_maddrs=[stage_maddr(m, stage) for m in cfg.host_maddrs],
+        announce_maddrs=[stage_maddr(m, stage) for m in cfg.announce_maddrs] or None,
         start=True,
         startup_timeout=30,
     )

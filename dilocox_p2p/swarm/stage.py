@@ -89,7 +89,7 @@ class SwarmStage:
         self.config_hash = config_hash(cfg)
         self.shared_json = shared_config_json(cfg)
         self.dht = start_dht(
-            cfg.swarm, identity_path=run_dir / "identity" / f"stage{stage}.key", extra_peers=extra_peers
+            cfg.swarm, stage=stage, identity_path=run_dir / "identity" / f"stage{stage}.key", extra_peers=extra_peers
         )
         self.peer_id = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, cfg.run.run_id, stage)

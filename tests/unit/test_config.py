@@ -236,7 +236,7 @@ def test_to_toml_round_trips_a_non_default_config(tmp_path):
             "inner.schedule": "gpipe",
             "outer.mode": "sync",
             "outer.lr": 0.5,
-            "swarm.initial_peers": ["/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"],
+            "swarm.initial_peers": ["/ip4/127.0.0.1/tcp/31337/p2p/QmU6wrRksUr2FGX8Y1MN9zvdAcPxeV3EwZy5WbWMrr7vCj"],
             "control.progress": "off",
         }
     )
@@ -275,7 +275,7 @@ def test_config_hash_changes_when_a_shared_field_changes(overrides):
         {"run.checkpoint_every": 5},
         {"data.paths": ["mine.txt"]},
         {"data.seed": 42},
-        {"swarm.initial_peers": ["/ip4/10.0.0.1/tcp/4000/p2p/QmX"]},
+        {"swarm.initial_peers": ["/ip4/10.0.0.1/tcp/4000/p2p/12D3KooWSpiRHc9xcSMBXR43h459bMCz1qLE2ePVbivnFnhYU3hJ"]},
         {"swarm.host_maddrs": ["/ip4/0.0.0.0/tcp/4000"]},
         {"control.progress": "lines"},
         {"control.log_level": "debug"},
@@ -322,3 +322,15 @@ def test_config_sections_are_frozen():
 def test_a_section_built_in_code_rejects_a_value_outside_its_choices():
     with pytest.raises(ConfigError, match=r"outer\.mode = 'fast': must be one of: sync, delayed"):
         OuterConfig(mode="fast")
+
+
+@pytest.mark.parametrize(
+    ("maddr", "message"),
+    [
+        ("foo", "not a multiaddr"),
+        ("/ip4/203.0.113.7/tcp/31337", "lacks the peer id"),
+    ],
+)
+def test_an_initial_peer_must_be_a_whole_multiaddr(maddr, message):
+    with pytest.raises(ConfigError, match=rf"swarm\.initial_peers = '{maddr}': {message}"):
+        load_config(overrides={"swarm.initial_peers": [maddr]})

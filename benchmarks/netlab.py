@@ -1,0 +1,106 @@
+"""A small network lab: one Linux network namespace per peer, joined by a bridge, every
+link shaped with `tc tbf` in both directions (netem is not available on these machines).
+
+    with NetLab(n_hosts=3, rate_mbit=10) as lab:
+        proc = lab.popen(0, ["dilocox-peer", "join", "--host-maddrs", f"/ip4/{lab.ip(0)}/tcp/0", ...])
+
+Needs root and iproute2. Everything it creates is named `dlx<id>...` and removed on exit,
+processes started in the namespaces included (their whole process group is killed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import uuid
+from typing import Any
+
+__all__ = ["NetLab", "NetLabError"]
+
+
+class NetLabError(RuntimeError):
+    pass
+
+
+def _run(*cmd: str) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise NetLabError(f"{' '.join(cmd)}: {result.stderr.strip() or result.stdout.strip()}")
+
+
+def check_available() -> None:
+    """Raise NetLabError naming what is missing (root, iproute2)."""
+    if os.geteuid() != 0:
+        raise NetLabError("network namespaces need root (run the netns tier as root)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise NetLabError(f"`{tool}` not found: install iproute2 (apt-get install iproute2)")
+
+
+class NetLab:
+    def __init__(self, n_hosts: int, rate_mbit: float | None, *, subnet: int | None = None):
+        check_available()
+        self.id = uuid.uuid4().hex[:5]
+        self.n_hosts, self.rate_mbit = n_hosts, rate_mbit
+        self.subnet = subnet if subnet is not None else 100 + int(self.id, 16) % 100
+        self.bridge = f"dlx{self.id}br"
+        self.procs: list[subprocess.Popen] = []
+        self._created_ns: list[str] = []
+
+    def ns(self, host: int) -> str:
+        return f"dlx{self.id}h{host}"
+
+    def ip(self, host: int) -> str:
+        return f"10.{self.subnet}.0.{host + 1}"
+
+    def __enter__(self) -> NetLab:
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "link", "set", self.bridge, "up")
+            for host in range(self.n_hosts):
+                self._add_host(host)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _add_host(self, host: int) -> None:
+        ns, outer, inner = self.ns(host), f"dlx{self.id}v{host}", f"dlx{self.id}p{host}"
+        _run("ip", "netns", "add", ns)
+        self._created_ns.append(ns)
+        _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+        _run("ip", "link", "set", inner, "netns", ns)
+        _run("ip", "link", "set", outer, "master", self.bridge, "up")
+        _run("ip", "-n", ns, "link", "set", inner, "name", "eth0")
+        _run("ip", "-n", ns, "addr", "add", f"{self.ip(host)}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        if self.rate_mbit is not None:
+            shape = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", "32kb", "latency", "400ms"]
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *shape)  # upload
+            _run("tc", "qdisc", "add", "dev", outer, "root", *shape)  # download
+
+    def popen(self, host: int, cmd: list[str], **kwargs: Any) -> subprocess.Popen:
+        """Start `cmd` inside host's namespace, in its own process group."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *cmd], start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(30)
+        for ns in self._created_ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for host in range(self.n_hosts):
+            subprocess.run(["ip", "link", "del", f"dlx{self.id}v{host}"], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,55 @@
+"""Peers on different hosts: each in its own network namespace, behind a 20 Mbit/s tbf link.
+
+    sudo pytest tests/netns -q        (needs root and iproute2; fails, never skips, without them)
+
+The peers listen on 0.0.0.0 as on a real machine; the second one joins through the first
+line of the first peer's multiaddrs.txt, which must therefore be its reachable address,
+not 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.netlab import NetLab
+
+pytestmark = pytest.mark.netns
+
+
+def _metrics(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_two_peers_in_separate_namespaces_average_over_a_shaped_link(tmp_path):
+    common = [
+        sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "netns", "--preset", "tiny", "--stages", "2",
+        "--rounds", "4", "--inner-steps", "10", "--mode", "delayed", "--min-peers", "2", "--round-wait", "20",
+        "--progress", "lines", "--device", "cpu", "--set", "inner.threads=1",
+    ]
+    with NetLab(n_hosts=2, rate_mbit=20) as lab:
+        logs = [open(tmp_path / f"peer{i}.out", "w") for i in range(2)]
+        first = lab.popen(0, [*common, "--run-dir", str(tmp_path / "peer0"), "--data-seed", "0"],
+                          stdout=logs[0], stderr=subprocess.STDOUT)
+        maddrs = tmp_path / "peer0" / "multiaddrs.txt"
+        deadline = time.monotonic() + 120
+        while not (maddrs.exists() and maddrs.read_text().strip()):
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "peer0.out").read_text()
+            time.sleep(0.2)
+        announced = maddrs.read_text().split()[0]
+        assert announced.startswith(f"/ip4/{lab.ip(0)}/tcp/"), f"first address is not the reachable one: {announced}"
+        second = lab.popen(1, [*common, "--run-dir", str(tmp_path / "peer1"), "--data-seed", "1",
+                               "--initial-peers", announced], stdout=logs[1], stderr=subprocess.STDOUT)
+        for proc, i in ((first, 0), (second, 1)):
+            assert proc.wait(300) == 0, (tmp_path / f"peer{i}.out").read_text()[-4000:]
+
+    a, b = _metrics(tmp_path / "peer0"), _metrics(tmp_path / "peer1")
+    assert [r["round"] for r in a] == [r["round"] for r in b] == [0, 1, 2, 3]
+    assert [r["stage_hashes"] for r in a] == [r["stage_hashes"] for r in b]
+    applied = [r for r in a if r["applied_round"] is not None]
+    assert all(r["group_sizes"] == [2, 2] and r["bytes_sent"] > 0 for r in applied)

@@ -1,0 +1,47 @@
+"""Wire messages: checked decoding and the generated code being up to date.
+
+    pytest tests/unit/test_wire.py -q
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dilocox_p2p.swarm.dht import stage_maddr
+from dilocox_p2p.wire import decode, encode, swarm_pb2
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_record_survives_encode_and_decode():
+    record = swarm_pb2.RoundRecord(boundary=7, theta_hash="ab" * 32, group_size=3, coverage=1.0)
+    assert decode(swarm_pb2.RoundRecord, encode(record)) == record
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        "not bytes",
+        b"\xff\xff\xff\xff",  # malformed
+        encode(swarm_pb2.RoundRecord(boundary=1, coverage=float("nan"))),  # non-finite
+        b"\x0a" + b"\x00" * 70_000,  # oversized
+    ],
+)
+def test_unacceptable_bytes_are_refused_not_raised(blob):
+    assert decode(swarm_pb2.RoundRecord, blob) is None
+
+
+def test_stage_s_listens_on_port_plus_s_and_random_ports_stay_random():
+    assert stage_maddr("/ip4/0.0.0.0/tcp/31337", 2) == "/ip4/0.0.0.0/tcp/31339"
+    assert stage_maddr("/ip4/0.0.0.0/tcp/0", 3) == "/ip4/0.0.0.0/tcp/0"
+    assert stage_maddr("/dns4/node1/tcp/4000", 1) == "/dns4/node1/tcp/4001"
+
+
+def test_generated_protobuf_code_matches_the_schemas():
+    result = subprocess.run([sys.executable, "scripts/gen_proto.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
