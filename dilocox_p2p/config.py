@@ -43,6 +43,7 @@ __all__ = [
     "SwarmConfig",
     "config_hash",
     "from_dict",
+    "shared_fields",
     "load_config",
     "parse_override",
     "to_dict",
@@ -335,26 +336,21 @@ def to_toml(cfg: Config) -> str:
     return tomli_w.dumps(to_dict(cfg))
 
 
-def config_hash(cfg: Config) -> str:
-    """SHA-256 over the fields all peers of a run must share (model, data split, optimizers...)."""
+def shared_fields(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The fields all peers of a run must agree on, with defaults resolved (outer lr, seq_len)."""
     shared = to_dict(cfg)
     for section, names in _LOCAL_FIELDS.items():
         for name in names:
             shared[section].pop(name)
     shared["outer"]["lr"] = cfg.outer.effective_lr
     shared["model"]["seq_len"] = cfg.model.shape.seq_len
-    blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
+    return shared
+
+
+def config_hash(cfg: Config) -> str:
+    """SHA-256 over the fields all peers of a run must share (model, data split, optimizers...)."""
+    blob = json.dumps(shared_fields(cfg), sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
-
-
-def hash_fields() -> list[str]:
-    """Dotted names of the fields covered by config_hash (for docs and error messages)."""
-    names = []
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            if f.name not in _LOCAL_FIELDS.get(section, set()):
-                names.append(f"{section}.{f.name}")
-    return names
 
 
 def from_dict(data: Mapping[str, Any], *, source: str = "config") -> Config:

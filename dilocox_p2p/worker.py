@@ -60,7 +60,8 @@ class StageWorker:
         self.averager: Averager = self.make_averager()
         self.outer = OuterLoop(self.trainer.params, self.cfg.outer, self.averager)
         self.sampler: BatchSampler | None = None
-        self.val: list = []
+        # middle stages read no data, but run the schedule once per validation batch too
+        self.val: list = [(None, None)] * self.cfg.data.val_batches
         if self.trainer.is_first or self.trainer.is_last:
             shape = self.cfg.model.shape
             corpus = load_corpus(self.cfg.data, shape.seq_len)

@@ -26,8 +26,8 @@ __all__ = ["Heartbeat", "RunRecords", "start_dht"]
 
 logger = logging.getLogger(__name__)
 
-MEMBER_TTL_S = 8.0
-HEARTBEAT_S = 2.0
+MEMBER_TTL_S = 15.0
+HEARTBEAT_S = 5.0
 ROUND_RECORD_TTL_S = 600.0
 
 

@@ -30,7 +30,7 @@ import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
-from ..config import Config, config_hash, to_dict
+from ..config import Config, config_hash, shared_fields
 from ..errors import AdmissionError
 from ..outer import AveragingResult, state_hash
 from ..wire import swarm_pb2
@@ -40,17 +40,6 @@ from .dht import HEARTBEAT_S, MEMBER_TTL_S, Heartbeat, Member, RunRecords, reach
 __all__ = ["SwarmStage"]
 
 logger = logging.getLogger(__name__)
-
-
-def shared_config_json(cfg: Config) -> str:
-    from ..config import _LOCAL_FIELDS  # the fields config_hash leaves out
-
-    shared = to_dict(cfg)
-    for section, names in _LOCAL_FIELDS.items():
-        for name in names:
-            shared[section].pop(name)
-    shared["outer"]["lr"] = cfg.outer.effective_lr
-    return json.dumps(shared, sort_keys=True)
 
 
 def config_diff(ours: str, theirs: str) -> list[str]:
@@ -87,7 +76,7 @@ class SwarmStage:
     ):
         self.cfg, self.stage, self.sw = cfg, stage, cfg.swarm
         self.config_hash = config_hash(cfg)
-        self.shared_json = shared_config_json(cfg)
+        self.shared_json = json.dumps(shared_fields(cfg), sort_keys=True)
         self.dht = start_dht(
             cfg.swarm, stage=stage, identity_path=run_dir / "identity" / f"stage{stage}.key", extra_peers=extra_peers
         )
@@ -125,6 +114,8 @@ class SwarmStage:
         self._suspects: dict[str, float] = {}  # peer id -> DHT time it failed in an all-reduce
         self._running: tuple[int, Any] | None = None  # (round, hivemind StepControl) of the all-reduce in flight
         self._abandon_below = -1  # all-reduces of earlier rounds are abandoned (this peer caught up)
+        self._published: tuple[int, str] | None = None  # the last boundary hash published (checked one round later)
+        self._epoch = 0  # bumped when the state is replaced; checks of older states are void
         self._jobs: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._repair: tuple[int, str, list[str]] | None = None
@@ -371,11 +362,22 @@ class SwarmStage:
 
     # ----- round records and repair -------------------------------------------------------------------
     def publish_boundary(self, boundary: int, theta_hash: str, *, group_size: int, coverage: float) -> None:
-        """Publish the hash held at `boundary`, then check it against the others in the background."""
+        """Publish the hash held at `boundary`; check the previous boundary's hashes in the background.
+
+        The check runs one boundary late, when every worker has published its own record,
+        so it costs one DHT lookup per round instead of polling.
+        """
         self.records.publish_round(boundary, theta_hash, group_size=group_size, coverage=coverage)
-        threading.Thread(
-            target=self._check_boundary, args=(boundary, theta_hash), name=f"check-{boundary}", daemon=True
-        ).start()
+        previous, self._published = self._published, (boundary, theta_hash)
+        if previous is not None:
+            args = (*previous, self._epoch)
+            threading.Thread(target=self._check_boundary, args=args, name="check", daemon=True).start()
+
+    def forget_checks(self) -> None:
+        """The state was replaced: earlier hashes say nothing about it any more."""
+        with self._lock:
+            self._epoch += 1
+            self._published, self._repair = None, None
 
     def boundary_hashes(self, boundary: int, theta_hash: str, *, timeout: float) -> dict[str, str]:
         """The hashes workers hold at `boundary` (this one's included), waiting up to `timeout`
@@ -390,23 +392,29 @@ class SwarmStage:
             expected = {m.peer_id for m in self.members(training_only=True)}
             if expected <= set(hashes) or time.monotonic() >= deadline:
                 break
-            time.sleep(0.3)
+            time.sleep(0.5)
             self._refresh_members()
         hashes[self.peer_id] = theta_hash
         return hashes
 
-    def _check_boundary(self, boundary: int, theta_hash: str) -> None:
-        hashes = self.boundary_hashes(boundary, theta_hash, timeout=self.sw.round_wait)
+    def _check_boundary(self, boundary: int, theta_hash: str, epoch: int) -> None:
+        try:
+            hashes = self.records.round_hashes(boundary)
+        except Exception as e:
+            logger.debug("round record lookup failed: %s", e)
+            return
+        hashes[self.peer_id] = theta_hash
         winner = majority_hash(hashes)
         if winner is not None and winner != theta_hash:
             holders = sorted(p for p, h in hashes.items() if h == winner)
             logger.warning(
-                "theta_g at boundary %d differs from the majority (%d of %d workers hold %s, this one %s): "
-                "repairing at the next boundary",
+                "theta_g at round %d differed from the majority (%d of %d workers hold %s, this one %s): "
+                "resyncing at the next round",
                 boundary, len(holders), len(hashes), winner[:12], theta_hash[:12],
             )
             with self._lock:
-                self._repair = (boundary, winner, holders)
+                if epoch == self._epoch:
+                    self._repair = (boundary, winner, holders)
 
     def take_repair(self) -> tuple[int, str, list[str]] | None:
         with self._lock:

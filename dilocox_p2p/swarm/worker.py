@@ -140,6 +140,7 @@ class SwarmStageWorker(StageWorker):
             result = self.swarm.fetch_state(target, holders) if holders else None
             if all(self._all_gather(result is not None)):
                 self.swarm.abandon_before(target)
+                self.swarm.forget_checks()
                 self._install(result)
                 self._publish(target)
                 if self.lead:

@@ -40,3 +40,14 @@ def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupt
     assert [r["round"] for r in got] == list(range(6))  # rounds after the checkpoint were trained again
     assert got[-1]["stage_hashes"] == want[-1]["stage_hashes"]
     assert [r["stage_hashes"] for r in got] == [r["stage_hashes"] for r in want]
+
+
+def test_a_peer_with_middle_stages_and_no_swarm_trains_and_evaluates(tmp_path):
+    # stages 1 and 2 read no data: they must still run the schedule for every batch
+    peer = Peer(tmp_path / "four", ["--stages", "4", "--rounds", "2", "--inner-steps", "5", "--no-swarm"])
+    assert peer.wait(timeout=180) == 0, peer.output()
+    records = peer.metrics()
+    assert [r["round"] for r in records] == [0, 1]
+    assert len(records[-1]["stage_hashes"]) == 4
+    assert records[-1]["val_loss"] < json.loads((peer.run_dir / "run.json").read_text())["initial_val_loss"]
+    assert not (peer.run_dir / "multiaddrs.txt").exists()  # no DHT was started

@@ -334,3 +334,10 @@ def test_a_section_built_in_code_rejects_a_value_outside_its_choices():
 def test_an_initial_peer_must_be_a_whole_multiaddr(maddr, message):
     with pytest.raises(ConfigError, match=rf"swarm\.initial_peers = '{maddr}': {message}"):
         load_config(overrides={"swarm.initial_peers": [maddr]})
+
+
+def test_the_example_peer_config_loads():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "peer" / "example.toml")
+    assert cfg.model.preset == "small" and cfg.swarm.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)

@@ -1,0 +1,54 @@
+"""What every benchmark result carries: the command, the machine, versions and the date."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    import hivemind
+    import numpy
+    import torch
+
+    import dilocox_p2p
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu": cpu,
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "hivemind": hivemind.__version__,
+            "numpy": numpy.__version__,
+            "dilocox_p2p": dilocox_p2p.__version__,
+        },
+    }
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({**environment(), **payload}, indent=2) + "\n")
+    return path
