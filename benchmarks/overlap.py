@@ -116,6 +116,8 @@ def main() -> int:
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--rate-mbit", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--keep", metavar="DIR", help="keep the peers' run dirs here (default: a temp dir)")
     args = parser.parse_args()
     from dilocox_p2p.config import load_config
 
@@ -123,12 +125,16 @@ def main() -> int:
     tokens_per_round = args.inner_steps * cfg.inner.batch_size * cfg.model.shape.seq_len
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in VARIANTS:
+        tmp = args.keep or tmp
+        for variant in args.variants:
             results[variant] = summarize(run_variant(args, variant, Path(tmp)), tokens_per_round)
             print(f"{variant:9s} {results[variant]['tokens_per_s']:9,.0f} tokens/s per peer, "
                   f"wait {results[variant]['mean_seconds_comm_wait_per_round']:.2f} s/round", flush=True)
+    if "disabled" not in results:
+        print(json.dumps(results, indent=2))
+        return 0
     base = results["disabled"]["tokens_per_s"]
-    ratios = {v: results[v]["tokens_per_s"] / base for v in VARIANTS}
+    ratios = {v: results[v]["tokens_per_s"] / base for v in results}
     plot(results, RESULTS / "overlap.png")
     path = write_result("overlap", {
         "config": vars(args),

@@ -252,6 +252,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         return 1.0 - sum(hi - lo for lo, hi in spans) / total
 
 
+async def _keep_group_key(group_info: GroupInfo) -> None:
+    return None
+
+
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
 
@@ -306,6 +310,9 @@ class DilocoxAverager(DecentralizedAverager):
         try:
             mm = self._matchmaking
             mm.group_key_manager.group_bits = round_group_bits(round)
+            # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
+            # size); the bits here are set per round, so that update is switched off
+            mm.group_key_manager.update_key_on_group_assembled = _keep_group_key
             mm.target_group_size = mm.potential_leaders.target_group_size = target
             mm.group_key_manager.target_group_size = target
             self._current_round = round

@@ -145,17 +145,22 @@ class Heartbeat:
         self._record = record
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._now = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def start(self) -> None:
         self.beat()
         self._thread.start()
 
-    def update(self, **fields: Any) -> None:
+    def update(self, *, wait: bool = True, **fields: Any) -> None:
+        """Change fields of the record and publish it (in the heartbeat thread unless `wait`)."""
         with self._lock:
             for name, value in fields.items():
                 setattr(self._record, name, value)
-        self.beat()
+        if wait:
+            self.beat()
+        else:
+            self._now.set()
 
     def beat(self) -> None:
         with self._lock:
@@ -167,12 +172,16 @@ class Heartbeat:
             logger.debug("heartbeat failed: %s", e)
 
     def _loop(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            self.beat()
+        while not self._stop.is_set():
+            self._now.wait(HEARTBEAT_S)
+            self._now.clear()
+            if not self._stop.is_set():
+                self.beat()
 
     def stop(self, *, leave: bool = True) -> None:
         """Stop beating; with `leave`, tell the others this worker no longer trains."""
         self._stop.set()
+        self._now.set()
         self._thread.join(timeout=5)
         if leave:
             with self._lock:

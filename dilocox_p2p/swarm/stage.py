@@ -129,7 +129,7 @@ class SwarmStage:
     def start(self) -> None:
         self.records.publish_config(self.config_hash, self.shared_json)
         self.heartbeat.start()
-        self._refresh_members()
+        self.refresh_members()
         for thread in self._threads:
             thread.start()
 
@@ -151,7 +151,7 @@ class SwarmStage:
         self.dht.shutdown()
 
     # ----- membership ------------------------------------------------------------------------
-    def _refresh_members(self) -> None:
+    def refresh_members(self) -> None:
         try:
             members = self.records.members()
         except Exception as e:
@@ -169,7 +169,7 @@ class SwarmStage:
 
     def _watch_members(self) -> None:
         while not self._closed.wait(HEARTBEAT_S):
-            self._refresh_members()
+            self.refresh_members()
 
     def members(self, *, training_only: bool = False, others_only: bool = True) -> list[Member]:
         """Live members of this stage with this run's config (from the last refresh)."""
@@ -188,7 +188,7 @@ class SwarmStage:
 
     def check_admission(self) -> None:
         """Refuse to join a run whose oldest live member has another config hash."""
-        self._refresh_members()
+        self.refresh_members()
         with self._lock:
             others = [m for m in self._members if m.peer_id != self.peer_id and m.record.training]
         if not others:
@@ -209,7 +209,7 @@ class SwarmStage:
         deadline = time.monotonic() + timeout
         last_log = 0.0
         while True:
-            self._refresh_members()
+            self.refresh_members()
             n = len(self.members(others_only=False))
             if n >= count or time.monotonic() >= deadline:
                 return n
@@ -220,11 +220,12 @@ class SwarmStage:
 
     def set_state(self, boundary: int, *, ready: bool, training: bool = True) -> None:
         self.averager.set_state_boundary(boundary, ready)
-        self.heartbeat.update(boundary=boundary, state_ready=ready, training=training)
+        self.heartbeat.update(boundary=boundary, state_ready=ready, training=training, wait=False)
 
     # ----- the Averager protocol ---------------------------------------------------------------------
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int, weight: float) -> Future[AveragingResult]:
         future: Future[AveragingResult] = Future()
+        self.heartbeat.update(averaging_round=round, wait=False)  # tells the others this round is ready to average
         if not self.members():  # nobody else in the run: the average of one, at once (and deterministic)
             future.set_result(AveragingResult(tensors=list(tensors), group_size=1))
         else:
@@ -241,8 +242,7 @@ class SwarmStage:
                 future.set_result(AveragingResult(tensors=tensors, group_size=1, note="abandoned"))
                 continue
             try:
-                self._refresh_members()
-                expected = 1 + len(self.members(training_only=True))
+                expected = 1 + self._wait_for_round(round)
                 if expected <= 1:
                     result = AveragingResult(tensors=tensors, group_size=1)
                 else:
@@ -253,6 +253,24 @@ class SwarmStage:
                 future.set_result(
                     AveragingResult(tensors=tensors, group_size=1, note=f"internal error: {e!r}", fallback=True)
                 )
+
+    def _wait_for_round(self, round: int) -> int:
+        """Wait (bounded by round_wait, one DHT lookup per half second) until every live training
+        member of the stage has started this round's all-reduce; return how many others train.
+
+        Matchmaking then finds everyone at once. Entering hivemind's matchmaking early instead
+        makes it poll the DHT in a tight loop for as long as the slowest peer needs (measured:
+        most of a CPU core on a 2-core machine while a peer is one round behind).
+        """
+        deadline = time.monotonic() + self.sw.round_wait
+        while True:
+            self.refresh_members()
+            others = self.members(training_only=True)
+            if all(m.record.averaging_round >= round for m in others) or time.monotonic() >= deadline:
+                return len(others)
+            if round < self._abandon_below or self._closed.is_set():
+                return len(others)
+            time.sleep(0.5)
 
     def _average(self, tensors: list[torch.Tensor], round: int, weight: float, expected: int) -> AveragingResult:
         with self.averager.get_tensors() as buffers:
@@ -308,7 +326,7 @@ class SwarmStage:
                 pass
             if control.stage != AveragingStage.LOOKING_FOR_GROUP or time.monotonic() - started < self.sw.round_wait / 4:
                 continue
-            self._refresh_members()
+            self.refresh_members()
             if any(self._finished(m, round) for m in self.members(training_only=True)):
                 logger.info("round %d: the stage group averaged without this worker; taking its result", round)
                 control.cancel()
@@ -324,7 +342,7 @@ class SwarmStage:
         self, tensors: list[torch.Tensor], round: int, failure: str, window_start: float
     ) -> AveragingResult:
         """This worker's all-reduce failed: take its group's average from a member if there is one."""
-        self._refresh_members()
+        self.refresh_members()
         members = sorted(self.members(training_only=True), key=lambda m: not self._finished(m, round))
         for member in members:
             got = self.averager.download_average(
@@ -393,7 +411,7 @@ class SwarmStage:
             if expected <= set(hashes) or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
-            self._refresh_members()
+            self.refresh_members()
         hashes[self.peer_id] = theta_hash
         return hashes
 

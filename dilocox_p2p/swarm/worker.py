@@ -127,12 +127,15 @@ class SwarmStageWorker(StageWorker):
         the peer continues from, or None if nobody could serve a state.
         """
         for attempt in range(RESYNC_ATTEMPTS):
+            if attempt:
+                time.sleep(0.5 * attempt)
+            self.swarm.refresh_members()
             donors = [m for m in self.swarm.donors() if m.record.boundary >= boundary]
             ready = [m.record.boundary for m in donors if m.record.state_ready]
             local = max(ready or [m.record.boundary for m in donors] or [-1])
             target = max(self._all_gather(local))
             if target < 0:
-                return None
+                continue  # the others' records may not show this boundary yet
             hashes = self.swarm.records.round_hashes(target)
             winner = majority_hash({p: h for p, h in hashes.items() if p != self.swarm.peer_id})
             at_target = [m.peer_id for m in self.swarm.donors(target) if m.record.boundary == target]
@@ -146,8 +149,6 @@ class SwarmStageWorker(StageWorker):
                 if self.lead:
                     logger.info("took the swarm's state of round %d (was at %d)", target, boundary)
                 return target
-            time.sleep(0.5)
-            self.swarm._refresh_members()
         if self.lead:
             logger.warning("could not take the swarm's state after %d attempts; training on from round %d",
                            RESYNC_ATTEMPTS, boundary)
@@ -198,7 +199,7 @@ class SwarmStageWorker(StageWorker):
             if all(hashes.get(p) == ours for p in others):
                 return
             time.sleep(0.5)
-            self.swarm._refresh_members()
+            self.swarm.refresh_members()
         logger.info("left with workers of stage %d still on another state at the final round", self.stage)
 
     def after_boundary(self, boundary: int, theta_hash: str, outcome: RoundOutcome) -> None:
