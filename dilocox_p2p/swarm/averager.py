@@ -299,9 +299,11 @@ class DilocoxAverager(DecentralizedAverager):
         self._outer_pipe.send(("_prepare_round", [], dict(round=round, target=target_group_size, future=future)))
         future.result()
 
-    def download_round(self, peer_id: str, boundary: int, *, wait_s: float, timeout: float) -> StateDownload:
+    def download_round(
+        self, peer_id: str, boundary: int, *, wait_s: float, timeout: float, at_least: bool = False
+    ) -> StateDownload:
         future = MPFuture()
-        kwargs = dict(peer_id=peer_id, boundary=boundary, wait_s=wait_s, timeout=timeout, future=future)
+        kwargs = dict(peer_id=peer_id, boundary=boundary, wait_s=wait_s, timeout=timeout, at_least=at_least, future=future)
         self._outer_pipe.send(("_download_round", [], kwargs))
         return future.result(timeout=timeout + wait_s + 10)
 
@@ -366,7 +368,8 @@ class DilocoxAverager(DecentralizedAverager):
     async def rpc_download_round(
         self, request: swarm_pb2.StateRequest, context: P2PContext
     ) -> AsyncIterator[swarm_pb2.StateChunk]:
-        """Stream this worker's state at `request.boundary`, waiting up to `wait_s` for it."""
+        """Stream this worker's state at `request.boundary` (or later, with `at_least`),
+        waiting up to `wait_s` for it to be complete."""
         header = swarm_pb2.StateHeader(status=swarm_pb2.STATE_REFUSED)
         if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
             header.reason = "another run, config or stage"
@@ -375,14 +378,15 @@ class DilocoxAverager(DecentralizedAverager):
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 600.0)
         while True:
             boundary, ready = self._boundary.value, self._state_ready.value
-            if boundary > request.boundary:
+            if boundary > request.boundary and not request.at_least:
                 header.status, header.boundary = swarm_pb2.STATE_GONE, boundary
                 yield swarm_pb2.StateChunk(header=header)
                 return
-            if boundary == request.boundary and ready:
+            if boundary >= request.boundary and ready:
                 blob, tensors, _ = await self._get_current_state_from_host_process()
                 metadata = self.serializer.loads(blob)
-                if metadata.get("boundary") == request.boundary:
+                got = metadata.get("boundary", -1)
+                if got == request.boundary or (request.at_least and got > request.boundary):
                     break
             if time.monotonic() >= deadline:
                 header.status, header.boundary = swarm_pb2.STATE_NOT_READY, boundary
@@ -403,18 +407,24 @@ class DilocoxAverager(DecentralizedAverager):
                 yield swarm_pb2.StateChunk(tensor_part=part.SerializeToString())
 
     async def _download_round(
-        self, peer_id: str, boundary: int, wait_s: float, timeout: float, future: MPFuture
+        self, peer_id: str, boundary: int, wait_s: float, timeout: float, at_least: bool, future: MPFuture
     ) -> None:
         try:
-            future.set_result(await asyncio.wait_for(self._fetch_round(peer_id, boundary, wait_s), timeout + wait_s))
+            fetch = self._fetch_round(peer_id, boundary, wait_s, at_least)
+            future.set_result(await asyncio.wait_for(fetch, timeout + wait_s))
         except Exception as e:
             if not future.done():
                 future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=repr(e)))
 
-    async def _fetch_round(self, peer_id: str, boundary: int, wait_s: float) -> StateDownload:
+    async def _fetch_round(self, peer_id: str, boundary: int, wait_s: float, at_least: bool) -> StateDownload:
         stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
         request = swarm_pb2.StateRequest(
-            run_id=self.run_id, config_hash=self.config_hash, stage=self.stage, boundary=boundary, wait_s=wait_s
+            run_id=self.run_id,
+            config_hash=self.config_hash,
+            stage=self.stage,
+            boundary=boundary,
+            wait_s=wait_s,
+            at_least=at_least,
         )
         return await _read_state_stream(await stub.rpc_download_round(request), peer_id)
 

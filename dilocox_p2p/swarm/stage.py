@@ -444,11 +444,12 @@ class SwarmStage:
         members = [m for m in self.members(training_only=True) if boundary is None or m.record.boundary <= boundary]
         return sorted(members, key=lambda m: (-m.record.boundary, not m.record.state_ready, m.record.joined_at))
 
-    def fetch_state(self, boundary: int, donors: Sequence[str]) -> StateDownload | None:
-        """Download the state at `boundary` from the first donor that has it; None if none did."""
+    def fetch_state(self, boundary: int, donors: Sequence[str], *, at_least: bool = False) -> StateDownload | None:
+        """Download the state at `boundary` (or later, with `at_least`) from the first donor that
+        serves it; None if none did."""
         for donor in donors:
             result = self.averager.download_round(
-                donor, boundary, wait_s=self.sw.allreduce_timeout, timeout=self.sw.state_timeout
+                donor, boundary, wait_s=self.sw.allreduce_timeout, timeout=self.sw.state_timeout, at_least=at_least
             )
             if result.status != swarm_pb2.STATE_OK:
                 status = swarm_pb2.StateStatus.Name(result.status) if result.status >= 0 else "error"

@@ -122,37 +122,43 @@ class SwarmStageWorker(StageWorker):
     def _resync(self, boundary: int) -> int | None:
         """All stages of this peer take the swarm's state at one common boundary >= `boundary`.
 
-        The boundary is the newest one a live worker of each stage can serve (ready first),
-        the donors are the holders of that boundary's majority hash. Returns the boundary
+        Each stage asks its donors (holders of the majority hash first) for their current
+        complete state at or after the boundary the stages agreed on; if the stages got
+        different boundaries, those behind ask again for the newest one. Returns the boundary
         the peer continues from, or None if nobody could serve a state.
         """
+        result: StateDownload | None = None
         for attempt in range(RESYNC_ATTEMPTS):
             if attempt:
                 time.sleep(0.5 * attempt)
             self.swarm.refresh_members()
             donors = [m for m in self.swarm.donors() if m.record.boundary >= boundary]
-            ready = [m.record.boundary for m in donors if m.record.state_ready]
-            local = max(ready or [m.record.boundary for m in donors] or [-1])
-            target = max(self._all_gather(local))
+            local = max([m.record.boundary for m in donors] or [-1])
+            target = max(self._all_gather(max(local, result.boundary if result else -1)))
             if target < 0:
                 continue  # the others' records may not show this boundary yet
-            hashes = self.swarm.records.round_hashes(target)
-            winner = majority_hash({p: h for p, h in hashes.items() if p != self.swarm.peer_id})
-            at_target = [m.peer_id for m in self.swarm.donors(target) if m.record.boundary == target]
-            holders = [p for p in at_target if winner is None or hashes.get(p) == winner] or at_target
-            result = self.swarm.fetch_state(target, holders) if holders else None
-            if all(self._all_gather(result is not None)):
-                self.swarm.abandon_before(target)
+            if result is None or result.boundary < target:
+                result = self.swarm.fetch_state(target, self._donor_order(donors, target), at_least=True)
+            got = self._all_gather(result.boundary if result is not None else -1)
+            if min(got) >= 0 and len(set(got)) == 1:
+                self.swarm.abandon_before(result.boundary)
                 self.swarm.forget_checks()
                 self._install(result)
-                self._publish(target)
+                self._publish(result.boundary)
                 if self.lead:
-                    logger.info("took the swarm's state of round %d (was at %d)", target, boundary)
-                return target
+                    logger.info("took the swarm's state of round %d (was at %d)", result.boundary, boundary)
+                return result.boundary
         if self.lead:
             logger.warning("could not take the swarm's state after %d attempts; training on from round %d",
                            RESYNC_ATTEMPTS, boundary)
         return None
+
+    def _donor_order(self, donors: list[Any], target: int) -> list[str]:
+        """Donors holding the majority hash of their boundary first, the most advanced first."""
+        hashes = self.swarm.records.round_hashes(target)
+        winner = majority_hash({p: h for p, h in hashes.items() if p != self.swarm.peer_id})
+        ranked = sorted(donors, key=lambda m: (hashes.get(m.peer_id, winner) != winner, -m.record.boundary))
+        return [m.peer_id for m in ranked]
 
     def _install(self, download: StateDownload) -> None:
         n = len(self.outer.theta_g)
