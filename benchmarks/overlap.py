@@ -9,7 +9,7 @@ swarm trains three times: `delayed` (DiLoCoX: the all-reduce of round t runs dur
 round t+1), `sync` (DiLoCo: each peer waits for it) and averaging disabled (each peer
 alone, `--no-swarm`: the upper bound). Throughput of a peer = tokens of rounds 1..R-1
 over their wall time; the target is delayed >= 0.95 x disabled.
-Writes benchmarks/results/overlap.json and overlap.png.
+Writes benchmarks/results/<name>.json and <name>.png (default name: overlap).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
 from benchmarks.netlab import NetLab  # noqa: E402
+from dilocox_p2p.launch import wait_for_multiaddrs  # noqa: E402
 
 VARIANTS = ("disabled", "delayed", "sync")
 
@@ -62,13 +62,8 @@ def run_variant(args: argparse.Namespace, variant: str, tmp: Path) -> list[list[
     ]
 
 
-def _first_maddr(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> str:
-    path, deadline = run_dir / "multiaddrs.txt", time.monotonic() + timeout
-    while not (path.exists() and path.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the first peer did not announce itself:\n{(run_dir.parent / 'peer0.out').read_text()}")
-        time.sleep(0.2)
-    return path.read_text().split()[0]
+def _first_maddr(run_dir: Path, proc: subprocess.Popen) -> str:
+    return wait_for_multiaddrs(run_dir, alive=lambda: proc.poll() is None)[0]
 
 
 def summarize(records: list[list[dict]], tokens_per_round: int) -> dict:
@@ -118,6 +113,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--keep", metavar="DIR", help="keep the peers' run dirs here (default: a temp dir)")
+    parser.add_argument("--name", default="overlap", help="result file name under benchmarks/results/")
     args = parser.parse_args()
     from dilocox_p2p.config import load_config
 
@@ -135,8 +131,8 @@ def main() -> int:
         return 0
     base = results["disabled"]["tokens_per_s"]
     ratios = {v: results[v]["tokens_per_s"] / base for v in results}
-    plot(results, RESULTS / "overlap.png")
-    path = write_result("overlap", {
+    plot(results, RESULTS / f"{args.name}.png")
+    path = write_result(args.name, {
         "config": vars(args),
         "link": f"tc tbf {args.rate_mbit} Mbit/s each way per peer, no added latency",
         "results": results,

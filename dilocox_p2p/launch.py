@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -34,7 +35,7 @@ from .errors import CheckpointError, ConfigError, DilocoxError
 from .logs import init_logging
 from .worker import StageWorker, WorkerSpec, resolve_device
 
-__all__ = ["prepare_run_dir", "run_peer"]
+__all__ = ["prepare_run_dir", "run_peer", "wait_for_multiaddrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,3 +214,20 @@ def _run_under_torchrun(cfg: Config, *, resume: bool, factory: WorkerFactory) ->
     spec = WorkerSpec(cfg=cfg, stage=rank, resume=resume, data_seed=int(message[0]))
     return _run_stage(spec, factory)
 
+
+
+def wait_for_multiaddrs(run_dir: Path, *, alive: Callable[[], bool], timeout: float = 120.0) -> list[str]:
+    """The multiaddrs a starting peer writes to RUN_DIR/multiaddrs.txt (reachable ones first).
+
+    `alive` tells whether the peer is still running; raises DilocoxError if it exits or
+    `timeout` passes before the file appears.
+    """
+    path = Path(run_dir) / "multiaddrs.txt"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().split()
+        if not alive():
+            raise DilocoxError(f"the peer in {run_dir} exited before announcing its multiaddrs")
+        time.sleep(0.2)
+    raise DilocoxError(f"the peer in {run_dir} did not announce its multiaddrs within {timeout:.0f}s")

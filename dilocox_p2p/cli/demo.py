@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..config import load_config
 from ..errors import DilocoxError
+from ..launch import wait_for_multiaddrs
 from ..metrics import read_metrics
 from .plot import plot_runs
 
@@ -65,16 +66,8 @@ class _Peer:
             if "round " in line or "ERROR" in line or "error" in line or line.startswith("  /"):
                 print(f"[{self.name}] {line}", flush=True)
 
-    def maddrs(self, timeout: float = 120.0) -> list[str]:
-        path = self.run_dir / "multiaddrs.txt"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if path.exists() and path.read_text().strip():
-                return path.read_text().split()
-            if self.proc.poll() is not None:
-                raise DilocoxError(f"{self.name} exited with code {self.proc.returncode}: {self.lines[-1:]}")
-            time.sleep(0.2)
-        raise DilocoxError(f"{self.name} did not start its DHT within {timeout:.0f}s")
+    def maddrs(self) -> list[str]:
+        return wait_for_multiaddrs(self.run_dir, alive=lambda: self.proc.poll() is None)
 
 
 def main(args: argparse.Namespace) -> int:

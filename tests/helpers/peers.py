@@ -15,6 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from dilocox_p2p.errors import DilocoxError
+from dilocox_p2p.launch import wait_for_multiaddrs
+
 PEER_ARGS = [
     "--preset", "tiny",
     "--stages", "2",
@@ -53,15 +56,10 @@ class Peer:
         return records
 
     def maddrs(self, timeout: float = 60.0) -> list[str]:
-        path = self.run_dir / "multiaddrs.txt"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if path.exists() and path.read_text().strip():
-                return path.read_text().split()
-            if self.proc.poll() is not None:
-                raise AssertionError(f"peer exited with {self.proc.returncode} before announcing:\n{self.output()}")
-            time.sleep(0.2)
-        raise AssertionError(f"no multiaddrs from {self.run_dir} in {timeout}s:\n{self.output()}")
+        try:
+            return wait_for_multiaddrs(self.run_dir, alive=lambda: self.proc.poll() is None, timeout=timeout)
+        except DilocoxError as e:
+            raise AssertionError(f"{e}:\n{self.output()}") from None
 
     def wait_for_round(self, round: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
+import multiaddr
 import pytest
 
 from benchmarks.netlab import NetLab
+from dilocox_p2p.launch import wait_for_multiaddrs
 
 pytestmark = pytest.mark.netns
 
@@ -36,12 +37,8 @@ def test_two_peers_in_separate_namespaces_average_over_a_shaped_link(tmp_path):
         logs = [open(tmp_path / f"peer{i}.out", "w") for i in range(2)]
         first = lab.popen(0, [*common, "--run-dir", str(tmp_path / "peer0"), "--data-seed", "0"],
                           stdout=logs[0], stderr=subprocess.STDOUT)
-        maddrs = tmp_path / "peer0" / "multiaddrs.txt"
-        deadline = time.monotonic() + 120
-        while not (maddrs.exists() and maddrs.read_text().strip()):
-            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "peer0.out").read_text()
-            time.sleep(0.2)
-        announced = maddrs.read_text().split()[0]
+        announced = wait_for_multiaddrs(tmp_path / "peer0", alive=lambda: first.poll() is None)[0]
+        multiaddr.Multiaddr(announced)  # what the peer prints parses with the multiaddr package
         assert announced.startswith(f"/ip4/{lab.ip(0)}/tcp/"), f"first address is not the reachable one: {announced}"
         second = lab.popen(1, [*common, "--run-dir", str(tmp_path / "peer1"), "--data-seed", "1",
                                "--initial-peers", announced], stdout=logs[1], stderr=subprocess.STDOUT)
