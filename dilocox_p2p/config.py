@@ -251,7 +251,8 @@ class SwarmConfig:
     announce_maddrs: tuple[str, ...] = ()
     """Addresses other machines should use to reach this peer (public IP, NAT mapping)."""
     min_group_size: int = 2
-    """Fewest peers an all-reduce may run with; below it the round falls back to the local delta."""
+    """Fewest peers an all-reduce may run with; a worker that finds no such group takes the average its
+    stage group computed without it, or (if there is none) its own pseudo-gradient."""
     min_peers: int = 1
     """Wait before the first round until this many peers (this one included) are in the run."""
     peer_wait: float = 600.0

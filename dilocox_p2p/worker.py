@@ -111,12 +111,16 @@ class StageWorker:
         dist.gather_object(item, out, dst=0, group=self.control_group)
         return out
 
-    def _sum_over_stages(self, value: int) -> int:
+    def _all_gather(self, item: Any) -> list[Any]:
+        """`item` from every stage of this peer, in stage order, on every stage."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return value
+            return [item]
         out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value, group=self.control_group)
-        return sum(out)
+        dist.all_gather_object(out, item, group=self.control_group)
+        return out
+
+    def _sum_over_stages(self, value: int) -> int:
+        return sum(self._all_gather(value))
 
     # ----- state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -85,6 +85,7 @@ class StateDownload:
     pending_group_size: int = 0
     donor: str = ""
     reason: str = ""
+    coverage: float = 1.0
 
 
 class _CountingStub:
@@ -274,7 +275,7 @@ class DilocoxAverager(DecentralizedAverager):
         self._state_provider: StateProvider | None = None
         self._current_round = -1
         self._last_stats = RoundStats()
-        self._recent: dict[int, tuple[list[torch.Tensor], int]] = {}  # round -> (average, group size), averager process
+        self._recent: dict[int, tuple[list[torch.Tensor], int, float]] = {}  # round -> (average, group size, coverage)
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # ----- host side --------------------------------------------------------------------
@@ -352,7 +353,7 @@ class DilocoxAverager(DecentralizedAverager):
         for tensor, averaged in zip(tensors, outputs):
             tensor.copy_(averaged)
         peers = list(group_info.peer_ids)
-        self._recent[self._current_round] = (outputs, len(peers))
+        self._recent[self._current_round] = (outputs, len(peers), coverage)
         for old in sorted(self._recent)[:-KEEP_AVERAGES]:
             del self._recent[old]
         self._last_stats = RoundStats(
@@ -463,9 +464,13 @@ class DilocoxAverager(DecentralizedAverager):
             header.status = swarm_pb2.STATE_NOT_READY
             yield swarm_pb2.StateChunk(header=header)
             return
-        tensors, group_size = self._recent[request.round]
+        tensors, group_size, coverage = self._recent[request.round]
         header = swarm_pb2.StateHeader(
-            status=swarm_pb2.STATE_OK, boundary=request.round, n_tensors=len(tensors), pending_group_size=group_size
+            status=swarm_pb2.STATE_OK,
+            boundary=request.round,
+            n_tensors=len(tensors),
+            pending_group_size=group_size,
+            coverage=coverage,
         )
         yield swarm_pb2.StateChunk(header=header)
         for tensor in tensors:
@@ -502,4 +507,5 @@ async def _read_state_stream(stream: AsyncIterator[swarm_pb2.StateChunk], peer_i
         pending_group_size=header.pending_group_size,
         donor=peer_id,
         reason=header.reason,
+        coverage=header.coverage,
     )

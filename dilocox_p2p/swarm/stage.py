@@ -298,6 +298,10 @@ class SwarmStage:
         stats = out["stats"]
         self._suspect(stats.failed_reducers + stats.banned_senders)
         if stats.coverage < 1.0:
+            better = self._better_group_average(round, stats)
+            if better is not None:
+                averaged, stats.coverage = better.tensors, better.coverage
+        if stats.coverage < 1.0:
             logger.warning(
                 "round %d: reducers %s failed; %.1f%% of coordinates averaged, the rest not updated on any member",
                 round, ", ".join(stats.failed_reducers), 100 * stats.coverage,
@@ -315,6 +319,23 @@ class SwarmStage:
             peers=tuple(stats.group),
             window=(window_start, time.time()),
         )
+
+    def _better_group_average(self, round: int, stats: Any) -> StateDownload | None:
+        """Some reducers' parts never reached this worker. If they reached another member, take that
+        member's (more complete) average: then the whole group holds the same one. If a reducer really
+        died, every member lacks the same parts and keeps its own, identical, average."""
+        failed = set(stats.failed_reducers)
+        for peer in stats.group:
+            if peer == self.peer_id or peer in failed:
+                continue
+            got = self.averager.download_average(peer, round, wait_s=self.sw.chunk_timeout, timeout=self.sw.state_timeout)
+            if got.status == swarm_pb2.STATE_OK and got.coverage > stats.coverage:
+                logger.warning(
+                    "round %d: reducers %s did not reach this worker; took the %.1f%%-complete average from %s",
+                    round, ", ".join(sorted(failed)), 100 * got.coverage, peer,
+                )
+                return got
+        return None
 
     def _wait_for_step(self, control: Any, round: int, started: float) -> Any:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage

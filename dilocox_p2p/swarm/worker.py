@@ -60,14 +60,6 @@ class SwarmStageWorker(StageWorker):
             os.nice(10)
         return self.swarm
 
-    # ----- collectives over this peer's stages -------------------------------------------------
-    def _all_gather(self, item: Any) -> list[Any]:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return [item]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, item, group=self.control_group)
-        return out
-
     # ----- start ----------------------------------------------------------------------------------
     def on_start(self, start: int) -> int:
         swarm = self.swarm
