@@ -265,6 +265,9 @@ class SwarmConfig:
     """A peer that sends no data for this long during an all-reduce is dropped from it."""
     state_timeout: float = 60.0
     """Most seconds a state download (late join, repair) may take."""
+    background_nice: int = 10
+    """Nice levels the swarm's helper processes (DHT, averager, p2p daemon) run below training, so the
+    exchange takes only CPU that training leaves idle; 0 gives them training's priority."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "swarm")
@@ -272,6 +275,8 @@ class SwarmConfig:
             _fail("swarm.min_group_size", self.min_group_size, "must be at least 1")
         if self.min_peers < 1:
             _fail("swarm.min_peers", self.min_peers, "must be at least 1")
+        if not 0 <= self.background_nice <= 19:
+            _fail("swarm.background_nice", self.background_nice, "must be 0..19 (nice levels)")
         for name in ("peer_wait", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):
             if getattr(self, name) <= 0:
                 _fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")
@@ -315,7 +320,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 _LOCAL_FIELDS = {
     "run": {"run_dir", "checkpoint_every", "device"},
     "data": {"paths", "seed"},
-    "swarm": {"enabled", "initial_peers", "host_maddrs", "announce_maddrs", "min_peers", "peer_wait"},
+    "swarm": {"enabled", "initial_peers", "host_maddrs", "announce_maddrs", "min_peers", "peer_wait", "background_nice"},
     "control": {"progress", "log_level"},
     "inner": {"threads"},
 }

@@ -47,6 +47,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from .. import faults
 from ..wire import swarm_pb2
+from .priority import lower_priority
 
 __all__ = ["DilocoxAverager", "RoundStats", "StateDownload"]
 
@@ -267,9 +268,17 @@ class DilocoxAverager(DecentralizedAverager):
     _stub_type = None
 
     def __init__(
-        self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, config_hash: str, stage: int, **kwargs: Any
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: Any,
+        *,
+        run_id: str,
+        config_hash: str,
+        stage: int,
+        nice: int = 0,
+        **kwargs: Any,
     ):
-        self.run_id, self.config_hash, self.stage = run_id, config_hash, stage
+        self.run_id, self.config_hash, self.stage, self.nice = run_id, config_hash, stage, nice
         self._boundary = mp.Value(ctypes.c_int64, -1)
         self._state_ready = mp.Value(ctypes.c_bool, False)
         self._state_provider: StateProvider | None = None
@@ -277,6 +286,10 @@ class DilocoxAverager(DecentralizedAverager):
         self._last_stats = RoundStats()
         self._recent: dict[int, tuple[list[torch.Tensor], int, float]] = {}  # round -> (average, group size, coverage)
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    def run(self) -> None:
+        lower_priority(self.nice)  # see priority.py: the exchange takes the CPU training leaves idle
+        super().run()
 
     # ----- host side --------------------------------------------------------------------
     def set_state_provider(self, provider: StateProvider) -> None:

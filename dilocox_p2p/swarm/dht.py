@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 from ..config import SwarmConfig
 from ..errors import SwarmError
 from ..wire import decode, encode, swarm_pb2
+from .priority import lower_priority
 
 __all__ = ["Heartbeat", "RunRecords", "start_dht"]
 
@@ -38,6 +39,18 @@ def stage_maddr(maddr: str, stage: int) -> str:
         if parts[i] in ("tcp", "udp") and parts[i + 1].isdigit() and int(parts[i + 1]) != 0:
             parts[i + 1] = str(int(parts[i + 1]) + stage)
     return "/".join(parts)
+
+
+class HelperDHT(hivemind.DHT):
+    """hivemind's DHT process (and the p2p daemon it starts), run `nice` levels below training."""
+
+    def __init__(self, *, nice: int, **kwargs: Any):
+        self.nice = nice
+        super().__init__(**kwargs)
+
+    def run(self) -> None:
+        lower_priority(self.nice)
+        super().run()
 
 
 def start_dht(
@@ -58,7 +71,7 @@ def start_dht(
         identity_path.parent.mkdir(parents=True, exist_ok=True)
         kwargs["identity_path"] = str(identity_path)
     try:
-        return hivemind.DHT(**kwargs)
+        return HelperDHT(nice=cfg.background_nice, **kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if cfg.initial_peers:

@@ -10,7 +10,6 @@ new hash and offer the state to joiners once it is complete.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from typing import Any
@@ -55,9 +54,6 @@ class SwarmStageWorker(StageWorker):
         if not self.lead:
             self.swarm = start(lead_maddrs[0])
         self.swarm.averager.set_state_provider(self._state_for_peers)
-        if self.device.type == "cpu":
-            # the DHT and averager processes (already forked) must not starve behind CPU training
-            os.nice(10)
         return self.swarm
 
     # ----- start ----------------------------------------------------------------------------------
