@@ -11,7 +11,8 @@ alone, `--no-swarm`: the upper bound). Throughput of a peer = tokens of rounds 1
 over their wall time: steady state, without round 0 (start-up) and the last round (in
 `delayed` it also waits for its own average, a once-per-run drain). The target is
 delayed >= 0.95 x disabled. H defaults to 100 inner steps per round (Streaming DiLoCo's
-setting); `--inner-steps 20` is a communication-heavy stress case.
+setting); `--inner-steps 20` is a communication-heavy stress case. Each stage trains
+on one thread and the swarm's helper processes run below training (`--helper-nice 10`).
 Writes benchmarks/results/<name>.json and <name>.png (default name: overlap).
 """
 
@@ -42,7 +43,10 @@ def peer_cmd(args: argparse.Namespace, variant: str, lab: NetLab, host: int, run
     ]
     if variant == "disabled":
         return [*cmd, "--no-swarm"]
-    return [*cmd, "--mode", variant, "--min-peers", str(args.peers), "--round-wait", "30"]
+    return [
+        *cmd, "--mode", variant, "--min-peers", str(args.peers), "--round-wait", "30",
+        "--set", f"swarm.helper_nice={args.helper_nice}",
+    ]
 
 
 def run_variant(args: argparse.Namespace, variant: str, tmp: Path) -> list[list[dict]]:
@@ -114,6 +118,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8, help="at least 3 (steady state is rounds 1..R-2)")
     parser.add_argument("--inner-steps", type=int, default=100)
     parser.add_argument("--rate-mbit", type=float, default=10.0)
+    parser.add_argument("--helper-nice", type=int, default=10,
+                        help="swarm.helper_nice for the averaging variants; 10: the helpers take only idle CPU "
+                             "(one torch thread per stage leaves some); the peers' default is -10")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--keep", metavar="DIR", help="keep the peers' run dirs here (default: a temp dir)")

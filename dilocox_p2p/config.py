@@ -265,9 +265,12 @@ class SwarmConfig:
     """A peer that sends no data for this long during an all-reduce is dropped from it."""
     state_timeout: float = 60.0
     """Most seconds a state download (late join, repair) may take."""
-    background_nice: int = 10
-    """Nice levels the swarm's helper processes (DHT, averager, p2p daemon) run below training, so the
-    exchange takes only CPU that training leaves idle; 0 gives them training's priority."""
+    helper_nice: int = -10
+    """CPU priority of the swarm's helper processes (DHT, p2p daemon, averager) against training, in nice
+    levels. Negative (default): training runs that many levels below the helpers, so all-reduces keep
+    their timeouts even when training keeps every CPU busy. Positive: the helpers run below training and
+    take only the CPU it leaves idle (faster on a machine with spare cores; risks timeouts when there
+    are none). 0: equal."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "swarm")
@@ -275,8 +278,8 @@ class SwarmConfig:
             _fail("swarm.min_group_size", self.min_group_size, "must be at least 1")
         if self.min_peers < 1:
             _fail("swarm.min_peers", self.min_peers, "must be at least 1")
-        if not 0 <= self.background_nice <= 19:
-            _fail("swarm.background_nice", self.background_nice, "must be 0..19 (nice levels)")
+        if not -19 <= self.helper_nice <= 19:
+            _fail("swarm.helper_nice", self.helper_nice, "must be -19..19 (nice levels)")
         for name in ("peer_wait", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):
             if getattr(self, name) <= 0:
                 _fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")
@@ -320,7 +323,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 _LOCAL_FIELDS = {
     "run": {"run_dir", "checkpoint_every", "device"},
     "data": {"paths", "seed"},
-    "swarm": {"enabled", "initial_peers", "host_maddrs", "announce_maddrs", "min_peers", "peer_wait", "background_nice"},
+    "swarm": {"enabled", "initial_peers", "host_maddrs", "announce_maddrs", "min_peers", "peer_wait", "helper_nice"},
     "control": {"progress", "log_level"},
     "inner": {"threads"},
 }

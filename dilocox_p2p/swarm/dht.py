@@ -71,7 +71,7 @@ def start_dht(
         identity_path.parent.mkdir(parents=True, exist_ok=True)
         kwargs["identity_path"] = str(identity_path)
     try:
-        return HelperDHT(nice=cfg.background_nice, **kwargs)
+        return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if cfg.initial_peers:

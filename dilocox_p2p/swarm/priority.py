@@ -1,10 +1,12 @@
-"""CPU priority of the swarm's helper processes.
+"""CPU priority of the swarm's helper processes against training (`swarm.helper_nice`).
 
 The DHT node, its p2p daemon and the averager run beside training in their own processes.
-They need little CPU, but wake up often; at training's priority each wake-up preempts a
-training process, and a pipeline stage that is preempted stalls its neighbours too. Run
-below training, they take the CPU training leaves idle (on a GPU cluster, nearly all of
-it), which is what the one-step delay needs: the exchange has a whole round to finish.
+Where training keeps every CPU busy (CPU training with more threads than cores), helpers at
+training's priority or below starve: all-reduce parts arrive late, reducers look dead and
+rounds time out. So by default training runs below them (helper_nice < 0). Where cores are
+to spare, the opposite is faster: each helper wake-up then preempts a pipeline stage, which
+stalls its neighbours too, while helpers run below training take only idle CPU (measured in
+benchmarks/overlap.py), and the one-step delay gives the exchange a whole round to finish.
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 def lower_priority(nice: int) -> None:
-    """Lower the calling process's priority by `nice` levels; what it starts afterwards inherits it.
-
-    Call first thing in a helper process, before it starts threads (on Linux, nice is per thread).
-    """
+    """Lower the calling thread's priority by `nice` levels; threads and processes it starts afterwards
+    inherit it (on Linux nice is per thread), so call it first thing in a helper process."""
     if nice <= 0:
         return
     try:

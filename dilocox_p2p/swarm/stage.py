@@ -88,7 +88,7 @@ class SwarmStage:
             run_id=cfg.run.run_id,
             config_hash=self.config_hash,
             stage=stage,
-            nice=self.sw.background_nice,
+            nice=max(self.sw.helper_nice, 0),
             prefix=f"{cfg.run.run_id}_{self.config_hash[:16]}_s{stage}",
             start=True,
             min_group_size=self.sw.min_group_size,

@@ -21,6 +21,7 @@ from ..outer import Averager, RoundOutcome, state_hash
 from ..worker import StageWorker
 from .averager import StateDownload
 from .stage import SwarmStage, majority_hash
+from .priority import lower_priority
 
 __all__ = ["SwarmStageWorker"]
 
@@ -54,6 +55,7 @@ class SwarmStageWorker(StageWorker):
         if not self.lead:
             self.swarm = start(lead_maddrs[0])
         self.swarm.averager.set_state_provider(self._state_for_peers)
+        lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
         return self.swarm
 
     # ----- start ----------------------------------------------------------------------------------

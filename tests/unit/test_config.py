@@ -183,8 +183,8 @@ def test_as_many_stages_as_layers_is_allowed():
         ({"run.run_id": "a b"}, r"run\.run_id"),
         ({"run.rounds": 0}, r"run\.rounds"),
         ({"swarm.round_wait": 0.0}, r"swarm\.round_wait"),
-        ({"swarm.background_nice": 20}, r"swarm\.background_nice = 20: must be 0\.\.19"),
-        ({"swarm.background_nice": -1}, r"swarm\.background_nice = -1"),
+        ({"swarm.helper_nice": 20}, r"swarm\.helper_nice = 20: must be -19\.\.19"),
+        ({"swarm.helper_nice": -20}, r"swarm\.helper_nice = -20"),
         ({"model.seq_len": 1}, r"model\.seq_len = 1: must be at least 2"),
     ],
 )
@@ -282,7 +282,7 @@ def test_config_hash_changes_when_a_shared_field_changes(overrides):
         {"control.progress": "lines"},
         {"control.log_level": "debug"},
         {"inner.threads": 3},
-        {"swarm.background_nice": 0},
+        {"swarm.helper_nice": 5},
     ],
 )
 def test_config_hash_ignores_local_fields(overrides):
