@@ -297,11 +297,12 @@ class SwarmStage:
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
         stats = out["stats"]
-        self._suspect(stats.failed_reducers + stats.banned_senders)
+        answered: set[str] = set()
         if stats.coverage < 1.0:
-            better = self._better_group_average(round, stats)
+            better, answered = self._better_group_average(round, stats)
             if better is not None:
                 averaged, stats.coverage = better.tensors, better.coverage
+        self._suspect([p for p in stats.failed_reducers + stats.banned_senders if p not in answered])
         if stats.coverage < 1.0:
             logger.warning(
                 "round %d: reducers %s failed; %.1f%% of coordinates averaged, the rest not updated on any member",
@@ -321,22 +322,31 @@ class SwarmStage:
             window=(window_start, time.time()),
         )
 
-    def _better_group_average(self, round: int, stats: Any) -> StateDownload | None:
+    def _better_group_average(self, round: int, stats: Any) -> tuple[StateDownload | None, set[str]]:
         """Some reducers' parts never reached this worker. If they reached another member, take that
         member's (more complete) average: then the whole group holds the same one. If a reducer really
-        died, every member lacks the same parts and keeps its own, identical, average."""
+        died, every member lacks the same parts and keeps its own, identical, average.
+
+        The "failed" reducers are asked last: a failure seen from here only may leave the reducer alive,
+        holding the complete average (with two peers, it is the only other member). Returns the better
+        average (or None) and the members that answered, which are alive whatever the stats say.
+        """
         failed = set(stats.failed_reducers)
-        for peer in stats.group:
-            if peer == self.peer_id or peer in failed:
+        others = [p for p in stats.group if p != self.peer_id]
+        answered: set[str] = set()
+        for peer in sorted(others, key=lambda p: p in failed):
+            timeout = self.sw.chunk_timeout if peer in failed else self.sw.state_timeout
+            got = self.averager.download_average(peer, round, wait_s=self.sw.chunk_timeout, timeout=timeout)
+            if got.status != swarm_pb2.STATE_OK:
                 continue
-            got = self.averager.download_average(peer, round, wait_s=self.sw.chunk_timeout, timeout=self.sw.state_timeout)
-            if got.status == swarm_pb2.STATE_OK and got.coverage > stats.coverage:
+            answered.add(peer)
+            if got.coverage > stats.coverage:
                 logger.warning(
                     "round %d: reducers %s did not reach this worker; took the %.1f%%-complete average from %s",
                     round, ", ".join(sorted(failed)), 100 * got.coverage, peer,
                 )
-                return got
-        return None
+                return got, answered
+        return None, answered
 
     def _wait_for_step(self, control: Any, round: int, started: float) -> Any:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage
