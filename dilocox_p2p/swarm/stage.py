@@ -297,12 +297,12 @@ class SwarmStage:
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
         stats = out["stats"]
-        answered: set[str] = set()
+        alive: set[str] = set()
         if stats.coverage < 1.0:
-            better, answered = self._better_group_average(round, stats)
+            better, alive = self._better_group_average(round, stats)
             if better is not None:
                 averaged, stats.coverage = better.tensors, better.coverage
-        self._suspect([p for p in stats.failed_reducers + stats.banned_senders if p not in answered])
+        self._suspect([p for p in stats.failed_reducers + stats.banned_senders if p not in alive])
         if stats.coverage < 1.0:
             logger.warning(
                 "round %d: reducers %s failed; %.1f%% of coordinates averaged, the rest not updated on any member",
@@ -329,24 +329,25 @@ class SwarmStage:
 
         The "failed" reducers are asked last: a failure seen from here only may leave the reducer alive,
         holding the complete average (with two peers, it is the only other member). Returns the better
-        average (or None) and the members that answered, which are alive whatever the stats say.
+        average (or None) and the members known alive whatever the stats say: those that answered, and
+        every reducer if the average taken is complete (then each reducer delivered its part).
         """
         failed = set(stats.failed_reducers)
         others = [p for p in stats.group if p != self.peer_id]
-        answered: set[str] = set()
+        alive: set[str] = set()
         for peer in sorted(others, key=lambda p: p in failed):
             timeout = self.sw.chunk_timeout if peer in failed else self.sw.state_timeout
             got = self.averager.download_average(peer, round, wait_s=self.sw.chunk_timeout, timeout=timeout)
             if got.status != swarm_pb2.STATE_OK:
                 continue
-            answered.add(peer)
+            alive.add(peer)
             if got.coverage > stats.coverage:
                 logger.warning(
                     "round %d: reducers %s did not reach this worker; took the %.1f%%-complete average from %s",
                     round, ", ".join(sorted(failed)), 100 * got.coverage, peer,
                 )
-                return got, answered
-        return None, answered
+                return got, (alive | failed) if got.coverage >= 1.0 else alive
+        return None, alive
 
     def _wait_for_step(self, control: Any, round: int, started: float) -> Any:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage
@@ -428,24 +429,6 @@ class SwarmStage:
         with self._lock:
             self._epoch += 1
             self._published, self._repair = None, None
-
-    def boundary_hashes(self, boundary: int, theta_hash: str, *, timeout: float) -> dict[str, str]:
-        """The hashes workers hold at `boundary` (this one's included), waiting up to `timeout`
-        for every live training member of the stage to publish its own."""
-        deadline = time.monotonic() + timeout
-        hashes: dict[str, str] = {}
-        while not self._closed.is_set():
-            try:
-                hashes = self.records.round_hashes(boundary)
-            except Exception as e:
-                logger.debug("round record lookup failed: %s", e)
-            expected = {m.peer_id for m in self.members(training_only=True)}
-            if expected <= set(hashes) or time.monotonic() >= deadline:
-                break
-            time.sleep(0.5)
-            self.refresh_members()
-        hashes[self.peer_id] = theta_hash
-        return hashes
 
     def _check_boundary(self, boundary: int, theta_hash: str, epoch: int) -> None:
         try:

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from ..outer import Averager, RoundOutcome, state_hash
 from ..worker import StageWorker
 from .averager import StateDownload
-from .stage import SwarmStage, majority_hash
 from .priority import lower_priority
+from .stage import SwarmStage, majority_hash
 
 __all__ = ["SwarmStageWorker"]
 
