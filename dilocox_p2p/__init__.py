@@ -9,16 +9,28 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .config import Config, config_hash, load_config  # noqa: E402
-from .errors import AdmissionError, CheckpointError, ConfigError, DataError, DilocoxError, SwarmError  # noqa: E402
+from .average import Average, AverageKind  # noqa: E402
+from .errors import (  # noqa: E402
+    AdmissionError,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DilocoxError,
+    SwarmError,
+    WireRejected,
+)
 
 __all__ = [
     "AdmissionError",
+    "Average",
+    "AverageKind",
     "CheckpointError",
     "Config",
     "ConfigError",
     "DataError",
     "DilocoxError",
     "SwarmError",
+    "WireRejected",
     "__version__",
     "config_hash",
     "load_config",

@@ -22,7 +22,7 @@ __all__ = ["latest_common_round", "load_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: outer state keeps the pending average with its kind and missing spans
 _NAME = re.compile(r"^round(\d{6,})\.pt$")
 
 

@@ -265,12 +265,13 @@ class SwarmConfig:
     """A peer that sends no data for this long during an all-reduce is dropped from it."""
     state_timeout: float = 60.0
     """Most seconds a state download (late join, repair) may take."""
-    helper_nice: int = -10
+    helper_nice: int = 0
     """CPU priority of the swarm's helper processes (DHT, p2p daemon, averager) against training, in nice
-    levels. Negative (default): training runs that many levels below the helpers, so all-reduces keep
-    their timeouts even when training keeps every CPU busy. Positive: the helpers run below training and
-    take only the CPU it leaves idle (faster on a machine with spare cores; risks timeouts when there
-    are none). 0: equal."""
+    levels. 0 (default): equal, so neither can starve the other (benchmarks/overlap.py: 0.98x of training
+    without averaging). Positive: the helpers run that many levels below training and take only the CPU it
+    leaves idle (about as fast where cores are to spare; on a CPU-bound machine starved helpers can miss the
+    all-reduce timeouts). Negative: training runs below the helpers (measured slower: helper wake-ups
+    preempt pipeline stages)."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "swarm")

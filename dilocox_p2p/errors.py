@@ -5,14 +5,23 @@
     +-- DataError            the corpus is missing, empty or too small for the sequence length
     +-- CheckpointError      nothing to resume from, or a checkpoint that does not fit this run
     +-- SwarmError           the swarm could not be joined or refused this peer
-        +-- AdmissionError   another peer of the run has a different config hash
+    |   +-- AdmissionError   another peer of the run has a different config hash
+    +-- WireRejected         bytes from another peer were refused (malformed, oversized...)
 
 The CLI maps every DilocoxError to a one-line message and exit code 2.
 """
 
 from __future__ import annotations
 
-__all__ = ["AdmissionError", "CheckpointError", "ConfigError", "DataError", "DilocoxError", "SwarmError"]
+__all__ = [
+    "AdmissionError",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "DilocoxError",
+    "SwarmError",
+    "WireRejected",
+]
 
 
 class DilocoxError(Exception):
@@ -37,3 +46,7 @@ class SwarmError(DilocoxError):
 
 class AdmissionError(SwarmError):
     """This peer was refused by the run (or refused another peer): config hashes differ."""
+
+
+class WireRejected(DilocoxError):
+    """Bytes from another peer were refused; the message says why. Counted and logged, never fatal."""

@@ -94,15 +94,16 @@ class Progress:
             self.bar.update(1)
 
     def round_done(self, record: dict[str, Any]) -> None:
-        loss, val = record["train_loss"], record["val_loss"]
+        val = record["val_loss"]
+        loss = f"{record['train_loss']:.4f}" if record["train_loss"] is not None else "-"  # none after a jump
         if self.bar is not None:
             self.bar.set_postfix(
-                loss=f"{loss:.3f}", val=f"{val:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", group=record.get("group_size") or "-"
+                loss=loss, val=f"{val:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", group=record.get("group_size") or "-"
             )
         elif self.style == "lines":
             stamp = time.strftime("%H:%M:%S")
             print(
-                f"{stamp} {self.label}round {record['round'] + 1}/{self.rounds} train_loss {loss:.4f} val_loss {val:.4f} "
+                f"{stamp} {self.label}round {record['round'] + 1}/{self.rounds} train_loss {loss} val_loss {val:.4f} "
                 f"tokens/s {record['tokens_per_s']:.0f} wait {record['seconds_comm_wait']:.2f}s "
                 f"group {record.get('group_size') or '-'} hash {record['stage_hashes'][0][:12]}",
                 file=self.out,

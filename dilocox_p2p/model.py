@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,8 +70,8 @@ class Head(nn.Module):
 
 
 def _init_unit(unit: nn.Module, seed: int, n_layer: int) -> None:
-    """GPT-2 style init from a private generator: N(0, 0.02), residual projections scaled."""
-    gen = torch.Generator().manual_seed(seed)
+    """GPT-2 style init from a private generator: ~N(0, 0.02), residual projections scaled."""
+    rng = np.random.Generator(np.random.PCG64(seed))
     for name, p in unit.named_parameters():
         with torch.no_grad():
             if name.endswith("bias"):
@@ -79,7 +80,31 @@ def _init_unit(unit: nn.Module, seed: int, n_layer: int) -> None:
                 p.fill_(1.0)
             else:
                 std = 0.02 / math.sqrt(2 * n_layer) if name.split(".")[0] in ("proj", "out") else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.copy_(portable_normal(p.shape, rng, std=std))
+
+
+_IRWIN_HALL = 4
+_CHUNK = 1 << 22
+
+
+def portable_normal(shape: torch.Size | tuple[int, ...], rng: np.random.Generator, *, std: float) -> torch.Tensor:
+    """Near-normal values with the same bits on every CPU: theta_g starts bit-identical on every peer.
+
+    torch's and numpy's normal samplers use vectorized or libm transcendental functions whose
+    rounding differs between instruction sets (outer.py, determinism rule 1), so peers on
+    different CPUs would start from different models. Here: the Irwin-Hall sum of 4 uniform
+    32-bit integers (exact in any order), shifted to mean 0 and scaled to `std` with two
+    separately rounded float64 operations, then cast to float32 once.
+    """
+    n = math.prod(shape)
+    out = torch.empty(n, dtype=torch.float32)
+    scale = math.sqrt(12 / _IRWIN_HALL) * std / 2**32  # std of one uniform integer: 2**32 / sqrt(12)
+    for start in range(0, n, _CHUNK):
+        count = min(_CHUNK, n - start)
+        total = sum(rng.integers(0, 2**32, size=count, dtype=np.uint64) for _ in range(_IRWIN_HALL))
+        centered = torch.from_numpy(total.astype(np.int64)).sub_(_IRWIN_HALL * 2**31).to(torch.float64)
+        out[start : start + count] = centered.mul_(scale).to(torch.float32)
+    return out.view(shape)
 
 
 def _make_unit(index: int, shape: ModelShape, seed: int) -> nn.Module:

@@ -3,7 +3,8 @@
 DiLoCo: https://arxiv.org/abs/2311.08105   DiLoCoX: https://arxiv.org/abs/2506.21263
 
 State (all on CPU, all for this stage only: the other half of the dual optimizer policy):
-theta_g, the outer momentum, and in `delayed` mode the pending average of the last round.
+theta_g, the outer momentum, and in `delayed` mode the pending average of the last round
+(state.py names this layout once: `StageState`).
 
     round t:  theta_local <- theta_g; H inner steps
               delta_t = theta_g - theta_local
@@ -11,84 +12,45 @@ theta_g, the outer momentum, and in `delayed` mode the pending average of the la
               sync:    wait Delta_t,     theta_g <- nesterov(theta_g, Delta_t)
               delayed: wait Delta_{t-1}, theta_g <- nesterov(theta_g, Delta_{t-1})
 
-Invariant: peers that applied the same averages hold bit-identical theta_g; `state_hash`
-proves it. The all-reduce plugs in through `Averager`: one call per round, returning a
-future of the average. `LocalAverager` is the average over a group of one.
+Invariant: peers that applied the same averages hold bit-identical theta_g and momentum,
+on any CPU; `StageState.hash` proves it. The all-reduce plugs in through `Averager`
+(average.py): one call per round, returning a future of the average.
+
+Determinism rule (every module that produces theta_g, momentum or a decoded average follows it):
+1. Only IEEE-754 basic operations, each rounded on its own: `*`, `+`, `-`, `/` on float32
+   tensors, or on float64 then one cast. Never `add_(x, alpha=a)`, `sub_(x, alpha=a)`,
+   `addcmul_`, `addcdiv_`, `lerp_`, `torch.optim` steps or matmuls: torch's vectorized
+   CPU kernels fuse the multiply and add (FMA) on AVX2/AVX-512 and not under
+   `ATEN_CPU_CAPABILITY=default` or on other CPUs, so their bits depend on the machine.
+   (`add_(x)` with the default alpha of 1 is exact either way.)
+2. No reductions (`sum`, `mean`, `norm`) in shared state: their order follows the vector width.
+   Sums over peers run in a fixed order (sender index), in float64, then one cast.
+3. Where a sum must be exact (integer factors of a compressed message), use integer arithmetic.
+4. Coordinates an average leaves out (`Average.missing`) are left exactly as they were,
+   theta_g and momentum alike.
+tests/unit/test_determinism.py runs the outer step and every decode under each
+`ATEN_CPU_CAPABILITY` the machine supports and compares the bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import torch
 
+from .average import Average, Averager, AverageKind, Spans, spans_by_tensor
 from .config import OuterConfig
+from .state import PendingAverage, StageState, state_hash
 
-__all__ = [
-    "Averager",
-    "AveragingResult",
-    "LocalAverager",
-    "OuterLoop",
-    "OuterNesterov",
-    "RoundOutcome",
-    "pseudo_gradient",
-    "state_hash",
-]
+__all__ = ["OuterLoop", "OuterNesterov", "RoundOutcome", "pseudo_gradient"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AveragingResult:
-    """The average of one round's pseudo-gradients over a group of peers."""
-
-    tensors: list[torch.Tensor]
-    group_size: int
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    coverage: float = 1.0
-    """Share of the coordinates averaged over the whole group (1.0 unless a reducer failed)."""
-    peers: tuple[str, ...] = ()
-    note: str = ""
-    """Why the group is smaller than hoped (e.g. no partner found), for the log."""
-    window: tuple[float, float] | None = None
-    """Wall-clock (unix) start and end of the network exchange, when there was one."""
-    fallback: bool = False
-    """Other workers were expected but no group formed: this is the local delta alone."""
-
-
-class Averager(Protocol):
-    """The seam between the outer loop and the network: one all-reduce per round."""
-
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int, weight: float) -> Future[AveragingResult]:
-        """Start averaging `tensors` (this peer's pseudo-gradient of `round`) with the stage group.
-
-        The tensors belong to the averager from now on. The future resolves to the average;
-        it never raises for network trouble: a round nobody else joined is averaged over a
-        group of one.
-        """
-        ...
-
-    def close(self) -> None: ...
-
-
-class LocalAverager:
-    """The average over a group of one: this peer alone."""
-
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int, weight: float) -> Future[AveragingResult]:
-        future: Future[AveragingResult] = Future()
-        future.set_result(AveragingResult(tensors=list(tensors), group_size=1))
-        return future
-
-    def close(self) -> None:
-        pass
 
 
 def pseudo_gradient(theta_g: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -96,19 +58,11 @@ def pseudo_gradient(theta_g: Sequence[torch.Tensor], params: Sequence[torch.Tens
     return [g - p.detach().to("cpu", torch.float32) for g, p in zip(theta_g, params)]
 
 
-def state_hash(tensors: Sequence[torch.Tensor]) -> str:
-    """Hex SHA-256 of the tensors' bytes, in order."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 class OuterNesterov:
     """Nesterov momentum on theta_g with the averaged pseudo-gradient as the gradient.
 
-    Same update as torch.optim.SGD(nesterov=True): buf = mu*buf + Delta;
-    theta_g -= lr * (Delta + mu*buf).
+    The update of torch.optim.SGD(nesterov=True), written with separately rounded operations
+    (the determinism rule above): m = mu*m + Delta; theta_g -= lr * (Delta + mu*m).
     """
 
     def __init__(self, theta_g: Sequence[torch.Tensor], *, lr: float, momentum: float):
@@ -116,32 +70,81 @@ class OuterNesterov:
         self.buffers = [torch.zeros_like(t) for t in self.theta_g]
 
     @torch.no_grad()
-    def step(self, delta: Sequence[torch.Tensor]) -> None:
-        mu = self.momentum
+    def step(self, delta: Sequence[torch.Tensor], *, missing: Spans = ()) -> None:
+        """One outer step; coordinates in `missing` keep their theta_g and momentum."""
+        kept = self._copy_spans(missing)
+        mu, lr = self.momentum, self.lr
         for theta, buf, d in zip(self.theta_g, self.buffers, delta):
             buf.mul_(mu).add_(d)
-            theta.sub_(d.add(buf, alpha=mu), alpha=self.lr)
+            theta.sub_(buf.mul(mu).add_(d).mul_(lr))
+        for index, a, b, theta_part, buf_part in kept:
+            self.theta_g[index].view(-1)[a:b] = theta_part
+            self.buffers[index].view(-1)[a:b] = buf_part
+
+    def _copy_spans(self, spans: Spans) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+        numels = [t.numel() for t in self.theta_g]
+        return [
+            (i, a, b, self.theta_g[i].view(-1)[a:b].clone(), self.buffers[i].view(-1)[a:b].clone())
+            for i, a, b in spans_by_tensor(spans, numels)
+        ]
 
 
-@dataclass
+@dataclass(frozen=True)
+class Applied:
+    """An average the outer step used (or, for STRANDED/ABANDONED, did not) at a boundary."""
+
+    round: int
+    average: Average
+
+
+@dataclass(frozen=True)
 class RoundOutcome:
-    """What the outer step at the end of a round did."""
+    """What the outer step at the end of a round did: the averages it took, and how long it waited."""
 
-    applied_round: int | None  # whose average was applied (t in sync, t-1 in delayed, None at round 0)
-    group_size: int | None = None  # None when nothing was applied
+    applied: tuple[Applied, ...] = ()
     seconds_wait: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    coverage: float = 1.0
-    peers: tuple[str, ...] = ()
-    allreduce_window: tuple[float, float] | None = None  # unix start/end of the applied all-reduce
-    fallback: bool = False  # the applied "average" is the local delta because no group formed
+
+    def then(self, other: RoundOutcome) -> RoundOutcome:
+        """This outcome followed by `other` at the same boundary (the drain of the last round)."""
+        return RoundOutcome(self.applied + other.applied, self.seconds_wait + other.seconds_wait)
+
+    @property
+    def last(self) -> Average | None:
+        return self.applied[-1].average if self.applied else None
+
+    @property
+    def applied_round(self) -> int | None:
+        return self.applied[-1].round if self.applied else None
+
+    @property
+    def kind(self) -> AverageKind | None:
+        return self.last.kind if self.last is not None else None
+
+    @property
+    def group_size(self) -> int | None:
+        return min((a.average.group_size for a in self.applied), default=None)
+
+    @property
+    def coverage(self) -> float:
+        return min((a.average.coverage for a in self.applied), default=1.0)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(a.average.bytes_sent for a in self.applied)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(a.average.bytes_received for a in self.applied)
+
+    @property
+    def window(self) -> tuple[float, float] | None:
+        return self.last.window if self.last is not None else None
 
 
 @dataclass
 class _Pending:
     round: int
-    future: Future[AveragingResult]
+    future: Future[Average]
 
 
 class OuterLoop:
@@ -155,8 +158,9 @@ class OuterLoop:
         self.optimizer = OuterNesterov(self.theta_g, lr=cfg.effective_lr, momentum=cfg.momentum)
         self.pending: _Pending | None = None
         self.boundary = 0  # rounds completed: theta_g is theta_g(boundary)
-        self.missing_pending: int | None = None  # set when restored without the average still in flight
-        self.lock = threading.RLock()  # held while theta_g changes, so a copy served to a peer is consistent
+        self.pending_lost: int | None = None  # restored without the average that was in flight (round)
+        self.lock = threading.RLock()  # held while the state changes, so a copy served to a peer is consistent
+        self.before_step: Callable[[], None] | None = None  # called under the lock before the state moves on
 
     @torch.no_grad()
     def load_into_model(self) -> None:
@@ -164,94 +168,120 @@ class OuterLoop:
         for p, g in zip(self.params, self.theta_g):
             p.copy_(g)
 
-    def end_round(self, round: int, *, weight: float) -> RoundOutcome:
+    def end_round(self, round: int) -> RoundOutcome:
         """Compute delta_round, start its all-reduce, apply the average this mode applies now."""
         delta = pseudo_gradient(self.theta_g, self.params)
-        launched = _Pending(round, self.averager.all_reduce(delta, round=round, weight=weight))
-        to_apply = launched if self.mode == "sync" else self.pending
-        return self._apply(to_apply, keep=None if self.mode == "sync" else launched, boundary=round + 1)
+        launched = _Pending(round, self.averager.all_reduce(delta, round=round))
+        if self.mode == "sync":
+            return self._apply(launched, keep=None, boundary=round + 1)
+        return self._apply(self.pending, keep=launched, boundary=round + 1)
 
-    def drain(self) -> RoundOutcome | None:
+    def drain(self) -> RoundOutcome:
         """Apply the average still pending (delayed mode), e.g. at the end of the run."""
-        if self.pending is None:
-            return None
         return self._apply(self.pending, keep=None, boundary=self.boundary)
 
     def _apply(self, pending: _Pending | None, *, keep: _Pending | None, boundary: int) -> RoundOutcome:
         """Wait for `pending` (outside the lock), then step theta_g, keep `keep` pending, move the boundary."""
         started = time.perf_counter()
-        result = pending.future.result() if pending is not None else None
+        average = pending.future.result() if pending is not None else None
         waited = time.perf_counter() - started
         with self.lock:
-            if result is not None:
-                self.optimizer.step(result.tensors)
+            if self.before_step is not None:
+                self.before_step()
+            if average is not None and average.kind.applies:
+                self.optimizer.step(average.tensors, missing=average.missing)
             self.pending, self.boundary = keep, boundary
-        if result is None:
-            return RoundOutcome(applied_round=None)
-        if result.group_size == 1 and result.note:
-            logger.warning("round %d averaged alone: %s", pending.round, result.note)
-        return RoundOutcome(
-            applied_round=pending.round,
-            group_size=result.group_size,
-            seconds_wait=waited,
-            bytes_sent=result.bytes_sent,
-            bytes_received=result.bytes_received,
-            coverage=result.coverage,
-            peers=result.peers,
-            allreduce_window=result.window,
-            fallback=result.fallback,
-        )
+        if pending is None or average is None:
+            return RoundOutcome(seconds_wait=waited)
+        if not average.kind.applies:
+            logger.warning("round %d: nothing applied (%s): %s", pending.round, average.kind.value, average.note)
+        return RoundOutcome(applied=(Applied(pending.round, average),), seconds_wait=waited)
 
     def hash(self) -> str:
-        return state_hash(self.theta_g)
+        """Hash of the shared state held now: theta_g and momentum."""
+        return state_hash([*self.theta_g, *self.optimizer.buffers])
 
-    def state_dict(self) -> dict:
-        """theta_g, momentum and the pending average if it is already known."""
-        pending, missing = None, None
-        if self.pending is not None and self.pending.future.done():
-            result = self.pending.future.result()
-            pending = {"round": self.pending.round, "tensors": result.tensors, "group_size": result.group_size}
-        elif self.pending is not None:
-            missing = self.pending.round  # still in flight: a resumed worker must get it from its stage group
-        return {
-            "boundary": self.boundary,
-            "theta_g": self.theta_g,
-            "momentum": self.optimizer.buffers,
-            "pending": pending,
-            "pending_missing": missing,
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        with self.lock:
-            for dst, src in zip(self.theta_g, state["theta_g"]):
-                dst.copy_(src)
-            for dst, src in zip(self.optimizer.buffers, state["momentum"]):
-                dst.copy_(src)
-            self.pending = None
-            self.boundary = state["boundary"]
-            self.missing_pending = state.get("pending_missing")
-            if state.get("pending") is not None:
-                p = state["pending"]
-                future: Future[AveragingResult] = Future()
-                future.set_result(AveragingResult(tensors=list(p["tensors"]), group_size=p["group_size"]))
-                self.pending = _Pending(p["round"], future)
-
-    def pending_future(self) -> Future[AveragingResult] | None:
+    def pending_future(self) -> Future[Average] | None:
         return self.pending.future if self.pending is not None else None
 
-    def snapshot(self) -> tuple[int, list[torch.Tensor], int | None, int] | None:
-        """A consistent copy of what a joiner needs to continue exactly as this worker will.
-
-        Returns (boundary, theta_g + momentum [+ the pending average], pending round or
-        None, pending group size), or None while the pending average is still in flight
-        (or was lost with a checkpoint) and the state is therefore incomplete.
-        """
+    # ----- the shared state ----------------------------------------------------------------
+    def known_pending(self) -> tuple[bool, PendingAverage | None]:
+        """(whether the pending average is known, it if it is and applies anything)."""
         with self.lock:
-            if self.missing_pending is not None or (self.pending is not None and not self.pending.future.done()):
-                return None
-            tensors = [t.clone() for t in (*self.theta_g, *self.optimizer.buffers)]
+            if self.pending_lost is not None:
+                return False, None
             if self.pending is None:
-                return self.boundary, tensors, None, 0
-            result = self.pending.future.result()
-            return self.boundary, tensors + [t.clone() for t in result.tensors], self.pending.round, result.group_size
+                return True, None
+            if not self.pending.future.done():
+                return False, None
+            average = self.pending.future.result()
+            return True, PendingAverage(self.pending.round, average) if average.kind.applies else None
+
+    def state(self) -> StageState | None:
+        """A consistent copy of what a joiner needs to continue exactly as this worker will;
+        None while the pending average is still in flight (or was lost with a checkpoint)."""
+        with self.lock:
+            known, pending = self.known_pending()
+            if not known:
+                return None
+            return StageState(self.boundary, self.theta_g, self.optimizer.buffers, pending).clone()
+
+    @torch.no_grad()
+    def load_state(self, state: StageState) -> None:
+        with self.lock:
+            for dst, src in zip(self.theta_g, state.theta_g):
+                dst.copy_(src)
+            for dst, src in zip(self.optimizer.buffers, state.momentum):
+                dst.copy_(src)
+            self.boundary, self.pending, self.pending_lost = state.boundary, None, None
+            if state.pending is not None:
+                future: Future[Average] = Future()
+                future.set_result(state.pending.average)
+                self.pending = _Pending(state.pending.round, future)
+
+    def forget_lost_pending(self) -> int | None:
+        """Give up on the average lost with a checkpoint (nobody could serve it); return its round."""
+        with self.lock:
+            lost, self.pending_lost = self.pending_lost, None
+        return lost
+
+    # ----- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """theta_g, momentum and the pending average if it is already known."""
+        with self.lock:
+            state = self.state()
+            lost = self.pending_lost
+            if state is None and lost is None and self.pending is not None:
+                lost = self.pending.round  # still in flight: a resumed worker must get it from its stage group
+            pending = None
+            if state is not None and state.pending is not None:
+                average = state.pending.average
+                pending = {
+                    "round": state.pending.round,
+                    "kind": average.kind.value,
+                    "tensors": average.tensors,
+                    "missing": [list(s) for s in average.missing],
+                    "group": list(average.group),
+                }
+            return {
+                "boundary": self.boundary,
+                "theta_g": self.theta_g,
+                "momentum": self.optimizer.buffers,
+                "pending": pending,
+                "pending_lost": lost,
+            }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        pending = None
+        if saved.get("pending") is not None:
+            p = saved["pending"]
+            average = Average(
+                kind=AverageKind(p["kind"]),
+                tensors=list(p["tensors"]),
+                missing=tuple((int(a), int(b)) for a, b in p["missing"]),
+                group=tuple(p["group"]),
+            )
+            pending = PendingAverage(p["round"], average)
+        self.load_state(StageState(saved["boundary"], list(saved["theta_g"]), list(saved["momentum"]), pending))
+        with self.lock:
+            self.pending_lost = saved.get("pending_lost")

@@ -30,7 +30,8 @@ from .data import BatchSampler, load_corpus, val_batches
 from .errors import CheckpointError
 from .inner import InnerTrainer
 from .metrics import MetricsWriter, Progress
-from .outer import Averager, LocalAverager, OuterLoop, RoundOutcome
+from .average import Averager, LocalAverager
+from .outer import OuterLoop, RoundOutcome
 
 __all__ = ["StageWorker", "WorkerSpec"]
 
@@ -83,11 +84,15 @@ class StageWorker:
         was replaced). A later boundary means this peer jumped ahead to the swarm's state."""
         return boundary, False
 
-    def after_boundary(self, boundary: int, theta_hash: str, outcome: RoundOutcome) -> None:
-        """After the boundary's hash is known (publish it)."""
+    def after_boundary(self, boundary: int, state_hash: str, outcome: RoundOutcome) -> None:
+        """After the boundary's state hash (theta_g and momentum) is known (publish it)."""
 
     def on_finish(self, boundary: int) -> None:
         """After the last round, before leaving."""
+
+    def take_fault_counts(self) -> dict[str, int]:
+        """Faults counted since the last call (failed lookups, repairs...), for the metrics record."""
+        return {}
 
     def close(self) -> None:
         self.averager.close()
@@ -180,7 +185,7 @@ class StageWorker:
                     metrics.append(record)
                     progress.round_done(record)
                 if boundary != t + 1 and self.lead:
-                    logger.warning("round %d abandoned: this peer caught up with the swarm at round %d", t, boundary)
+                    logger.warning("round %d dropped: this peer took the swarm's state of round %d", t, boundary)
                 if boundary % cfg.run.checkpoint_every == 0 or boundary == cfg.run.rounds or boundary != t + 1:
                     self.save(boundary)
                 t = boundary
@@ -228,42 +233,53 @@ class StageWorker:
         losses = self._train_inner(t, progress)
         seconds_compute = time.perf_counter() - started
         compute_window = (compute_start, time.time())
-        round_tokens = cfg.inner.steps * cfg.inner.batch_size * cfg.model.shape.seq_len
-        self.tokens += round_tokens
-        outcome = self.outer.end_round(t, weight=float(round_tokens))
+        self.tokens += self.round_tokens
+        outcome = self.outer.end_round(t)
         if t + 1 == cfg.run.rounds:  # the run ends: apply what is still pending
-            outcome = _merge(outcome, self.outer.drain())
+            outcome = outcome.then(self.outer.drain())
         seconds_round = time.perf_counter() - started
-        boundary, repaired = self.on_boundary(t + 1, outcome)
+        boundary, replaced = self.on_boundary(t + 1, outcome)
         self.outer.load_into_model()
-        if boundary != t + 1:
-            return None, boundary
         val_loss = self.trainer.evaluate(self.val)
-        theta_hash = self.outer.hash()
-        self.after_boundary(t + 1, theta_hash, outcome)
+        state_hash = self.outer.hash()
+        jumped = boundary != t + 1  # this peer took the swarm's state of a later boundary: round t is dropped
+        if not jumped:
+            self.after_boundary(t + 1, state_hash, outcome)
         facts = {
-            "hash": theta_hash,
-            "repaired": repaired,
-            "train_loss": sum(losses) / len(losses) if losses else None,
+            "hash": state_hash,
+            "replaced": replaced,
+            "train_loss": sum(losses) / len(losses) if losses and not jumped else None,
             "val_loss": val_loss,
             "outcome": outcome,
             "seconds_compute": seconds_compute,
             "seconds_round": seconds_round,
             "compute_window": compute_window,
+            "faults": self.take_fault_counts(),
         }
         gathered = self._gather(facts)
-        return (self._make_record(t, gathered) if self.lead else None), boundary
+        if not self.lead:
+            return None, boundary
+        record = self._make_record(boundary - 1, gathered)
+        record["dropped_round"] = t if jumped else None
+        return record, boundary
+
+    @property
+    def round_tokens(self) -> int:
+        return self.cfg.inner.steps * self.cfg.inner.batch_size * self.cfg.model.shape.seq_len
 
     def _make_record(self, t: int, stages: list[dict[str, Any]]) -> dict[str, Any]:
         outcomes: list[RoundOutcome] = [s["outcome"] for s in stages]
         seconds_round = max(s["seconds_round"] for s in stages)
-        round_tokens = self.cfg.inner.steps * self.cfg.inner.batch_size * self.cfg.model.shape.seq_len
+        faults: dict[str, int] = {}
+        for s in stages:
+            for name, count in s["faults"].items():
+                faults[name] = faults.get(name, 0) + count
         return {
             "round": t,
-            "train_loss": next(s["train_loss"] for s in stages if s["train_loss"] is not None),
+            "train_loss": next((s["train_loss"] for s in stages if s["train_loss"] is not None), None),
             "val_loss": next(s["val_loss"] for s in stages if s["val_loss"] is not None),
             "tokens": self.tokens,
-            "tokens_per_s": round_tokens / seconds_round,
+            "tokens_per_s": self.round_tokens / seconds_round,
             "seconds_compute": max(s["seconds_compute"] for s in stages),
             "seconds_comm_wait": max(o.seconds_wait for o in outcomes),
             "seconds_round": seconds_round,
@@ -273,30 +289,16 @@ class StageWorker:
             "stage_hashes": [s["hash"] for s in stages],
             "group_size": min((o.group_size for o in outcomes if o.group_size is not None), default=None),
             "group_sizes": [o.group_size for o in outcomes],
+            "kinds": [o.kind.value if o.kind is not None else None for o in outcomes],
             "applied_round": outcomes[0].applied_round,
             "compute_windows": [s["compute_window"] for s in stages],
-            "allreduce_windows": [o.allreduce_window for o in outcomes],
+            "allreduce_windows": [o.window for o in outcomes],
             "coverage": min(o.coverage for o in outcomes),
-            "repaired_stages": [i for i, s in enumerate(stages) if s["repaired"]],
+            "replaced_stages": [i for i, s in enumerate(stages) if s["replaced"]],
+            "faults": faults,
             "mode": self.cfg.outer.mode,
             "time": time.time(),
         }
-
-
-def _merge(first: RoundOutcome, second: RoundOutcome | None) -> RoundOutcome:
-    if second is None:
-        return first
-    sizes = [o.group_size for o in (first, second) if o.group_size is not None]
-    return RoundOutcome(
-        applied_round=second.applied_round,
-        group_size=min(sizes) if sizes else None,
-        seconds_wait=first.seconds_wait + second.seconds_wait,
-        bytes_sent=first.bytes_sent + second.bytes_sent,
-        bytes_received=first.bytes_received + second.bytes_received,
-        coverage=min(first.coverage, second.coverage),
-        peers=second.peers,
-        allreduce_window=second.allreduce_window,
-    )
 
 
 def resolve_device(choice: str, stage: int) -> torch.device:

@@ -118,9 +118,11 @@ def _summary(run_dirs: list[Path], seconds: float) -> None:
     for d, recs in zip(run_dirs, records):
         last = recs[-1]
         sent = sum(r["bytes_sent"] for r in recs)
+        faults = {k: sum(r["faults"].get(k, 0) for r in recs) for k in ("repairs", "catch_ups")}
         print(f"  {d.name}: val loss {info['initial_val_loss']:.3f} -> {last['val_loss']:.3f}, "
               f"sent {sent / 1e6:.1f} MB ({fp32_every_step / max(sent, 1):.0f}x less than fp32 all-reduce every step), "
-              f"theta_g per stage {' '.join(h[:12] for h in last['stage_hashes'])}")
+              f"repairs {faults['repairs']}, catch-ups {faults['catch_ups']}, "
+              f"state per stage {' '.join(h[:12] for h in last['stage_hashes'])}")
     same = len({tuple(r[-1]["stage_hashes"]) for r in records}) == 1
-    print(f"final theta_g identical on all peers: {'yes' if same else 'NO'}")
+    print(f"final state (theta_g and outer momentum) identical on all peers: {'yes' if same else 'NO'}")
     print(f"plot: {Path(out).resolve()}")

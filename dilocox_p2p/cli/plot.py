@@ -45,7 +45,8 @@ def plot_runs(run_dirs: list[Path], out: Path | None = None) -> Path:
     for run_dir, records, info in runs:
         label = run_dir.name
         tokens = [r["tokens"] / 1e6 for r in records]
-        line = ax_loss.plot(tokens, [r["train_loss"] for r in records], alpha=0.5, label=f"{label} train")[0]
+        train = [r["train_loss"] if r["train_loss"] is not None else float("nan") for r in records]  # none after a jump
+        line = ax_loss.plot(tokens, train, alpha=0.5, label=f"{label} train")[0]
         val_x, val_y = tokens, [r["val_loss"] for r in records]
         if "initial_val_loss" in info:
             first = records[0]["round"]

@@ -25,27 +25,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64ilocox/v1/swarm.proto\x12\ndilocox.v1\"\xba\x01\n\x0cMemberRecord\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x10\n\x08\x62oundary\x18\x04 \x01(\x03\x12\x13\n\x0bstate_ready\x18\x05 \x01(\x08\x12\x11\n\tjoined_at\x18\x06 \x01(\x01\x12\x11\n\tpeer_name\x18\x07 \x01(\t\x12\x10\n\x08training\x18\x08 \x01(\x08\x12\x17\n\x0f\x61veraging_round\x18\t \x01(\x03\"Y\n\x0bRoundRecord\x12\x10\n\x08\x62oundary\x18\x01 \x01(\x03\x12\x12\n\ntheta_hash\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x10\n\x08\x63overage\x18\x04 \x01(\x01\"8\n\x0c\x43onfigRecord\x12\x13\n\x0b\x63onfig_hash\x18\x01 \x01(\t\x12\x13\n\x0bshared_json\x18\x02 \x01(\t\"v\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x10\n\x08\x62oundary\x18\x04 \x01(\x03\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x10\n\x08\x61t_least\x18\x06 \x01(\x08\"c\n\x0e\x41verageRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\"\xc2\x01\n\x0bStateHeader\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.dilocox.v1.StateStatus\x12\x10\n\x08\x62oundary\x18\x02 \x01(\x03\x12\x12\n\ntheta_hash\x18\x03 \x01(\t\x12\x11\n\tn_tensors\x18\x04 \x01(\x05\x12\x13\n\x0bhas_pending\x18\x05 \x01(\x08\x12\x1a\n\x12pending_group_size\x18\x06 \x01(\x05\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x10\n\x08\x63overage\x18\x08 \x01(\x01\"J\n\nStateChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.dilocox.v1.StateHeader\x12\x13\n\x0btensor_part\x18\x02 \x01(\x0c*S\n\x0bStateStatus\x12\x0c\n\x08STATE_OK\x10\x00\x12\x0e\n\nSTATE_GONE\x10\x01\x12\x13\n\x0fSTATE_NOT_READY\x10\x02\x12\x11\n\rSTATE_REFUSED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64ilocox/v1/swarm.proto\x12\ndilocox.v1\"\xba\x01\n\x0cMemberRecord\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x10\n\x08\x62oundary\x18\x04 \x01(\x03\x12\x13\n\x0bstate_ready\x18\x05 \x01(\x08\x12\x11\n\tjoined_at\x18\x06 \x01(\x01\x12\x11\n\tpeer_name\x18\x07 \x01(\t\x12\x10\n\x08training\x18\x08 \x01(\x08\x12\x17\n\x0f\x61veraging_round\x18\t \x01(\x03\"}\n\x0bRoundRecord\x12\x10\n\x08\x62oundary\x18\x01 \x01(\x03\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\x14\n\x0cpending_hash\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x10\n\x08\x63overage\x18\x05 \x01(\x01\x12\x0c\n\x04kind\x18\x06 \x01(\t\"8\n\x0c\x43onfigRecord\x12\x13\n\x0b\x63onfig_hash\x18\x01 \x01(\t\x12\x13\n\x0bshared_json\x18\x02 \x01(\t\"v\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x10\n\x08\x62oundary\x18\x04 \x01(\x03\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x10\n\x08\x61t_least\x18\x06 \x01(\x08\"c\n\x0e\x41verageRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\"\"\n\x04Span\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x03\"n\n\x0b\x41verageInfo\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12!\n\x07missing\x18\x03 \x03(\x0b\x32\x10.dilocox.v1.Span\x12\r\n\x05group\x18\x04 \x03(\t\x12\x10\n\x08group_id\x18\x05 \x01(\x0c\"\xbe\x01\n\x0bStateHeader\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.dilocox.v1.StateStatus\x12\x10\n\x08\x62oundary\x18\x02 \x01(\x03\x12\x12\n\nstate_hash\x18\x03 \x01(\t\x12\x11\n\tn_tensors\x18\x04 \x01(\x05\x12\x13\n\x0bhas_pending\x18\x05 \x01(\x08\x12(\n\x07pending\x18\x06 \x01(\x0b\x32\x17.dilocox.v1.AverageInfo\x12\x0e\n\x06reason\x18\x07 \x01(\t\"\x85\x01\n\rAverageHeader\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.dilocox.v1.StateStatus\x12(\n\x07\x61verage\x18\x02 \x01(\x0b\x32\x17.dilocox.v1.AverageInfo\x12\x11\n\tn_tensors\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\"|\n\x05\x43hunk\x12(\n\x05state\x18\x01 \x01(\x0b\x32\x17.dilocox.v1.StateHeaderH\x00\x12,\n\x07\x61verage\x18\x02 \x01(\x0b\x32\x19.dilocox.v1.AverageHeaderH\x00\x12\x13\n\x0btensor_part\x18\x03 \x01(\x0c\x42\x06\n\x04head*S\n\x0bStateStatus\x12\x0c\n\x08STATE_OK\x10\x00\x12\x0e\n\nSTATE_GONE\x10\x01\x12\x13\n\x0fSTATE_NOT_READY\x10\x02\x12\x11\n\rSTATE_REFUSED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dilocox.v1.swarm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATESTATUS']._serialized_start=870
-  _globals['_STATESTATUS']._serialized_end=953
+  _globals['_STATESTATUS']._serialized_start=1236
+  _globals['_STATESTATUS']._serialized_end=1319
   _globals['_MEMBERRECORD']._serialized_start=39
   _globals['_MEMBERRECORD']._serialized_end=225
   _globals['_ROUNDRECORD']._serialized_start=227
-  _globals['_ROUNDRECORD']._serialized_end=316
-  _globals['_CONFIGRECORD']._serialized_start=318
-  _globals['_CONFIGRECORD']._serialized_end=374
-  _globals['_STATEREQUEST']._serialized_start=376
-  _globals['_STATEREQUEST']._serialized_end=494
-  _globals['_AVERAGEREQUEST']._serialized_start=496
-  _globals['_AVERAGEREQUEST']._serialized_end=595
-  _globals['_STATEHEADER']._serialized_start=598
-  _globals['_STATEHEADER']._serialized_end=792
-  _globals['_STATECHUNK']._serialized_start=794
-  _globals['_STATECHUNK']._serialized_end=868
+  _globals['_ROUNDRECORD']._serialized_end=352
+  _globals['_CONFIGRECORD']._serialized_start=354
+  _globals['_CONFIGRECORD']._serialized_end=410
+  _globals['_STATEREQUEST']._serialized_start=412
+  _globals['_STATEREQUEST']._serialized_end=530
+  _globals['_AVERAGEREQUEST']._serialized_start=532
+  _globals['_AVERAGEREQUEST']._serialized_end=631
+  _globals['_SPAN']._serialized_start=633
+  _globals['_SPAN']._serialized_end=667
+  _globals['_AVERAGEINFO']._serialized_start=669
+  _globals['_AVERAGEINFO']._serialized_end=779
+  _globals['_STATEHEADER']._serialized_start=782
+  _globals['_STATEHEADER']._serialized_end=972
+  _globals['_AVERAGEHEADER']._serialized_start=975
+  _globals['_AVERAGEHEADER']._serialized_end=1108
+  _globals['_CHUNK']._serialized_start=1110
+  _globals['_CHUNK']._serialized_end=1234
 # @@protoc_insertion_point(module_scope)

@@ -2,8 +2,11 @@
 
 Keys (values are protobuf bytes from proto/dilocox/v1/swarm.proto, subkey = peer id):
     {run}:members:s{stage}        MemberRecord per live worker, refreshed by a heartbeat
-    {run}:round:s{stage}:{b}      RoundRecord: the theta_g hash each worker holds at boundary b
+    {run}:round:s{stage}:{b}      RoundRecord: the state (and pending average) hashes each worker holds at b
     {run}:config:{hash}           ConfigRecord: the shared config behind a hash
+
+A lookup that fails raises (the caller counts it); a record that cannot be decoded or
+belongs to another run or stage is skipped and counted as `records_refused`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from ..config import SwarmConfig
-from ..errors import SwarmError
+from ..errors import SwarmError, WireRejected
 from ..wire import decode, encode, swarm_pb2
+from .faults import FaultCounter
 from .priority import lower_priority
 
 __all__ = ["Heartbeat", "RunRecords", "start_dht"]
@@ -99,45 +103,63 @@ class Member:
 class RunRecords:
     """Typed access to the run's DHT records for one stage."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, stage: int):
-        self.dht, self.run_id, self.stage = dht, run_id, stage
+    def __init__(self, dht: hivemind.DHT, run_id: str, stage: int, faults: FaultCounter):
+        self.dht, self.run_id, self.stage, self.faults = dht, run_id, stage, faults
         self.peer_id = dht.peer_id.to_base58()
         self.members_key = f"{run_id}:members:s{stage}"
 
-    def _store(self, key: str, message: Any, ttl: float) -> bool:
-        return bool(
-            self.dht.store(key, subkey=self.peer_id, value=encode(message), expiration_time=get_dht_time() + ttl)
-        )
+    def _store(self, key: str, message: Any, ttl: float, *, best_effort: bool = False) -> bool:
+        """Store `message` under `key`; a failure is counted, or only logged if `best_effort`."""
+        try:
+            stored = self.dht.store(key, subkey=self.peer_id, value=encode(message), expiration_time=get_dht_time() + ttl)
+            failure = "" if stored else "no DHT node accepted it"
+        except Exception as e:
+            stored, failure = False, repr(e)
+        if failure and best_effort:
+            logger.info("could not store %s: %s", key, failure)
+        elif failure:
+            self.faults.count("publishes_failed", "could not store %s: %s", key, failure)
+        return bool(stored)
 
     def _get(self, key: str, cls: type) -> dict[str, tuple[Any, float]]:
+        """Decoded records under `key` by subkey; raises if the lookup itself fails."""
         found = self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}
         for subkey, item in found.value.items():
-            message = decode(cls, getattr(item, "value", None), source=str(subkey))
-            if message is not None and isinstance(subkey, str):
+            try:
+                message = decode(cls, getattr(item, "value", None))
+            except WireRejected as e:
+                self.faults.count("records_refused", "refused a record under %s from %s: %s", key, subkey, e)
+                continue
+            if isinstance(subkey, str):
                 out[subkey] = (message, item.expiration_time)
         return out
 
-    def publish_member(self, record: swarm_pb2.MemberRecord, ttl: float = MEMBER_TTL_S) -> bool:
-        return self._store(self.members_key, record, ttl)
+    def publish_member(self, record: swarm_pb2.MemberRecord, ttl: float = MEMBER_TTL_S, *, leaving: bool = False) -> bool:
+        """Publish this worker's member record; `leaving`: the last one, best effort (it expires anyway)."""
+        return self._store(self.members_key, record, ttl, best_effort=leaving)
 
     def members(self) -> list[Member]:
         now = get_dht_time()
-        return [
-            Member(peer_id, record, exp)
-            for peer_id, (record, exp) in self._get(self.members_key, swarm_pb2.MemberRecord).items()
-            if exp > now and record.run_id == self.run_id and record.stage == self.stage
-        ]
+        members = []
+        for peer_id, (record, exp) in self._get(self.members_key, swarm_pb2.MemberRecord).items():
+            if record.run_id != self.run_id or record.stage != self.stage:
+                self.faults.count(
+                    "records_refused", "refused the member record of %s: run %r stage %d under this run's key",
+                    peer_id, record.run_id, record.stage,
+                )
+            elif exp > now:
+                members.append(Member(peer_id, record, exp))
+        return members
 
-    def publish_round(self, boundary: int, theta_hash: str, *, group_size: int, coverage: float) -> bool:
-        record = swarm_pb2.RoundRecord(boundary=boundary, theta_hash=theta_hash, group_size=group_size, coverage=coverage)
-        return self._store(f"{self.run_id}:round:s{self.stage}:{boundary}", record, ROUND_RECORD_TTL_S)
+    def publish_round(self, record: swarm_pb2.RoundRecord) -> bool:
+        return self._store(f"{self.run_id}:round:s{self.stage}:{record.boundary}", record, ROUND_RECORD_TTL_S)
 
-    def round_hashes(self, boundary: int) -> dict[str, str]:
+    def round_records(self, boundary: int) -> dict[str, swarm_pb2.RoundRecord]:
         records = self._get(f"{self.run_id}:round:s{self.stage}:{boundary}", swarm_pb2.RoundRecord)
-        return {peer: r.theta_hash for peer, (r, _) in records.items() if r.boundary == boundary}
+        return {peer: r for peer, (r, _) in records.items() if r.boundary == boundary}
 
     def publish_config(self, config_hash: str, shared_json: str) -> None:
         record = swarm_pb2.ConfigRecord(config_hash=config_hash, shared_json=shared_json)
@@ -179,10 +201,7 @@ class Heartbeat:
         with self._lock:
             record = swarm_pb2.MemberRecord()
             record.CopyFrom(self._record)
-        try:
-            self.records.publish_member(record)
-        except Exception as e:  # the DHT may be shutting down
-            logger.debug("heartbeat failed: %s", e)
+        self.records.publish_member(record)  # a failure is counted there
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -200,4 +219,4 @@ class Heartbeat:
             with self._lock:
                 self._record.training = False
                 self._record.state_ready = False
-            self.records.publish_member(self._record, ttl=1.0)
+            self.records.publish_member(self._record, ttl=1.0, leaving=True)

@@ -1,28 +1,45 @@
 """CPU priority of the swarm's helper processes against training (`swarm.helper_nice`).
 
-The DHT node, its p2p daemon and the averager run beside training in their own processes.
-Where training keeps every CPU busy (CPU training with more threads than cores), helpers at
-training's priority or below starve: all-reduce parts arrive late, reducers look dead and
-rounds time out. So by default training runs below them (helper_nice < 0). Where cores are
-to spare, the opposite is faster: each helper wake-up then preempts a pipeline stage, which
-stalls its neighbours too, while helpers run below training take only idle CPU (measured in
-benchmarks/overlap.py), and the one-step delay gives the exchange a whole round to finish.
+The DHT node, its p2p daemon and the averager run beside training in their own processes,
+using little CPU (about 0.07 cores for 18 helper processes of 3 peers x 2 stages, measured
+in network namespaces on 10 Mbit/s links). What matters is who preempts whom: with the
+helpers above training, every helper wake-up preempts a pipeline stage, which stalls its
+neighbours too (benchmarks/overlap.py: 0.82x of training without averaging, against 0.98x
+at equal priority and 0.99x with the helpers 10 levels below, in one run). Below training,
+helpers take only idle CPU, which on a machine whose cores training keeps busy can delay
+all-reduce parts past their timeouts. Equal priority (0) is the default: neither starves.
+Negative values lower the stage process (all its threads) below its helpers; positive values
+lower the helpers, which call this first thing so that their threads and p2pd inherit it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
 logger = logging.getLogger(__name__)
 
 
 def lower_priority(nice: int) -> None:
-    """Lower the calling thread's priority by `nice` levels; threads and processes it starts afterwards
-    inherit it (on Linux nice is per thread), so call it first thing in a helper process."""
+    """Lower the priority of every thread of the calling process by `nice` levels.
+
+    On Linux nice is per thread: os.nice() alone would lower only the calling thread, and
+    threads started earlier (gloo's communication threads in a stage process) would keep
+    theirs and outrank the compute thread. Threads and processes started afterwards inherit.
+    """
     if nice <= 0:
         return
+    for tid in _threads():
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
+        except OSError as e:  # e.g. a container without permission to change priorities, or the thread ended
+            if tid == threading.get_native_id():
+                logger.warning("could not lower the priority of process %d by %d nice levels: %s", os.getpid(), nice, e)
+
+
+def _threads() -> list[int]:
     try:
-        os.nice(nice)
-    except OSError as e:  # e.g. a container without permission to change priorities
-        logger.warning("could not lower the priority of process %d by %d nice levels: %s", os.getpid(), nice, e)
+        return [int(tid) for tid in os.listdir(f"/proc/{os.getpid()}/task")]
+    except OSError:  # pragma: no cover - no /proc: the calling thread only
+        return [threading.get_native_id()]

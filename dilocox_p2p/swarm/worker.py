@@ -1,10 +1,12 @@
 """A stage worker that trains as part of a swarm (the round loop is the one in worker.py).
 
 Start: join the DHT, publish multiaddrs (lead), check admission, wait for `min_peers`,
-then, if the run has moved on, download the state of the swarm's current boundary from
-a live worker of the same stage (all local stages agree on the boundary first).
-Each boundary: repair from the majority if the last hash check said so, then publish the
-new hash and offer the state to joiners once it is complete.
+then, if the run has moved on (or this worker's checkpoint differs from the swarm or
+lacks the average that was in flight), download the state of the swarm's current
+boundary from a live worker of the same stage (all local stages agree on the boundary).
+Each boundary: repair from the majority if a hash check said so, catch up if this worker
+fell two rounds behind or was stranded, then publish the new hashes and offer the state
+to joiners once it is complete.
 """
 
 from __future__ import annotations
@@ -12,16 +14,22 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..outer import Averager, RoundOutcome, state_hash
+from .. import injection
+from ..average import Average, Averager, AverageKind, average_hash
+from ..outer import RoundOutcome
+from ..state import StageState
 from ..worker import StageWorker
+from .agreement import majority_hash
 from .averager import StateDownload
+from .dht import Member
 from .priority import lower_priority
-from .stage import SwarmStage, majority_hash
+from .stage import SwarmStage
 
 __all__ = ["SwarmStageWorker"]
 
@@ -54,24 +62,50 @@ class SwarmStageWorker(StageWorker):
             dist.broadcast_object_list(lead_maddrs, src=0, group=self.control_group)
         if not self.lead:
             self.swarm = start(lead_maddrs[0])
-        self.swarm.averager.set_state_provider(self._state_for_peers)
+        self._offered = -1  # the boundary whose state joiners may download (its round record is out)
+        self._kept: StageState | None = None  # the offered state, kept past its boundary for a waiting joiner
+        self.swarm.averager.set_state_provider(self.offered_state)
         lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
         return self.swarm
+
+    def offered_state(self) -> StageState | None:
+        """The state joiners may download: that of the boundary offered (announced) last, so that a
+        joiner always finds the round record to check it against; or, while it is incomplete, the
+        one kept for a waiting joiner."""
+        state = self.outer.state()
+        return state if state is not None and state.boundary == self._offered else self._kept
+
+    def _keep_for_joiner(self) -> None:
+        """Runs under the outer lock just before the state moves on. Where the all-reduce is slower
+        than training (delayed mode on a slow link), the state of a boundary is complete only for
+        the moment between its average's arrival and this step, too short for a joiner to take it:
+        while one is waiting, keep that complete state until the next step."""
+        self._kept = None
+        if self.swarm.averager.state_wanted():
+            state = self.outer.state()
+            if state is not None and state.boundary == self.outer.boundary:
+                self._kept = state
+        self.swarm.averager.set_kept_boundary(self._kept.boundary if self._kept is not None else -1)
+
+    def take_fault_counts(self) -> dict[str, int]:
+        return self.swarm.faults.take()
 
     # ----- start ----------------------------------------------------------------------------------
     def on_start(self, start: int) -> int:
         swarm = self.swarm
         swarm.start()
+        self.outer.before_step = self._keep_for_joiner
         self._announce(swarm.maddrs())
-        failures = self._all_gather(self._try(swarm.check_admission))
+        failures = self._all_gather(self._try(lambda: swarm.membership.check_admission(self.cfg.run.run_id, swarm.shared_json)))
         if any(failures):
             raise next(f for f in failures if f)
         if self.cfg.swarm.min_peers > 1:
-            n = swarm.wait_for_peers(self.cfg.swarm.min_peers, timeout=self.cfg.swarm.peer_wait)
+            n = swarm.membership.wait_for_peers(self.cfg.swarm.min_peers, timeout=self.cfg.swarm.peer_wait)
             counts = self._all_gather(n)
             if self.lead:
                 logger.info("%d peers in the run (waited for %d)", min(counts), self.cfg.swarm.min_peers)
         start = self._join(start)
+        self.swarm.set_state(start, ready=False, training=True)  # members wait for this worker from now on
         self._publish(start)
         return start
 
@@ -94,142 +128,169 @@ class SwarmStageWorker(StageWorker):
             print(f"  {m}", flush=True)
 
     def _join(self, start: int) -> int:
-        """At start: take the swarm's state if the run has moved on (or our checkpoint is incomplete)."""
-        behind = any(m.record.boundary > start for m in self.swarm.donors())
-        incomplete = self.outer.missing_pending is not None
+        """At start: take the swarm's state if the run has moved on, or our checkpoint differs from it
+        or lacks the average that was in flight."""
+        behind = any(m.record.boundary > start for m in self.swarm.membership.donors())
+        incomplete = self.outer.pending_lost is not None
         differs = start > 0 and not self._holds_majority(start)
         if not any(self._all_gather(behind or incomplete or differs)):
             return start
-        boundary = self._resync(start)
-        if boundary is None and incomplete and self.lead:
-            logger.warning("no live peer had the average in flight at the checkpoint; it is skipped")
+        boundary = self._resync(start, reason="catch_ups")
+        if boundary is None:
+            lost = self.outer.forget_lost_pending()
+            if lost is not None:
+                self.swarm.faults.count(
+                    "pending_dropped", "no live worker had the average of round %d that was in flight at the "
+                    "checkpoint; it is skipped (a later hash check repairs this worker if it differs)", lost,
+                )
         return start if boundary is None else boundary
 
     def _holds_majority(self, boundary: int) -> bool:
-        hashes = self.swarm.records.round_hashes(boundary)
-        return majority_hash(hashes) in (None, self.outer.hash())
+        try:
+            records = self.swarm.records.round_records(boundary)
+        except Exception as e:
+            self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
+            return True  # nothing says otherwise; the first hash check will tell
+        return majority_hash({p: r.state_hash for p, r in records.items()}) in (None, self.outer.hash())
 
-    def _resync(self, boundary: int) -> int | None:
+    def _resync(self, boundary: int, *, reason: str) -> int | None:
         """All stages of this peer take the swarm's state at one common boundary >= `boundary`.
 
-        Each stage asks its donors (holders of the majority hash first) for their current
-        complete state at or after the boundary the stages agreed on; if the stages got
-        different boundaries, those behind ask again for the newest one. Returns the boundary
-        the peer continues from, or None if nobody could serve a state.
+        Each stage asks its donors (holders of the majority hash first) for a complete state no
+        older than the one before the newest boundary any donor announced: a donor serves its
+        current state once its pending average is in, or else the one before it, which it keeps
+        for a waiting joiner. If the stages got different boundaries, those behind ask again for
+        the newest one. Returns the boundary the peer continues from, or None if nobody could
+        serve a state. `reason` is the fault counter it counts as: "repairs" or "catch_ups".
         """
         result: StateDownload | None = None
+        need = boundary
         for attempt in range(RESYNC_ATTEMPTS):
             if attempt:
                 time.sleep(0.5 * attempt)
-            self.swarm.refresh_members()
-            donors = [m for m in self.swarm.donors() if m.record.boundary >= boundary]
-            local = max([m.record.boundary for m in donors] or [-1])
-            target = max(self._all_gather(max(local, result.boundary if result else -1)))
-            if target < 0:
+            self.swarm.membership.refresh()
+            donors = [m for m in self.swarm.membership.donors() if m.record.boundary >= need]
+            newest = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
+            if newest < need:
                 continue  # the others' records may not show this boundary yet
-            if result is None or result.boundary < target:
-                result = self.swarm.fetch_state(target, self._donor_order(donors, target), at_least=True)
+            floor = max(need, newest - 1)
+            if result is None or result.boundary < floor:
+                result = self.swarm.agreement.fetch_state(floor, self._donor_order(donors, floor), at_least=True)
             got = self._all_gather(result.boundary if result is not None else -1)
             if min(got) >= 0 and len(set(got)) == 1:
-                self.swarm.abandon_before(result.boundary)
-                self.swarm.forget_checks()
-                self._install(result)
-                self._publish(result.boundary)
-                if self.lead:
-                    logger.info("took the swarm's state of round %d (was at %d)", result.boundary, boundary)
+                self._install(result, reason=reason, was=boundary)
                 return result.boundary
+            need = max(need, *got)
         if self.lead:
             logger.warning("could not take the swarm's state after %d attempts; training on from round %d",
                            RESYNC_ATTEMPTS, boundary)
         return None
 
-    def _donor_order(self, donors: list[Any], target: int) -> list[str]:
+    def _donor_order(self, donors: list[Member], target: int) -> list[str]:
         """Donors holding the majority hash of their boundary first, the most advanced first."""
-        hashes = self.swarm.records.round_hashes(target)
-        winner = majority_hash({p: h for p, h in hashes.items() if p != self.swarm.peer_id})
+        try:
+            records = self.swarm.records.round_records(target)
+        except Exception as e:
+            self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", target, e)
+            records = {}
+        hashes = {p: r.state_hash for p, r in records.items() if p != self.swarm.peer_id}
+        winner = majority_hash(hashes)
         ranked = sorted(donors, key=lambda m: (hashes.get(m.peer_id, winner) != winner, -m.record.boundary))
         return [m.peer_id for m in ranked]
 
-    def _install(self, download: StateDownload) -> None:
-        n = len(self.outer.theta_g)
-        tensors = download.tensors
-        pending = None
-        if download.has_pending:
-            pending = {"round": download.boundary - 1, "tensors": tensors[2 * n :], "group_size": download.pending_group_size}
-        self.outer.load_state_dict(
-            {"boundary": download.boundary, "theta_g": tensors[:n], "momentum": tensors[n : 2 * n], "pending": pending}
-        )
-        logger.info("installed the state of round %d from %s (hash %s)", download.boundary, download.donor, download.theta_hash[:12])
+    def _install(self, download: StateDownload, *, reason: str, was: int) -> None:
+        assert download.state is not None
+        self.swarm.exchanges.abandon_before(download.boundary)
+        self.swarm.agreement.forget()
+        self.outer.load_state(download.state)
+        self.swarm.set_state(download.boundary, ready=False, training=True)
+        self.swarm.faults.count(reason, "took the state of round %d from %s (hash %s; this worker was at round %d)",
+                                download.boundary, download.donor, download.state_hash[:12], was)
+        self._publish(download.boundary)
 
     # ----- boundaries ---------------------------------------------------------------------------------
     def on_boundary(self, boundary: int, outcome: RoundOutcome) -> tuple[int, bool]:
         """Resync with the swarm before theta_g is used if it is known (or likely) to be off.
 
         Triggers, decided together by all stages of this peer: the background hash check of an
-        earlier boundary found a stage in the minority; a stage's "average" is its own delta
-        because no group formed while others trained; or the peer fell two rounds behind.
+        earlier boundary found a stage in the minority; a stage was stranded (others train, but
+        no average could be had); or the peer fell two rounds behind.
         """
-        repair = self.swarm.take_repair() is not None
-        alone = outcome.fallback and bool(self.swarm.members(training_only=True))
-        behind = any(m.record.boundary >= boundary + 2 for m in self.swarm.donors())
-        reasons = self._all_gather((repair, alone, behind))
+        if injection.armed("corrupt_state", round=boundary - 1, stage=self.stage):
+            self._corrupt_theta_g()
+        repair = self.swarm.agreement.take_repair() is not None
+        stranded = outcome.kind is AverageKind.STRANDED and bool(self.swarm.membership.members(training_only=True))
+        behind = any(m.record.boundary >= boundary + 2 for m in self.swarm.membership.donors())
+        reasons = self._all_gather((repair, stranded, behind))
         if not any(any(r) for r in reasons):
             return boundary, False
         if self.lead:
-            why = [name for i, name in enumerate(("hash mismatch", "no group formed", "behind")) if any(r[i] for r in reasons)]
+            why = [name for i, name in enumerate(("hash mismatch", "stranded", "behind")) if any(r[i] for r in reasons)]
             logger.warning("round %d: resyncing with the swarm (%s)", boundary - 1, ", ".join(why))
-        # while resyncing this worker is not in the stage's groups: nobody should wait for it
+        # while resyncing this worker is not in the stage's groups: nobody should wait for it, and the
+        # exchange it just launched would only pull one member away from the others' group
+        self.swarm.exchanges.abandon_before(boundary)
         self.swarm.set_state(boundary, ready=False, training=False)
-        new = self._resync(boundary)
+        new = self._resync(boundary, reason="repairs" if any(r[0] for r in reasons) else "catch_ups")
         if new is None:
-            self._publish(boundary)
+            self.swarm.set_state(boundary, ready=False, training=True)  # after_boundary offers the state
         return (boundary, False) if new is None else (new, True)
+
+    @torch.no_grad()
+    def _corrupt_theta_g(self) -> None:
+        with self.outer.lock:
+            self.outer.theta_g[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1)
 
     def on_finish(self, boundary: int) -> None:
         """Keep serving the final state until the stage's other workers hold it too (or left)."""
         ours = self.outer.hash()
         deadline = time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
         while time.monotonic() < deadline:
-            others = {m.peer_id for m in self.swarm.members(training_only=True)}
-            hashes = self.swarm.records.round_hashes(boundary)
+            others = {m.peer_id for m in self.swarm.membership.members(training_only=True)}
+            try:
+                hashes = {p: r.state_hash for p, r in self.swarm.records.round_records(boundary).items()}
+            except Exception as e:
+                self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
+                hashes = {}
             if all(hashes.get(p) == ours for p in others):
                 return
             time.sleep(0.5)
-            self.swarm.refresh_members()
+            self.swarm.membership.refresh()
         logger.info("left with workers of stage %d still on another state at the final round", self.stage)
 
-    def after_boundary(self, boundary: int, theta_hash: str, outcome: RoundOutcome) -> None:
-        self.swarm.publish_boundary(boundary, theta_hash, group_size=outcome.group_size or 0, coverage=outcome.coverage)
-        self._publish(boundary)
+    def after_boundary(self, boundary: int, state_hash: str, outcome: RoundOutcome) -> None:
+        self._publish(boundary, state_hash=state_hash, outcome=outcome)
 
-    def _publish(self, boundary: int) -> None:
-        """Offer the state of `boundary` to joiners once it is complete (delayed: once the pending average is in)."""
+    def _publish(self, boundary: int, *, state_hash: str = "", outcome: RoundOutcome | None = None) -> None:
+        """Announce the state held at `boundary` (its round record), and offer it to joiners once it is
+        complete (delayed: once the pending average is in and its hash announced, so that a joiner can
+        check it against the stage group's)."""
+        average = outcome.last if outcome is not None else None
+        self.swarm.agreement.publish(
+            boundary,
+            state_hash or self.outer.hash(),
+            group_size=(outcome.group_size if outcome is not None else None) or 0,
+            coverage=outcome.coverage if outcome is not None else 1.0,
+            kind=average.kind.value if average is not None else "",
+        )
         future = self.outer.pending_future()
-        if future is None or future.done():
-            self.swarm.set_state(boundary, ready=True)
-            return
-        self.swarm.set_state(boundary, ready=False)
+        if future is not None and not future.done():
+            self.swarm.set_state(boundary, ready=False)
+        if future is not None:
+            future.add_done_callback(lambda done: self._offer(boundary, done))  # at once if done
+        else:
+            self._offer(boundary)
 
-        def ready(_: Any) -> None:
-            if self.outer.boundary == boundary:
-                self.swarm.set_state(boundary, ready=True)
-
-        future.add_done_callback(ready)
-
-    def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        snapshot = self.outer.snapshot()
-        if snapshot is None:  # the pending average is still in flight: not complete yet
-            return {"boundary": -1}, []
-        boundary, tensors, pending_round, group_size = snapshot
-        n = len(self.outer.theta_g)
-        metadata = {
-            "boundary": boundary,
-            "theta_hash": state_hash(tensors[:n]),
-            "has_pending": pending_round is not None,
-            "pending_group_size": group_size,
-        }
-        return metadata, tensors
-
-    def close(self) -> None:
-        self.swarm.close()
-
+    def _offer(self, boundary: int, future: Future[Average] | None = None) -> None:
+        """The state of `boundary` is complete (`future`, its pending average, is done): announce the
+        average's hash and let joiners download the state, unless the worker already moved on (a state
+        kept for a waiting joiner is checked against this hash too)."""
+        if future is not None:
+            average = future.result()
+            if average.kind.applies:
+                self.swarm.agreement.publish_pending(boundary, average_hash(average.tensors, average.missing))
+        if self.outer.boundary != boundary:
+            return  # the worker moved on; its next boundary is offered instead
+        known, _ = self.outer.known_pending()
+        self._offered = boundary
+        self.swarm.set_state(boundary, ready=known)

@@ -37,7 +37,7 @@ class Peer:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = run_dir.parent / f"{run_dir.name}.out"
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "a")  # a resumed peer writes after its earlier life
         cmd = [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-dir", str(run_dir), *PEER_ARGS, *args]
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
@@ -93,6 +93,17 @@ class Peer:
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
 
+    def freeze(self) -> None:
+        """SIGSTOP every process of this peer (a swapped-out machine, a preempted VM, a debugger)."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def stage_log(self, stage: int) -> str:
+        path = self.run_dir / "logs" / f"stage{stage}.log"
+        return path.read_text() if path.exists() else ""
+
 
 class Swarm:
     """Peers of one run; the first starts the swarm, the others join through its multiaddrs."""
@@ -102,12 +113,14 @@ class Swarm:
         self.peers: list[Peer] = []
         self.initial: list[str] = []
 
-    def start_peer(self, *args: str, env: dict[str, str] | None = None) -> Peer:
+    def start_peer(self, *args: str, env: dict[str, str] | None = None, run_dir: Path | None = None) -> Peer:
+        """Start a peer of this run; with `run_dir`, in that (existing) peer's directory, e.g. to --resume it."""
         index = len(self.peers)
-        extra = ["--run-id", self.run_id, "--data-seed", str(index), *args]
+        seed = [] if "--resume" in args else ["--data-seed", str(index)]
+        extra = ["--run-id", self.run_id, *seed, *args]
         if self.initial:
             extra += ["--initial-peers", *self.initial]
-        peer = Peer(self.root / f"peer{index}", extra, env=env)
+        peer = Peer(run_dir or self.root / f"peer{index}", extra, env=env)
         self.peers.append(peer)
         if not self.initial:
             self.initial = peer.maddrs()[:1]

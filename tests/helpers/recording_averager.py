@@ -6,7 +6,7 @@ for round t-1's average. Real averaging is tested with real processes in tests/s
 
     averager = RecordingAverager(scale=0.5)            # the "average" is 0.5 * this peer's delta
     loop = OuterLoop(params, OuterConfig(mode="delayed"), averager)
-    loop.end_round(0, weight=1.0); loop.end_round(1, weight=1.0)
+    loop.end_round(0); loop.end_round(1)
     assert averager.events == [("launch", 0), ("launch", 1), ("wait", 0), ("resolve", 0)]
 
 Events: ("launch", r) when all_reduce(round=r) is called; ("wait", r) each time someone
@@ -24,17 +24,16 @@ from typing import Literal
 
 import torch
 
-from dilocox_p2p.outer import AveragingResult
+from dilocox_p2p.average import Average, AverageKind, Spans, spans_by_tensor
 
 __all__ = ["AllReduceCall", "RecordingAverager"]
 
 
 @dataclass(frozen=True)
 class AllReduceCall:
-    """One all_reduce call: the round, the weight and a copy of the tensors passed in."""
+    """One all_reduce call: the round and a copy of the tensors passed in."""
 
     round: int
-    weight: float
     tensors: list[torch.Tensor]
 
 
@@ -45,7 +44,7 @@ class _RecordedFuture(Future):
         super().__init__()
         self._averager, self._round = averager, round
 
-    def result(self, timeout: float | None = None) -> AveragingResult:
+    def result(self, timeout: float | None = None) -> Average:
         self._averager.events.append(("wait", self._round))
         if not self.done():
             self._averager.resolve(self._round)
@@ -53,23 +52,25 @@ class _RecordedFuture(Future):
 
 
 class RecordingAverager:
-    """Averager double: the average of round r is `scale * tensors` over `group_size` peers."""
+    """Averager double: the average of round r is `scale * tensors` over `group_size` peers,
+    with the coordinates in `missing` left out (zero, as the swarm hands them over)."""
 
     def __init__(
         self,
         *,
         scale: float = 1.0,
         group_size: int = 1,
+        missing: Spans = (),
         resolve: Literal["on_wait", "at_launch"] = "on_wait",
     ):
-        self.scale, self.group_size, self.resolve_mode = scale, group_size, resolve
+        self.scale, self.group_size, self.missing, self.resolve_mode = scale, group_size, missing, resolve
         self.calls: list[AllReduceCall] = []
         self.events: list[tuple[str, int]] = []
         self.futures: dict[int, _RecordedFuture] = {}
         self.closed = False
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int, weight: float) -> Future[AveragingResult]:
-        self.calls.append(AllReduceCall(round=round, weight=weight, tensors=[t.detach().clone() for t in tensors]))
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:
+        self.calls.append(AllReduceCall(round=round, tensors=[t.detach().clone() for t in tensors]))
         self.events.append(("launch", round))
         future = _RecordedFuture(self, round)
         self.futures[round] = future
@@ -82,9 +83,12 @@ class RecordingAverager:
         future = self.futures[round]
         call = next(c for c in self.calls if c.round == round)
         self.events.append(("resolve", round))
-        future.set_result(
-            AveragingResult(tensors=[t * self.scale for t in call.tensors], group_size=self.group_size)
-        )
+        tensors = [t * self.scale for t in call.tensors]
+        for index, a, b in spans_by_tensor(self.missing, [t.numel() for t in tensors]):
+            tensors[index].view(-1)[a:b] = 0
+        kind = AverageKind.PARTIAL if self.missing else AverageKind.AVERAGED
+        group = tuple(f"peer{i}" for i in range(self.group_size))
+        future.set_result(Average(kind=kind, tensors=tensors, missing=self.missing, group=group))
 
     def close(self) -> None:
         self.closed = True

@@ -1,6 +1,6 @@
 """Peers on different hosts: each in its own network namespace, behind a 20 Mbit/s tbf link.
 
-    sudo pytest tests/netns -q        (needs root and iproute2; fails, never skips, without them)
+    sudo pytest tests/netns -q        (needs root and iproute2: skipped without them, failed under CI=true)
 
 The peers listen on 0.0.0.0 as on a real machine; the second one joins through the first
 line of the first peer's multiaddrs.txt, which must therefore be its reachable address,

@@ -14,6 +14,8 @@ import pytest
 pytestmark = pytest.mark.swarm
 
 ROUNDS = 5
+FULL = {"averaged"}  # the whole group's average reached this worker
+TAKEN = {"averaged", "mended", "borrowed"}  # the group's average, however it reached this worker
 
 
 def _by_round(peers):
@@ -36,11 +38,14 @@ def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
     for t, records in rounds.items():
         assert len(records) == 3, f"round {t}: {len(records)} records"
         hashes = {tuple(r["stage_hashes"]) for r in records}
-        assert len(hashes) == 1, f"round {t}: theta_g differs across peers: {hashes}"
-    # every average that was applied came from the full group of three, on both stages
+        assert len(hashes) == 1, f"round {t}: the state differs across peers: {hashes}"
     applied = [r for records in rounds.values() for r in records if r["applied_round"] is not None]
-    assert applied and all(r["group_sizes"] == [3, 3] for r in applied)
-    assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in applied)
+    assert applied and all(set(r["kinds"]) <= TAKEN and r["coverage"] == 1.0 for r in applied)
+    # hivemind's matchmaking may, under load, assemble a group before the third member's request
+    # arrives (that member then borrows the group's average): most averages are the whole group's
+    full = [r for r in applied if set(r["kinds"]) == FULL and r["group_sizes"] == [3, 3]]
+    assert len(full) >= len(applied) - 3, [(r["round"], r["kinds"], r["group_sizes"]) for r in applied]
+    assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full)
     expected_applied = {"delayed": lambda t: t - 1 if t else None, "sync": lambda t: t}[mode]
     # the last round of a run also applies what is still pending
     for t, records in rounds.items():
@@ -48,17 +53,16 @@ def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
         assert {r["applied_round"] for r in records} == {want}
     initial = json.loads((peers[0].run_dir / "run.json").read_text())["initial_val_loss"]
     assert rounds[ROUNDS - 1][0]["val_loss"] < initial - 0.3
+    if mode == "delayed":
+        _assert_the_exchange_overlapped_the_next_rounds_training(peers)
 
 
-def test_delayed_all_reduce_runs_while_the_next_round_trains(swarm):
-    peers = [swarm.start_peer("--mode", "delayed", "--rounds", "4", "--min-peers", "3") for _ in range(3)]
-    for peer in peers:
-        assert peer.wait(timeout=240) == 0, peer.output()
+def _assert_the_exchange_overlapped_the_next_rounds_training(peers):
     overlapped = 0
     for peer in peers:
         records = {r["round"]: r for r in peer.metrics()}
-        for t in range(1, 3):
-            # round t applies the all-reduce of round t-1, launched when round t-1's compute ended
+        for t in range(1, ROUNDS - 1):
+            # round t applies the exchange of round t-1, launched when round t-1's compute ended
             for stage in range(2):
                 ar_start, ar_end = records[t]["allreduce_windows"][stage]
                 prev_end = records[t - 1]["compute_windows"][stage][1]

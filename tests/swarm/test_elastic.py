@@ -55,16 +55,17 @@ def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm):
 
 def test_a_late_joiner_holds_the_same_theta_g_from_its_first_round(swarm):
     # the others train long enough for the joiner's start-up (torch import, DHT) on a loaded 2-core box
-    args = ("--mode", "delayed", "--rounds", "20", "--min-peers", "3")
-    first = [swarm.start_peer(*args) for _ in range(3)]
-    first[0].wait_for_round(2, timeout=180)  # three rounds done: join at round 3
-    joiner = swarm.start_peer("--mode", "delayed", "--rounds", "20")
+    args = ("--mode", "delayed", "--rounds", "12", "--inner-steps", "30")  # rounds long enough for its start-up
+    first = [swarm.start_peer(*args, "--min-peers", "3") for _ in range(3)]
+    first[0].wait_for_round(0, timeout=180)  # the run has moved on: the joiner cannot start at round 0
+    joiner = swarm.start_peer(*args)
     for peer in [*first, joiner]:
         assert peer.wait(timeout=300) == 0, peer.output()
 
     mine = _hashes(joiner)
     assert mine, joiner.output()
-    assert min(mine) >= 3  # it started from the swarm's state, not from round 0
+    assert min(mine) >= 1  # it started from the swarm's state, not from round 0
+    assert sum(r["faults"]["catch_ups"] for r in joiner.metrics()) >= 1
     others = [_hashes(p) for p in first]
     for t, hashes in mine.items():
         assert all(o[t] == hashes for o in others), f"joiner differs at round {t}"
@@ -93,3 +94,66 @@ def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm)
         for _ in range(50):
             os.killpg(host.proc.pid, 0)
             time.sleep(0.2)
+
+
+def _wait_for(condition, timeout, message):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, message()
+        time.sleep(0.2)
+
+
+def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
+    rounds = 9
+    args = ("--mode", "delayed", "--rounds", str(rounds), "--min-peers", "3", "--stages", "1")
+    others = [swarm.start_peer(*args) for _ in range(2)]
+    frozen = swarm.start_peer(*args)
+    frozen.wait_for_round(1, timeout=180)
+    frozen.freeze()  # SIGSTOP: a swapped-out machine, a preempted VM
+    try:
+        stopped_at = max(r["round"] for r in frozen.metrics())
+        _wait_for(lambda: max(r["round"] for r in others[0].metrics()) >= stopped_at + 3, 180,
+                  lambda: f"the others stalled while a peer was frozen:\n{others[0].output()}")
+    finally:
+        frozen.thaw()
+    for peer in [*others, frozen]:
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    a, b, c = (_hashes(p) for p in (*others, frozen))
+    assert sorted(a) == sorted(b) == list(range(rounds))
+    assert all(a[t] == b[t] for t in a), "the peers that kept going disagree"
+    records = {r["round"]: r for r in frozen.metrics()}
+    caught_up = [t for t, r in sorted(records.items()) if r["faults"]["catch_ups"]]
+    assert caught_up, "the frozen peer never took the swarm's state"
+    assert set(range(rounds)) - set(records), "the frozen peer skipped no round: it was never two rounds behind"
+    after = [t for t in records if t >= caught_up[0]]
+    assert all(c[t] == a[t] for t in after), "the frozen peer differs from the swarm after catching up"
+    assert records[rounds - 1]["group_sizes"] == [3]
+
+
+def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_it(swarm):
+    rounds = 16  # the survivor trains on alone while the victim restarts (its start-up takes ~15 s here)
+    args = ("--mode", "delayed", "--rounds", str(rounds), "--min-peers", "2")
+    survivor = swarm.start_peer(*args)
+    victim = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "kill_peer_in_allreduce:round=2:stage=0"})
+    killed_at = _wait_until_dead(victim, timeout=180)
+    assert victim.proc.returncode == -signal.SIGKILL
+    checkpointed = max(r["round"] for r in victim.metrics()) + 1
+    restarted_at = time.time()
+    resumed = swarm.start_peer(*args, "--resume", run_dir=victim.run_dir)  # restarted at once, as a supervisor would
+    for peer in (survivor, resumed):
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    alone = {r["round"]: r for r in survivor.metrics()}
+    assert sorted(alone) == list(range(rounds))
+    one_round = max(r["seconds_round"] for r in alone.values() if r["round"] < 2)
+    next_round = min((r for r in alone.values() if r["time"] > killed_at), key=lambda r: r["round"])
+    assert next_round["time"] - killed_at < ROUND_WAIT + ALLREDUCE_TIMEOUT + one_round + 5, "the survivor stalled"
+    assert any(r["kinds"] == ["alone", "alone"] for r in alone.values()), "the survivor never trained alone"
+
+    back = {r["round"]: r for r in resumed.metrics() if r["time"] > restarted_at}
+    assert back and min(back) > checkpointed, "the restarted peer trained from its checkpoint, not the swarm's state"
+    assert sum(r["faults"]["catch_ups"] for r in back.values()) >= 1
+    s = _hashes(survivor)
+    assert all(s[t] == r["stage_hashes"] for t, r in back.items()), "the resumed peer differs from the survivor"
+    assert back[rounds - 1]["group_sizes"] == [2, 2], "the resumed peer never averaged with the survivor again"

@@ -1,5 +1,5 @@
 """CPU priority of the swarm's helper processes against training (`swarm.helper_nice`, see
-dilocox_p2p/swarm/priority.py), checked on real processes.
+dilocox_p2p/swarm/priority.py), checked on real processes, thread by thread.
 
     pytest tests/swarm/test_priority.py -q
 """
@@ -49,16 +49,32 @@ def test_with_positive_helper_nice_the_dht_its_p2p_daemon_and_the_averager_run_b
         dht.shutdown()
 
 
-def test_by_default_a_peers_stage_processes_train_ten_levels_below_their_helpers(tmp_path):
-    peer = Peer(tmp_path / "peer", ["--rounds", "200", "--inner-steps", "10"])
+def _stage_and_helper_threads(peer: Peer) -> dict[int, tuple[list[int], list[int]]]:
+    """For each stage process of the peer (children of its fork server): the nice levels of its threads,
+    and of its helper processes' threads (DHT, averager, p2p daemon)."""
+    (server,) = [c for c in _children(peer.proc.pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    out = {}
+    for stage in _children(server):
+        helpers = _children(stage) + [p for h in _children(stage) for p in _children(h)]
+        out[stage] = (_thread_nices(stage), [n for h in helpers for n in _thread_nices(h)])
+    return out
+
+
+def _thread_nices(pid: int) -> list[int]:
+    return [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+@pytest.mark.parametrize("helper_nice", [0, -10])  # the default; training below its helpers
+def test_every_thread_of_a_stage_and_of_its_helpers_gets_the_configured_priority(tmp_path, helper_nice):
+    peer = Peer(tmp_path / "peer", ["--rounds", "200", "--inner-steps", "10", "--set", f"swarm.helper_nice={helper_nice}"])
     try:
         peer.wait_for_round(0, timeout=180)
-        # the launcher's children: the stage processes (each with its DHT and averager) and a resource tracker
-        helpers = {stage: _children(stage) for stage in _children(peer.proc.pid)}
-        stages = [stage for stage, theirs in helpers.items() if theirs]
-        assert len(stages) == 2, helpers
-        for stage in stages:
-            assert all(_nice(stage) == _nice(h) + 10 for h in helpers[stage]), (stage, helpers[stage])
+        stages = _stage_and_helper_threads(peer)
+        assert len(stages) == 2, stages
+        for stage_threads, helper_threads in stages.values():
+            assert len(set(stage_threads)) == 1, f"threads of one stage differ: {stage_threads}"  # gloo's included
+            assert helper_threads and len(set(helper_threads)) == 1, helper_threads
+            assert helper_threads[0] - stage_threads[0] == helper_nice
     finally:
         peer.kill()
         peer.log.close()

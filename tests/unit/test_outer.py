@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from dilocox_p2p.config import OuterConfig
-from dilocox_p2p.outer import LocalAverager, OuterLoop, OuterNesterov, pseudo_gradient, state_hash
+from dilocox_p2p.average import AverageKind, LocalAverager
+from dilocox_p2p.outer import OuterLoop, OuterNesterov, pseudo_gradient
+from dilocox_p2p.state import state_hash
 from tests.helpers.recording_averager import RecordingAverager
 
 pytestmark = pytest.mark.unit
@@ -92,10 +94,10 @@ def test_state_hash_is_equal_for_equal_tensors_and_differs_otherwise():
 
 def test_local_averager_returns_the_input_over_a_group_of_one():
     tensors = [torch.tensor([1.0, -2.0]), torch.zeros(3)]
-    future = LocalAverager().all_reduce(tensors, round=4, weight=10.0)
+    future = LocalAverager().all_reduce(tensors, round=4)
     assert future.done()
     result = future.result()
-    assert result.group_size == 1
+    assert result.kind is AverageKind.ALONE and result.group_size == 1 and result.coverage == 1.0
     assert len(result.tensors) == 2
     assert all(torch.equal(r, t) for r, t in zip(result.tensors, tensors))
 
@@ -153,22 +155,22 @@ def test_sync_mode_applies_the_average_of_round_t_at_the_end_of_round_t():
     hand = HandNesterov(_flat(THETA0), LR, MU)
     for t in range(len(DELTAS)):
         _train_inner(loop, t)
-        outcome = loop.end_round(t, weight=2.0)
+        outcome = loop.end_round(t)
         hand.step([0.5 * d for d in _flat(DELTAS[t])])
         assert outcome.applied_round == t
         assert outcome.group_size == 3
         assert _theta(loop) == pytest.approx(hand.theta, abs=1e-6)
     assert averager.events == [e for t in range(4) for e in (("launch", t), ("wait", t), ("resolve", t))]
-    assert loop.drain() is None
+    assert loop.drain().applied == ()
 
 
-def test_each_round_launches_one_all_reduce_of_its_pseudo_gradient_with_its_weight():
+def test_each_round_launches_one_all_reduce_of_its_pseudo_gradient():
     averager = RecordingAverager()
     loop = _make_loop("delayed", averager)
     for t in range(3):
         _train_inner(loop, t)
-        loop.end_round(t, weight=100.0 + t)
-    assert [(c.round, c.weight) for c in averager.calls] == [(0, 100.0), (1, 101.0), (2, 102.0)]
+        loop.end_round(t)
+    assert [c.round for c in averager.calls] == [0, 1, 2]
     for call, deltas in zip(averager.calls, DELTAS):
         assert _flat([c.tolist() for c in call.tensors]) == pytest.approx(_flat(deltas), abs=1e-6)
 
@@ -178,7 +180,7 @@ def test_delayed_mode_applies_nothing_at_the_end_of_round_0():
     loop = _make_loop("delayed", averager)
     before = [t.clone() for t in loop.theta_g]
     _train_inner(loop, 0)
-    outcome = loop.end_round(0, weight=1.0)
+    outcome = loop.end_round(0)
     assert outcome.applied_round is None
     assert all(torch.equal(a, b) for a, b in zip(loop.theta_g, before))
     assert averager.events == [("launch", 0)]
@@ -190,7 +192,7 @@ def test_delayed_mode_applies_round_t_minus_1_average_at_end_of_round_t_and_drai
     hand = HandNesterov(_flat(THETA0), LR, MU)
     for t in range(len(DELTAS)):
         _train_inner(loop, t)
-        outcome = loop.end_round(t, weight=1.0)
+        outcome = loop.end_round(t)
         if t == 0:
             assert outcome.applied_round is None
         else:
@@ -199,9 +201,9 @@ def test_delayed_mode_applies_round_t_minus_1_average_at_end_of_round_t_and_drai
         assert _theta(loop) == pytest.approx(hand.theta, abs=1e-6)
     last = loop.drain()
     hand.step([0.5 * d for d in _flat(DELTAS[-1])])
-    assert last is not None and last.applied_round == len(DELTAS) - 1
+    assert last.applied_round == len(DELTAS) - 1
     assert _theta(loop) == pytest.approx(hand.theta, abs=1e-6)
-    assert loop.drain() is None
+    assert loop.drain().applied == ()
 
 
 def test_delayed_mode_launches_round_t_before_waiting_for_round_t_minus_1():
@@ -209,7 +211,7 @@ def test_delayed_mode_launches_round_t_before_waiting_for_round_t_minus_1():
     loop = _make_loop("delayed", averager)
     for t in range(3):
         _train_inner(loop, t)
-        loop.end_round(t, weight=1.0)
+        loop.end_round(t)
     loop.drain()
     assert averager.events == [
         ("launch", 0),
@@ -226,7 +228,7 @@ def test_delayed_and_sync_differ_only_by_the_one_round_shift():
     for t in range(len(DELTAS)):
         for loop in (sync, delayed):
             _train_inner(loop, t)
-            loop.end_round(t, weight=1.0)
+            loop.end_round(t)
     delayed.drain()
     assert _theta(delayed) == pytest.approx(_theta(sync), abs=1e-6)
 
@@ -234,7 +236,7 @@ def test_delayed_and_sync_differ_only_by_the_one_round_shift():
 def test_load_into_model_copies_theta_g_into_the_params():
     loop = _make_loop("sync", RecordingAverager())
     _train_inner(loop, 0)
-    loop.end_round(0, weight=1.0)
+    loop.end_round(0)
     loop.load_into_model()
     for p, g in zip(loop.params, loop.theta_g):
         assert torch.equal(p.detach(), g)
@@ -262,7 +264,7 @@ def test_state_dict_round_trips_theta_g_momentum_and_the_pending_average():
     original = _make_loop("delayed", RecordingAverager(resolve="at_launch"))
     for t in range(2):
         _train_inner(original, t)
-        original.end_round(t, weight=1.0)
+        original.end_round(t)
     state = _through_disk(original.state_dict())
     assert state["pending"] is not None and state["pending"]["round"] == 1
 
@@ -274,7 +276,7 @@ def test_state_dict_round_trips_theta_g_momentum_and_the_pending_average():
 
     for loop in (original, restored):
         _train_inner(loop, 2)
-        outcome = loop.end_round(2, weight=1.0)
+        outcome = loop.end_round(2)
         assert outcome.applied_round == 1
     assert restored.hash() == original.hash()
     assert restored.drain().applied_round == 2
@@ -285,7 +287,7 @@ def test_state_dict_round_trips_theta_g_momentum_and_the_pending_average():
 def test_state_dict_without_a_pending_average_round_trips():
     original = _make_loop("sync", RecordingAverager())
     _train_inner(original, 0)
-    original.end_round(0, weight=1.0)
+    original.end_round(0)
     state = _through_disk(original.state_dict())
     assert state["pending"] is None
     restored = _make_loop("sync", RecordingAverager())
@@ -303,13 +305,13 @@ def test_a_checkpoint_taken_while_an_average_is_in_flight_names_the_round_it_lac
     original = _make_loop("delayed", RecordingAverager(resolve="on_wait"))
     for t in range(2):
         _train_inner(original, t)
-        original.end_round(t, weight=1.0)
+        original.end_round(t)
     state = _through_disk(original.state_dict())
     assert state["pending"] is None
-    assert state["pending_missing"] == 1
+    assert state["pending_lost"] == 1
     restored = _make_loop("delayed", RecordingAverager(resolve="on_wait"))
     restored.load_state_dict(state)
-    assert restored.missing_pending == 1
+    assert restored.pending_lost == 1
     assert restored.hash() == original.hash()
 
 
@@ -317,18 +319,22 @@ def test_a_checkpoint_taken_after_the_average_arrived_carries_it():
     original = _make_loop("delayed", RecordingAverager(resolve="at_launch"))
     for t in range(2):
         _train_inner(original, t)
-        original.end_round(t, weight=1.0)
+        original.end_round(t)
     state = _through_disk(original.state_dict())
-    assert state["pending_missing"] is None
+    assert state["pending_lost"] is None
     restored = _make_loop("delayed", RecordingAverager(resolve="at_launch"))
     restored.load_state_dict(state)
-    assert restored.missing_pending is None
+    assert restored.pending_lost is None
     for loop in (original, restored):
         _train_inner(loop, 2)
-        assert loop.end_round(2, weight=1.0).applied_round == 1
+        assert loop.end_round(2).applied_round == 1
     assert restored.hash() == original.hash()
 
 
-def test_loop_hash_is_the_state_hash_of_theta_g():
+def test_loop_hash_covers_theta_g_and_the_momentum():
     loop = _make_loop("sync", RecordingAverager())
-    assert loop.hash() == state_hash([torch.tensor(t) for t in THETA0])
+    zeros = [torch.zeros_like(torch.tensor(t)) for t in THETA0]
+    assert loop.hash() == state_hash([*(torch.tensor(t) for t in THETA0), *zeros])
+    _train_inner(loop, 0)
+    loop.end_round(0)
+    assert loop.hash() == state_hash([*loop.theta_g, *loop.optimizer.buffers])

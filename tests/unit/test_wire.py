@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dilocox_p2p.errors import WireRejected
 from dilocox_p2p.swarm.dht import stage_maddr
 from dilocox_p2p.wire import decode, encode, swarm_pb2
 
@@ -19,21 +20,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_record_survives_encode_and_decode():
-    record = swarm_pb2.RoundRecord(boundary=7, theta_hash="ab" * 32, group_size=3, coverage=1.0)
+    record = swarm_pb2.RoundRecord(boundary=7, state_hash="ab" * 32, pending_hash="cd" * 32, group_size=3, coverage=1.0)
     assert decode(swarm_pb2.RoundRecord, encode(record)) == record
 
 
 @pytest.mark.parametrize(
-    "blob",
+    ("blob", "reason"),
     [
-        "not bytes",
-        b"\xff\xff\xff\xff",  # malformed
-        encode(swarm_pb2.RoundRecord(boundary=1, coverage=float("nan"))),  # non-finite
-        b"\x0a" + b"\x00" * 70_000,  # oversized
+        ("not bytes", "expected bytes"),
+        (b"\xff\xff\xff\xff", "malformed"),
+        (encode(swarm_pb2.RoundRecord(boundary=1, coverage=float("nan"))), "non-finite coverage"),
+        (b"\x0a" + b"\x00" * 70_000, "70001 bytes > limit"),
     ],
 )
-def test_unacceptable_bytes_are_refused_not_raised(blob):
-    assert decode(swarm_pb2.RoundRecord, blob) is None
+def test_unacceptable_bytes_are_refused_with_the_reason(blob, reason):
+    with pytest.raises(WireRejected, match=reason):
+        decode(swarm_pb2.RoundRecord, blob)
 
 
 def test_stage_s_listens_on_port_plus_s_and_random_ports_stay_random():

@@ -1,0 +1,195 @@
+"""What one round's exchange hands back to the outer loop, and the seam it comes through.
+
+An `Average` says what the stage group's average of a round is *and how it was had*: its
+`kind` is explicit (averaged, partial, mended, borrowed, alone, stranded, abandoned), so the
+outer loop, the metrics and the operator all read the same fact instead of decoding a
+combination of fields.
+
+Coordinates a round could not average are `missing`: spans `[start, end)` over the
+stage's tensors flattened and concatenated in order. The outer step leaves them exactly
+as they were, theta_g and momentum alike, on every member (outer.py), and `fill_missing`
+mends them from another member's average of the same group: a span that reached any member
+came from one reducer, so every copy of it holds the same bits.
+
+Determinism rule (see outer.py): everything here copies bits; nothing rounds.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+__all__ = [
+    "Average",
+    "AverageKind",
+    "Averager",
+    "LocalAverager",
+    "Spans",
+    "average_hash",
+    "covered_share",
+    "fill_missing",
+    "intersect_spans",
+    "spans_by_tensor",
+]
+
+Spans = tuple[tuple[int, int], ...]
+"""Half-open coordinate ranges over a stage's tensors, flattened and concatenated in order."""
+
+
+class AverageKind(str, enum.Enum):
+    """How a round's average reached this worker."""
+
+    AVERAGED = "averaged"
+    """The group's all-reduce reached this worker whole."""
+    PARTIAL = "partial"
+    """Averaged, except spans whose reducer failed before any member got them: those stay unchanged."""
+    MENDED = "mended"
+    """Spans that missed this worker were taken from other members of its group."""
+    BORROWED = "borrowed"
+    """This worker's own all-reduce failed; it took the average its group computed without it."""
+    ALONE = "alone"
+    """No other worker trains this stage: the average of a group of one (this worker's delta)."""
+    STRANDED = "stranded"
+    """Others train, but no average could be had: nothing is applied, theta_g stays as it was."""
+    ABANDONED = "abandoned"
+    """This peer moved on to the swarm's state; the round is dropped."""
+
+    @property
+    def applies(self) -> bool:
+        """Whether the outer step uses this average at all."""
+        return self not in (AverageKind.STRANDED, AverageKind.ABANDONED)
+
+
+@dataclass(frozen=True)
+class Average:
+    """The average of one round's pseudo-gradients over a stage group, as this worker holds it."""
+
+    kind: AverageKind
+    tensors: list[torch.Tensor]
+    missing: Spans = ()
+    """Coordinates not averaged: the outer step leaves them (theta_g and momentum) exactly as they were."""
+    group: tuple[str, ...] = ()
+    """Peer ids of the group whose average this is (empty for a group of one)."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    window: tuple[float, float] | None = None
+    """Wall-clock (unix) start and end of the exchange, when there was one."""
+    note: str = ""
+    """Why the exchange went as it did, for the log."""
+    mended_from: tuple[str, ...] = field(default=())
+    """Members whose copies filled this worker's missing spans (MENDED, BORROWED)."""
+
+    @property
+    def group_size(self) -> int:
+        return max(len(self.group), 1)
+
+    @property
+    def coverage(self) -> float:
+        """Share of the coordinates that were averaged."""
+        if not self.kind.applies:
+            return 0.0
+        return covered_share(self.missing, sum(t.numel() for t in self.tensors))
+
+
+class Averager(Protocol):
+    """The seam between the outer loop and the network: one all-reduce per round."""
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:
+        """Start averaging `tensors` (this peer's pseudo-gradient of `round`) with the stage group.
+
+        The tensors belong to the averager from now on. The future resolves to the average;
+        it never raises for network trouble: what happened is the average's `kind`.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalAverager:
+    """The average over a group of one: this peer alone."""
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:
+        future: Future[Average] = Future()
+        future.set_result(Average(kind=AverageKind.ALONE, tensors=list(tensors)))
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+def covered_share(missing: Spans, total: int) -> float:
+    if total == 0:
+        return 1.0
+    return 1.0 - sum(hi - lo for lo, hi in missing) / total
+
+
+def spans_by_tensor(spans: Spans, numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(tensor index, start, end) within each tensor's flat view, for every piece of `spans`."""
+    offset = 0
+    for index, numel in enumerate(numels):
+        for lo, hi in spans:
+            a, b = max(lo - offset, 0), min(hi - offset, numel)
+            if a < b:
+                yield index, a, b
+        offset += numel
+
+
+def intersect_spans(a: Spans, b: Spans) -> Spans:
+    """The coordinates missing from both (inputs sorted and disjoint, as every Spans is)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tuple(out)
+
+
+def fill_missing(
+    tensors: Sequence[torch.Tensor], missing: Spans, other: Sequence[torch.Tensor], other_missing: Spans
+) -> tuple[list[torch.Tensor], Spans]:
+    """Copy into (copies of) `tensors` the coordinates they miss and `other` holds; return them and what
+    is still missing. Both must be averages of the same group and round (the same reducers' bits)."""
+    still = intersect_spans(missing, other_missing)
+    if still == missing:
+        return list(tensors), missing
+    out = [t.clone() for t in tensors]
+    numels = [t.numel() for t in out]
+    fill = _subtract_spans(missing, still)
+    for index, a, b in spans_by_tensor(fill, numels):
+        out[index].view(-1)[a:b] = other[index].reshape(-1)[a:b]
+    return out, still
+
+
+def _subtract_spans(a: Spans, b: Spans) -> Spans:
+    """Coordinates in `a` but not in `b` (b a subset of a, both sorted and disjoint)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in a:
+        cursor = lo
+        for blo, bhi in b:
+            if bhi <= cursor or blo >= hi:
+                continue
+            if blo > cursor:
+                out.append((cursor, blo))
+            cursor = max(cursor, bhi)
+        if cursor < hi:
+            out.append((cursor, hi))
+    return tuple(out)
+
+
+def average_hash(tensors: Sequence[torch.Tensor], missing: Spans) -> str:
+    """Hex SHA-256 of an average: its bytes and which coordinates it leaves unchanged."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    h.update(repr(tuple(missing)).encode())
+    return h.hexdigest()

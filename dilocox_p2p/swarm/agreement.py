@@ -1,0 +1,222 @@
+"""Agreement of a stage group: round records, hash checks, and state downloads verified against the majority.
+
+At every boundary a worker publishes a `RoundRecord` with the hash of its shared state
+(theta_g and momentum) and, once known, of the average it will apply next (delayed mode).
+One boundary later, when every worker has published, it compares its hash with the
+others'; a worker in the minority is repaired at its next boundary (state download). A
+check whose lookup fails is counted (`hash_checks_skipped`) and retried at the next round.
+
+A downloaded state is accepted only if its state hash AND the hash of its pending average
+equal what most of the stage group announced for that boundary, not only what the donor
+says of itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import SwarmConfig
+from ..state import StageState
+from ..wire import swarm_pb2
+from .averager import DilocoxAverager, StateDownload
+from .dht import RunRecords
+from .faults import FaultCounter
+from .membership import Membership
+
+__all__ = ["Agreement", "Repair", "majority_hash"]
+
+logger = logging.getLogger(__name__)
+
+RECORDS_KEPT = 2  # a donor may serve the state of the boundary before its current one (worker.py)
+CHECK_ATTEMPTS = 3  # a boundary whose records cannot be read is checked again at this many later rounds
+
+
+def majority_hash(hashes: dict[str, str]) -> str | None:
+    """The hash most workers hold; ties go to the smallest hash, so every peer picks the same. Empty ones don't vote."""
+    counts = Counter(h for h in hashes.values() if h)
+    if not counts:
+        return None
+    return min(counts, key=lambda h: (-counts[h], h))
+
+
+@dataclass(frozen=True)
+class Repair:
+    """A hash check found this worker in the minority at `boundary`."""
+
+    boundary: int
+    majority: str
+    holders: list[str]
+
+
+@dataclass
+class _Check:
+    boundary: int
+    state_hash: str
+    epoch: int
+    attempts: int = 0
+
+
+class Agreement:
+    """Publishes this worker's round records and checks them against the stage group's."""
+
+    def __init__(
+        self,
+        records: RunRecords,
+        averager: DilocoxAverager,
+        membership: Membership,
+        sw: SwarmConfig,
+        faults: FaultCounter,
+    ):
+        self.records, self.averager, self.membership, self.sw, self.faults = records, averager, membership, sw, faults
+        self.peer_id = records.peer_id
+        self._lock = threading.Lock()
+        self._epoch = 0  # bumped when the state is replaced; checks of older states are void
+        self._checks: list[_Check] = []
+        self._repair: Repair | None = None
+        self._records: dict[int, swarm_pb2.RoundRecord] = {}  # the last RECORDS_KEPT published, by boundary
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run_checks, name="hash-checks", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ----- publishing ---------------------------------------------------------------------------
+    def publish(self, boundary: int, state_hash: str, *, check: bool = True, **facts: object) -> None:
+        """Publish the state held at `boundary`; check the earlier boundaries' hashes in the background.
+
+        The check of a boundary runs when the next one is published, when every worker has
+        published its own record, so it costs one DHT lookup per round instead of polling.
+        """
+        record = swarm_pb2.RoundRecord(boundary=boundary, state_hash=state_hash, **facts)
+        with self._lock:
+            self._records[boundary] = record
+            for old in sorted(self._records)[:-RECORDS_KEPT]:
+                del self._records[old]
+        self.records.publish_round(record)
+        self._wake.set()
+        if check:
+            with self._lock:
+                self._checks = [c for c in self._checks if c.boundary != boundary]
+                self._checks.append(_Check(boundary, state_hash, self._epoch))
+
+    def publish_pending(self, boundary: int, pending_hash: str) -> None:
+        """The average applied at the end of round `boundary` is now known: add its hash to the record
+        (also after this worker moved on: a joiner may still be served the state of `boundary`)."""
+        with self._lock:
+            if boundary not in self._records:
+                return
+            self._records[boundary].pending_hash = pending_hash
+            record = swarm_pb2.RoundRecord()
+            record.CopyFrom(self._records[boundary])
+        self.records.publish_round(record)
+
+    def forget(self) -> None:
+        """The state was replaced: earlier hashes say nothing about it any more."""
+        with self._lock:
+            self._epoch += 1
+            self._checks, self._repair = [], None
+
+    def take_repair(self) -> Repair | None:
+        with self._lock:
+            repair, self._repair = self._repair, None
+        return repair
+
+    # ----- checking -----------------------------------------------------------------------------
+    def _run_checks(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                latest = max(self._records, default=-1)
+                due = [c for c in self._checks if c.boundary < latest]
+            for check in due:
+                if self._closed.is_set():
+                    return
+                done = self._check(check)
+                with self._lock:
+                    check.attempts += 1
+                    if done or check.attempts >= CHECK_ATTEMPTS or check.epoch != self._epoch:
+                        self._checks = [c for c in self._checks if c is not check]
+
+    def _check(self, check: _Check) -> bool:
+        """Compare `check` with the others' records; False if it could not be done (retried later)."""
+        try:
+            records = self.records.round_records(check.boundary)
+        except Exception as e:
+            self.faults.count("hash_checks_skipped", "hash check of round %d skipped: lookup failed (%r)", check.boundary, e)
+            return False
+        hashes = {peer: r.state_hash for peer, r in records.items()}
+        if not any(peer != self.peer_id for peer in hashes) and self._others_held(check.boundary):
+            self.faults.count(
+                "hash_checks_skipped", "hash check of round %d skipped: no other worker's record was found",
+                check.boundary,
+            )
+            return False
+        hashes[self.peer_id] = check.state_hash
+        winner = majority_hash(hashes)
+        if winner is not None and winner != check.state_hash:
+            holders = sorted(p for p, h in hashes.items() if h == winner)
+            logger.warning(
+                "the state at round %d differed from the majority (%d of %d workers hold %s, this one %s): "
+                "repairing at the next round",
+                check.boundary, len(holders), len(hashes), winner[:12], check.state_hash[:12],
+            )
+            with self._lock:
+                if check.epoch == self._epoch:
+                    self._repair = Repair(check.boundary, winner, holders)
+        return True
+
+    def _others_held(self, boundary: int) -> bool:
+        """Other training members are at or past `boundary` (so they published a record of it)."""
+        return any(m.record.boundary >= boundary for m in self.membership.members(training_only=True))
+
+    # ----- verified state downloads ---------------------------------------------------------------
+    def fetch_state(self, boundary: int, donors: Sequence[str], *, at_least: bool = False) -> StateDownload | None:
+        """Download the state at `boundary` (or later, with `at_least`) from the first donor whose state
+        matches the stage group's majority hashes; None if none did (each failure counted)."""
+        for donor in donors:
+            got = self.averager.download_round(
+                donor, boundary, wait_s=self.sw.allreduce_timeout, timeout=self.sw.state_timeout, at_least=at_least
+            )
+            if got.status != swarm_pb2.STATE_OK or got.state is None:
+                status = swarm_pb2.StateStatus.Name(got.status) if got.status >= 0 else "error"
+                self.faults.count("downloads_failed", "state of round %d not taken from %s: %s (donor at %d) %s",
+                                  boundary, donor, status, got.boundary, got.reason)
+                continue
+            problem = self.verify(got.state)
+            if problem:
+                self.faults.count("downloads_failed", "state of round %d from %s refused: %s", got.boundary, donor, problem)
+                continue
+            return got
+        return None
+
+    def verify(self, state: StageState) -> str:
+        """Why `state` is not what most of the stage group announced for its boundary ("" if it is)."""
+        try:
+            records = self.records.round_records(state.boundary)
+        except Exception as e:
+            self.faults.count("lookups_failed", "round records of %d could not be read: %r", state.boundary, e)
+            return "the stage group's round records could not be read"
+        ours = state.hash()
+        winner = majority_hash({p: r.state_hash for p, r in records.items()})
+        if winner is None:
+            return f"no worker announced a state for round {state.boundary}"
+        if ours != winner:
+            return f"its state hash {ours[:12]} is not the majority's {winner[:12]}"
+        if state.pending is not None:
+            pending = majority_hash({p: r.pending_hash for p, r in records.items()})
+            if pending is None:
+                return f"no worker announced the average of round {state.pending.round}"
+            if state.pending_hash() != pending:
+                return f"its pending average {state.pending_hash()[:12]} is not the majority's {pending[:12]}"
+        return ""

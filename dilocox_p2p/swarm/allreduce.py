@@ -1,0 +1,218 @@
+"""hivemind's butterfly all-reduce, made exact: every member of a group gets the same bits.
+
+hivemind's `AllReduceRunner` splits the flattened tensors into one contiguous block per
+member (its reducer span); each member sums the others' parts of its block and sends the
+result back. Changes here (each overridden hivemind method is listed in
+hivemind_patches.py with the versions checked):
+
+1. Members receive the reducer's averaged parts themselves, not `average - own part`
+   (hivemind's differences make `a + (avg - a)` differ in the last bit from member to member).
+2. A reducer averages in a fixed order: each part's contributions are kept per sender and
+   summed in sender order in float64, then divided by their count and cast once
+   (`ordered_mean`, determinism rule 2 in outer.py). Every member counts once: all peers
+   train the same tokens per round, so token weights would all be equal.
+3. A reducer that fails leaves the parts it had not delivered *missing*: `failed_spans()`
+   names them (zeros in the output), and the outer step leaves those coordinates unchanged.
+4. Bytes sent and received are counted.
+5. Fault injection for tests (injection.py): `withhold_average`, `kill_peer_in_allreduce`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor
+
+from .. import injection
+from ..average import Spans
+
+__all__ = ["ExactAllReduceRunner", "ordered_mean"]
+
+logger = logging.getLogger(__name__)
+
+
+def ordered_mean(parts: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """The mean of `parts` summed in the given order in float64, cast to float32 once."""
+    if not parts:
+        return torch.zeros(shape)
+    total = parts[0].to(torch.float64, copy=True)
+    for part in parts[1:]:
+        total.add_(part)
+    return total.div_(len(parts)).to(torch.float32)
+
+
+class _OrderedMeanReducer(TensorPartReducer):
+    """hivemind's reducer, averaging each part in sender order (see `ordered_mean`).
+
+    Also fixes two races seen here under CPU load when a peer dies:
+    - a sender banned while its part k was already received but waiting for earlier parts is
+      counted for part k (the ban covers its parts < num_parts_received), yet hivemind then
+      rejects that part, so part k waits until the all-reduce times out; here it is counted;
+    - a part finished twice raised InvalidStateError and broke the reducer's streams.
+    """
+
+    def reset_accumulators(self) -> None:
+        assert self.current_part_accumulated_from == self.num_current_senders or self.current_part_index == -1
+        if self.current_part_index >= self.num_parts - 1:
+            self.finalize()
+            return
+        self.current_part_index += 1
+        self.current_part_accumulated_from = 0
+        self.current_part_future = asyncio.Future()
+        self.num_current_senders = sum(self.current_part_index < failed for failed in self.sender_failed_after)
+        self.contributions: dict[int, torch.Tensor] = {}
+        self.accumulator, self.denominator = None, 0.0  # unused; hivemind's finalize() deletes the attribute
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if part_index >= self.sender_failed_after[sender_index]:
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        self.contributions[sender_index] = tensor_part
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders and not self.current_part_future.done():
+            parts = [self.contributions[i] for i in sorted(self.contributions)]
+            self.current_part_future.set_result(ordered_mean(parts, self.part_shapes[self.current_part_index]))
+            self.reset_accumulators()
+
+
+class _CountingStub:
+    """Wraps a peer stub so that averaged parts received from that reducer are counted."""
+
+    def __init__(self, stub: Any, runner: ExactAllReduceRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        stream = await self._stub.rpc_aggregate_part(inputs)
+        return self._runner._count_received(stream)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce that hands members the averaged parts, in a fixed summation order."""
+
+    def __init__(self, *, kill_on_first_part: bool = False, withhold: bool = False, **kwargs: Any):
+        kwargs["weight"] = 1.0  # every member counts once (module docstring, point 2)
+        super().__init__(**kwargs)
+        self.tensor_part_reducer.finished.set()  # hivemind's reducer is replaced unused: no "received 0.0%" warning
+        self.tensor_part_reducer = _OrderedMeanReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+        )
+        container = self.tensor_part_container
+        # reducer i owns a contiguous block of the flattened tensors: remember its part sizes
+        self.part_sizes_by_peer = [[part.numel() for part, _ in parts] for parts in container._input_parts_by_peer]
+        self.failed_from: dict[int, int] = {}  # reducer index -> first part it did not deliver
+        self.bytes_sent = self.bytes_received = 0
+        self.kill_on_first_part = kill_on_first_part
+        me = self.ordered_peer_ids.index(self.peer_id)
+        after_me = self.ordered_peer_ids[(me + 1) % len(self.ordered_peer_ids)]
+        self.withhold_from = self.sender_peer_ids.index(after_me) if withhold and after_me != self.peer_id else None
+        register_failed = container.register_failed_reducer
+
+        def on_failed_reducer(peer_index: int) -> None:
+            self.failed_from.setdefault(peer_index, container._outputs_registered_by_peer[peer_index])
+            register_failed(peer_index)  # registers zeros for the parts not delivered
+
+        container.register_failed_reducer = on_failed_reducer
+
+    def failed_spans(self) -> Spans:
+        """Coordinates whose reducer failed before delivering them to this member."""
+        spans, start = [], 0
+        for index, sizes in enumerate(self.part_sizes_by_peer):
+            if index in self.failed_from:
+                lo = start + sum(sizes[: self.failed_from[index]])
+                if lo < start + sum(sizes):
+                    spans.append((lo, start + sum(sizes)))
+            start += sum(sizes)
+        return tuple(spans)
+
+    async def _count_received(self, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for message in stream:
+            self.bytes_received += message.ByteSize()
+            yield message
+
+    def _get_peer_stub(self, peer: PeerID) -> Any:
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        try:
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged_part = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+        except BaseException as e:
+            # hivemind lets this task die silently, and the outputs then wait forever for our own parts
+            logger.warning("local reduction failed: %r", e)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += message.ByteSize()
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().rpc_aggregate_part(self._count_received(stream), context):
+            yield message
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As hivemind's, but replies with the averaged part itself."""
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, part_compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                if self.kill_on_first_part:
+                    injection.kill_peer("kill_peer_in_allreduce")
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
+                    part_index += 1
+                except BannedException:
+                    logger.debug("sender %d is already banned", sender_index)
+                    break
+                if sender_index == self.withhold_from:
+                    continue  # fault injection: this sender's data counts, but it never gets the average
+                serialized = await loop.run_in_executor(
+                    None, lambda: serialize_torch_tensor(averaged_part, part_compression)
+                )
+                message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                self.bytes_sent += message.ByteSize()
+                yield message
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -1,0 +1,220 @@
+"""One round's exchange of a stage worker, and the queue that runs them in the background.
+
+    Phase 1: wait (at most round_wait) until the stage's live members have started this round
+    Phase 2: all-reduce with them (hivemind matchmaking, then the exact butterfly)
+    Phase 3: mend the spans that missed this worker from the group's other members, or,
+             if the all-reduce failed, take the whole average from members that finished it
+    Phase 4: suspect the members that failed, and say what happened: the Average's kind
+
+A round never raises and never blocks past its timeouts: every way it can end is an
+`AverageKind` (average.py), and STRANDED / ABANDONED apply nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, TimeoutError
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hivemind.averaging.control import AveragingStage
+
+from ..average import Average, AverageKind
+from .averager import Collected, HeldAverage, RoundResult
+
+if TYPE_CHECKING:
+    from .stage import SwarmStage
+
+__all__ = ["ExchangeQueue", "RoundExchange"]
+
+logger = logging.getLogger(__name__)
+
+
+class RoundExchange:
+    """The exchange of one round's pseudo-gradient with the stage group."""
+
+    def __init__(self, stage: SwarmStage, round: int, tensors: list[torch.Tensor]):
+        self.stage, self.round, self.tensors = stage, round, tensors
+        self.sw, self.averager, self.membership = stage.sw, stage.averager, stage.membership
+        self._control: Any = None  # hivemind's StepControl while the all-reduce runs
+        self._window_start = 0.0
+
+    def abandoned(self) -> bool:
+        return self.round < self.stage.exchanges.abandon_below
+
+    def cancel(self) -> None:
+        control = self._control
+        if control is not None:
+            control.cancel()
+
+    def run(self) -> Average:
+        # Phase 1: wait until the stage's live members have started this round
+        others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self.abandoned)
+        if self.abandoned():
+            return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
+        if not others:
+            return Average(kind=AverageKind.ALONE, tensors=self.tensors)
+        # Phase 2: all-reduce with them
+        self._window_start = time.time()
+        result, failure = self._all_reduce(expected=1 + len(others))
+        if self.abandoned():
+            return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
+        # Phase 3: mend what missed this worker, or borrow the group's average
+        if result is not None:
+            average = self._mend(result)
+        else:
+            average = self._borrow(failure)
+        # Phase 4: say what happened
+        self._log(average, expected=1 + len(others))
+        return average
+
+    # ----- phase 2 -------------------------------------------------------------------------
+    def _all_reduce(self, expected: int) -> tuple[RoundResult | None, str]:
+        with self.averager.get_tensors() as buffers:
+            for buf, t in zip(buffers, self.tensors):
+                buf.copy_(t)
+        self.averager.prepare_round(self.round, expected)
+        started = time.monotonic()
+        self._control = self.averager.step(timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False)
+        try:
+            result = self._wait_for_step(started)
+            return result, "" if result is not None else "the stage group averaged without this worker"
+        except BaseException as e:  # includes the CancelledError of an abandoned round
+            return None, f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            self._control = None
+
+    def _wait_for_step(self, started: float) -> RoundResult | None:
+        """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage
+        has finished this round's all-reduce without us (its group formed and is done)."""
+        while True:
+            try:
+                return self._control.result(timeout=1.0)
+            except TimeoutError:
+                pass
+            if self._control.stage != AveragingStage.LOOKING_FOR_GROUP or time.monotonic() - started < self.sw.round_wait / 4:
+                continue
+            self.membership.refresh()
+            if any(self.membership.finished(m, self.round) for m in self.membership.members(training_only=True)):
+                self._control.cancel()
+                return None
+
+    # ----- phase 3 -------------------------------------------------------------------------
+    def _mend(self, result: RoundResult) -> Average:
+        with self.averager.get_tensors() as buffers:
+            tensors = [b.clone() for b in buffers]
+        kind = AverageKind.PARTIAL if result.missing else AverageKind.AVERAGED
+        raw = HeldAverage(self.round, kind, tensors, result.missing, tuple(result.group), result.group_id)
+        bytes_received = result.bytes_received
+        answered: list[str] = []
+        mended_from: list[str] = []
+        if result.missing:  # ask the members whose reducers delivered first; a "failed" one may be alive
+            failed = set(result.failed_reducers)
+            order = sorted((p for p in result.group if p != self.stage.peer_id), key=lambda p: p in failed)
+            collected = self._collect(order, start=raw)
+            raw, answered, mended_from = collected.average or raw, collected.answered, collected.mended_from
+            bytes_received += collected.bytes_received
+        # a reducer that answered is alive (the failure was on the way to this worker only), and when
+        # nothing is missing any more every reducer delivered its part to someone
+        alive = set(answered) | (set(result.failed_reducers) if not raw.missing else set())
+        self.membership.suspect([p for p in result.failed_reducers + result.banned_senders if p not in alive])
+        return raw.to_average(
+            bytes_sent=result.bytes_sent,
+            bytes_received=bytes_received,
+            window=(self._window_start, time.time()),
+            mended_from=tuple(mended_from),
+        )
+
+    def _borrow(self, failure: str) -> Average:
+        self.membership.refresh()
+        members = self.membership.members(training_only=True)
+        order = [m.peer_id for m in sorted(members, key=lambda m: not self.membership.finished(m, self.round))]
+        collected = self._collect(order, start=None)
+        if collected.average is None:
+            note = f"this worker's all-reduce failed ({failure}) and no member had the group's average"
+            return _nothing(AverageKind.STRANDED, note, self._window_start)
+        return collected.average.to_average(
+            bytes_received=collected.bytes_received,
+            window=(self._window_start, time.time()),
+            note=f"this worker's all-reduce failed ({failure})",
+            mended_from=tuple(collected.mended_from),
+        )
+
+    def _collect(self, peers: list[str], *, start: HeldAverage | None) -> Collected:
+        collected = self.averager.collect(
+            self.round, peers, start=start, wait_s=self.sw.chunk_timeout, deadline_s=self.sw.state_timeout
+        )
+        for failure in collected.failures:
+            self.stage.faults.count("downloads_failed", "round %d: no average from %s", self.round, failure)
+        return collected
+
+    # ----- phase 4 -------------------------------------------------------------------------
+    def _log(self, average: Average, expected: int) -> None:
+        share = f"{100 * average.coverage:.1f}% of coordinates"
+        if average.kind is AverageKind.AVERAGED:
+            logger.info("round %d averaged in a group of %d (expected %d)", self.round, average.group_size, expected)
+        elif average.kind is AverageKind.MENDED:
+            logger.warning("round %d: parts that missed this worker were taken from %s; %s averaged",
+                           self.round, ", ".join(average.mended_from), share)
+        elif average.kind is AverageKind.PARTIAL:
+            logger.warning("round %d: reducers failed before any member got their parts; %s averaged, "
+                           "the rest left unchanged on every member", self.round, share)
+        elif average.kind is AverageKind.BORROWED:
+            logger.warning("round %d: %s; took the average of its group of %d from %s (%s)",
+                           self.round, average.note, average.group_size, ", ".join(average.mended_from), share)
+        else:
+            logger.warning("round %d: %s: %s", self.round, average.kind.value, average.note)
+
+
+class ExchangeQueue:
+    """Runs a stage's exchanges one at a time, in round order, in a background thread."""
+
+    def __init__(self, stage: SwarmStage):
+        self.stage = stage
+        self.abandon_below = -1  # exchanges of earlier rounds are dropped (this peer caught up)
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._running: RoundExchange | None = None
+        self._thread = threading.Thread(target=self._run, name="exchanges", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, round: int, tensors: list[torch.Tensor]) -> Future[Average]:
+        future: Future[Average] = Future()
+        self._jobs.put((future, RoundExchange(self.stage, round, tensors)))
+        return future
+
+    def abandon_before(self, round: int) -> None:
+        """This peer jumped to round `round`: drop earlier exchanges, queued or in flight."""
+        with self._lock:
+            self.abandon_below = max(self.abandon_below, round)
+            running = self._running
+        if running is not None and running.round < round:
+            running.cancel()
+
+    def close(self, timeout: float) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, exchange = job
+            with self._lock:
+                self._running = exchange
+            try:
+                future.set_result(exchange.run())
+            except Exception as e:  # never leave the outer loop hanging
+                logger.exception("the exchange of round %d failed unexpectedly", exchange.round)
+                future.set_result(_nothing(AverageKind.STRANDED, f"internal error: {e!r}", 0.0))
+            finally:
+                with self._lock:
+                    self._running = None
+
+
+def _nothing(kind: AverageKind, note: str, started: float) -> Average:
+    """An exchange that applies nothing (STRANDED, ABANDONED)."""
+    return Average(kind=kind, tensors=[], note=note, window=(started or time.time(), time.time()))

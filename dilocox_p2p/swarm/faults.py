@@ -1,0 +1,68 @@
+"""Counted faults of one stage worker: nothing the swarm does wrong is swallowed.
+
+Every failed lookup, check, download or refused record is logged at warning level with
+its reason and counted; the stage worker hands the counts of each round to the metrics
+record (`faults` in metrics.jsonl, summed over the peer's stages). A fault that repeats
+with the same reason is logged the first time and then once a minute with its count, so
+a bad record re-read every few seconds does not flood the log.
+
+    faults = FaultCounter()
+    faults.count("lookups_failed", "member lookup failed: %s", err)
+    faults.take()   # {"lookups_failed": 1, "repairs": 0, ...} since the last take
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+__all__ = ["FAULTS", "FaultCounter"]
+
+logger = logging.getLogger(__name__)
+
+FAULTS = {
+    "repairs": "the state was replaced because its hash differed from the stage group's majority",
+    "catch_ups": "the state was replaced because this worker fell behind, was stranded or (re)joined",
+    "hash_checks_skipped": "a boundary's hash check could not run (lookup failed); it is retried next round",
+    "lookups_failed": "a DHT lookup of members or round records failed",
+    "downloads_failed": "a state or average download failed, was refused or did not match the majority",
+    "records_refused": "a DHT record could not be decoded or did not belong to this run",
+    "publishes_failed": "a record of this worker (heartbeat, round record) could not be stored in the DHT",
+    "pending_dropped": "an average lost with a checkpoint could not be had from any member and was skipped",
+}
+"""Every counter, with what it counts (README: metrics.jsonl)."""
+
+_REPEAT_LOG_S = 60.0
+
+
+class FaultCounter:
+    """Thread-safe counts of faults since the last `take()`, each logged with its reason."""
+
+    def __init__(self, log: logging.Logger | logging.LoggerAdapter | None = None):
+        self._log = log or logger
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(FAULTS, 0)
+        self._last_logged: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def count(self, name: str, message: str, *args: Any) -> None:
+        """Count one `name` fault and log `message % args` at warning level (rate-limited per reason)."""
+        assert name in FAULTS, f"unknown fault counter {name}"
+        text = message % args if args else message
+        now = time.monotonic()
+        with self._lock:
+            self._counts[name] += 1
+            last, suppressed = self._last_logged.get((name, text), (-_REPEAT_LOG_S, 0))
+            if now - last < _REPEAT_LOG_S:
+                self._last_logged[(name, text)] = (last, suppressed + 1)
+                return
+            self._last_logged[(name, text)] = (now, 0)
+        again = f" (and {suppressed} more times in the last minute)" if suppressed else ""
+        self._log.warning("%s%s [%s]", text, again, name)
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last call (every counter, zeros included)."""
+        with self._lock:
+            counts, self._counts = self._counts, dict.fromkeys(FAULTS, 0)
+        return counts

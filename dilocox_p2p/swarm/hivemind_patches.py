@@ -1,0 +1,65 @@
+"""Every private hivemind method or attribute dilocox-p2p overrides, patches or reads, in one place.
+
+hivemind's public API (DHT, P2P, DecentralizedAverager.step, get_tensors) does not offer
+exact averages, per-round groups, missing-span accounting or fixed-order sums, so the
+averager extends private methods. Each is listed here with why and where; upgrading
+hivemind means re-reading each of these in the new release and running the swarm tier.
+
+Checked versions: `CHECKED_VERSIONS` (pyproject.toml allows exactly these). hivemind
+1.1.10 (sdist only, whose build downloads the p2p daemon from GitHub) could not be
+installed or run here, so it is outside the range; its matchmaking calls
+`update_key_on_group_assembled(group_info, is_leader=True)`, which `_keep_group_key`
+accepts anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["CHECKED_VERSIONS", "PATCHES", "check_version"]
+
+logger = logging.getLogger(__name__)
+
+CHECKED_VERSIONS = ("1.1.11", "1.1.12")
+"""hivemind releases the swarm tier passed with (tests/swarm, 2026-11-23)."""
+
+PATCHES: dict[str, str] = {
+    # averaging/averager.py: DecentralizedAverager (our swarm/averager.py: DilocoxAverager)
+    "DecentralizedAverager._aggregate_with_group": "returns our RoundResult instead of the gathered data",
+    "DecentralizedAverager._run_allreduce_inplace_": "runs ExactAllReduceRunner; keeps each round's average",
+    "DecentralizedAverager._rpc_handlers / _stub_type": "reset so that the subclass's own rpc_* handlers are served",
+    "DecentralizedAverager._matchmaking": "read to set the group bits and target size per round",
+    "DecentralizedAverager._running_groups": "read (asserted) as hivemind does when registering a group",
+    "DecentralizedAverager._outer_pipe": "calls into the averager process (_prepare_round, _collect, _download_round)",
+    "DecentralizedAverager._get_current_state_from_host_process": "fetches the state a joiner downloads",
+    "DecentralizedAverager._p2p / serializer": "stubs for our RPCs; msgpack for state metadata",
+    # averaging/matchmaking.py and key_manager.py
+    "Matchmaking.group_key_manager.group_bits": "set per round: the group key spells the round",
+    "Matchmaking.target_group_size / potential_leaders.target_group_size": "set per round",
+    "GroupKeyManager.update_key_on_group_assembled": "replaced by a no-op (no key rotation)",
+    # averaging/allreduce.py: AllReduceRunner (our swarm/allreduce.py: ExactAllReduceRunner)
+    "AllReduceRunner._communicate_with_peer": "own parts: averaged part registered as is; failures reported",
+    "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference",
+    "AllReduceRunner._generate_input_for_peer / rpc_aggregate_part": "count bytes sent and received",
+    "AllReduceRunner._get_peer_stub": "wrapped to count bytes received",
+    "AllReduceRunner._ban_sender": "called as hivemind does when a sender's stream ends early",
+    # averaging/partition.py
+    "TensorPartContainer._input_parts_by_peer": "read for each reducer's part sizes (missing spans)",
+    "TensorPartContainer._outputs_registered_by_peer": "read when a reducer fails: its first undelivered part",
+    "TensorPartContainer.register_failed_reducer": "wrapped (per instance) to record failed reducers",
+    "TensorPartReducer.reset_accumulators / accumulate_part / check_current_part_finished":
+        "fixed-order float64 mean; two races fixed (a banned sender's counted part; a part finished twice)",
+    "TensorPartReducer.sender_failed_after / num_parts_received / contributions": "read and kept as hivemind does",
+}
+
+
+def check_version() -> None:
+    """Warn once if the installed hivemind is not one the patches above were checked against."""
+    import hivemind
+
+    if hivemind.__version__ not in CHECKED_VERSIONS:
+        logger.warning(
+            "hivemind %s is not among the versions dilocox-p2p was checked with (%s); "
+            "the private methods listed in %s may have changed",
+            hivemind.__version__, ", ".join(CHECKED_VERSIONS), __name__,
+        )

@@ -1,0 +1,172 @@
+"""Who trains a stage: the member records of its workers, refreshed in the background.
+
+Each worker heartbeats a `MemberRecord` (dht.py). A round's target group size is the
+number of live training members, so a group forms as soon as all of them are in, and a
+fast peer waits at most `round_wait` for a slow one. A member that failed in an
+all-reduce is *suspected*: not expected in the next groups until it heartbeats again.
+Admission: the oldest live member's config hash defines the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from hivemind.utils import get_dht_time
+
+from ..errors import AdmissionError
+from .dht import HEARTBEAT_S, MEMBER_TTL_S, Member, RunRecords
+from .faults import FaultCounter
+
+__all__ = ["Membership", "config_diff"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+def config_diff(ours: str, theirs: str) -> list[str]:
+    """`section.key: A here, B in the run` for every shared field that differs."""
+    a, b = json.loads(ours), json.loads(theirs)
+    diffs = []
+    for section in sorted(set(a) | set(b)):
+        for key in sorted(set(a.get(section, {})) | set(b.get(section, {}))):
+            mine, other = a.get(section, {}).get(key), b.get(section, {}).get(key)
+            if mine != other:
+                diffs.append(f"{section}.{key}: {mine!r} here, {other!r} in the run")
+    return diffs
+
+
+class Membership:
+    """This stage's live members, as of the last refresh (every HEARTBEAT_S seconds, or on demand)."""
+
+    def __init__(self, records: RunRecords, *, config_hash: str, faults: FaultCounter):
+        self.records, self.config_hash, self.faults = records, config_hash, faults
+        self.peer_id = records.peer_id
+        self._lock = threading.Lock()
+        self._members: list[Member] = []
+        self._suspects: dict[str, float] = {}  # peer id -> DHT time it failed in an all-reduce
+        self._refused: set[str] = set()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="members", daemon=True)
+
+    def start(self) -> None:
+        self.refresh()
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=HEARTBEAT_S + 5)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(HEARTBEAT_S):
+            self.refresh()
+
+    def refresh(self) -> bool:
+        """Look the members up again; False (counted) if the lookup failed."""
+        try:
+            members = self.records.members()
+        except Exception as e:
+            if not self._closed.is_set():
+                self.faults.count("lookups_failed", "member lookup of stage %d failed: %r", self.records.stage, e)
+            return False
+        with self._lock:
+            self._members = members
+        for m in members:
+            if m.record.config_hash != self.config_hash and m.peer_id not in self._refused:
+                self._refused.add(m.peer_id)
+                logger.warning(
+                    "refusing %s (peer %s): its config hash %s differs from this run's %s",
+                    m.peer_id, m.record.peer_name, m.record.config_hash[:12], self.config_hash[:12],
+                )
+        return True
+
+    def members(self, *, training_only: bool = False, others_only: bool = True) -> list[Member]:
+        """Live members of this stage with this run's config (from the last refresh), suspects left out."""
+        with self._lock:
+            members = list(self._members)
+            suspects = dict(self._suspects)
+        return [
+            m
+            for m in members
+            if m.record.config_hash == self.config_hash
+            and (m.record.training or not training_only)
+            and (m.peer_id != self.peer_id or not others_only)
+            # a peer that failed in an all-reduce counts again once it heartbeats after the failure
+            and not (m.peer_id in suspects and m.expiration < suspects[m.peer_id] + MEMBER_TTL_S + HEARTBEAT_S)
+        ]
+
+    def suspect(self, peer_ids: list[str]) -> None:
+        """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again."""
+        now = get_dht_time()
+        with self._lock:
+            for peer_id in peer_ids:
+                self._suspects[peer_id] = now
+
+    def donors(self, boundary: int | None = None) -> list[Member]:
+        """Training members that hold (or will soon hold) `boundary`, most advanced first."""
+        members = [m for m in self.members(training_only=True) if boundary is None or m.record.boundary <= boundary]
+        return sorted(members, key=lambda m: (-m.record.boundary, not m.record.state_ready, m.record.joined_at))
+
+    @staticmethod
+    def finished(member: Member, round: int) -> bool:
+        """The member's record shows it completed round `round`'s all-reduce."""
+        b = member.record.boundary
+        return b > round + 1 or (b == round + 1 and member.record.state_ready)
+
+    # ----- waiting ---------------------------------------------------------------------------
+    def wait_for_round(self, round: int, timeout: float, *, give_up: Callable[[], bool]) -> list[Member]:
+        """Wait (at most `timeout`, one lookup per POLL_S) until every live training member of the stage
+        has started this round's all-reduce; return the members that train.
+
+        Matchmaking then finds everyone at once. Entering hivemind's matchmaking early instead
+        makes it poll the DHT in a tight loop for as long as the slowest peer needs (measured:
+        most of a CPU core on a 2-core machine while a peer is one round behind).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.refresh()
+            others = self.members(training_only=True)
+            if all(m.record.averaging_round >= round for m in others) or time.monotonic() >= deadline or give_up():
+                return others
+            time.sleep(POLL_S)
+
+    def wait_for_peers(self, count: int, timeout: float) -> int:
+        """Wait until `count` workers of this stage (this one included) are in the run."""
+        deadline = time.monotonic() + timeout
+        last_log = 0.0
+        while True:
+            self.refresh()
+            n = len(self.members(others_only=False))
+            if n >= count or time.monotonic() >= deadline:
+                return n
+            if time.monotonic() - last_log > 10:
+                logger.info("waiting for peers: %d of %d workers of stage %d are here", n, count, self.records.stage)
+                last_log = time.monotonic()
+            time.sleep(POLL_S)
+
+    # ----- admission ---------------------------------------------------------------------------
+    def check_admission(self, run_id: str, shared_json: str) -> None:
+        """Refuse to join a run whose oldest live member has another config hash."""
+        self.refresh()
+        with self._lock:
+            others = [m for m in self._members if m.peer_id != self.peer_id and m.record.training]
+        if not others:
+            return
+        oldest = min(others, key=lambda m: (m.record.joined_at, m.peer_id))
+        if oldest.record.config_hash == self.config_hash:
+            return
+        try:
+            theirs = self.records.config(oldest.record.config_hash)
+        except Exception as e:
+            self.faults.count("lookups_failed", "the run's config record could not be read: %r", e)
+            theirs = None
+        diffs = config_diff(shared_json, theirs) if theirs else []
+        detail = "; ".join(diffs) if diffs else "compare `dilocox-peer config show` on both peers"
+        raise AdmissionError(
+            f"run {run_id!r} trains with config hash {oldest.record.config_hash[:12]} "
+            f"(peer {oldest.record.peer_name}), this peer has {self.config_hash[:12]}: {detail}"
+        )

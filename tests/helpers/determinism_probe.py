@@ -1,0 +1,82 @@
+"""Run under one ATEN_CPU_CAPABILITY; print the SHA-256 of every result peers must agree on, as JSON:
+the model init (theta_g at round 0), the outer step, the reducer's mean, decoding and mending.
+
+    ATEN_CPU_CAPABILITY=default python -m tests.helpers.determinism_probe --seed 0 --cases 20
+
+Inputs come from numpy (torch's own random kernels are vectorized too, so their bits would
+differ by capability before any of our code runs). `fused_control` is an op that is NOT
+deterministic across capabilities (add with alpha): it shows the capabilities really differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+
+import numpy as np
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+
+from dilocox_p2p.average import fill_missing
+from dilocox_p2p.config import PRESETS
+from dilocox_p2p.model import build_stage
+from dilocox_p2p.outer import OuterNesterov
+from dilocox_p2p.swarm.allreduce import ordered_mean
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _random_spans(rng: np.random.Generator, total: int) -> tuple[tuple[int, int], ...]:
+    cuts = sorted(set(rng.integers(0, total + 1, size=4).tolist()))
+    return tuple((a, b) for a, b in zip(cuts[::2], cuts[1::2]) if a < b)
+
+
+def probe(seed: int, cases: int) -> dict[str, str]:
+    rng = np.random.default_rng(seed)
+
+    def rand(shape, scale=1.0):
+        return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    out: dict[str, list] = {"outer_step": [], "ordered_mean": [], "decode": [], "fill_missing": [], "fused_control": []}
+    model = build_stage(PRESETS["tiny"], 2, 1, seed)  # theta_g(0): the model init
+    out["init"] = [_digest([p.detach() for p in model.parameters()])]
+    for _ in range(cases):
+        shapes = [tuple(int(d) for d in rng.integers(1, 70, size=rng.integers(1, 4))) for _ in range(rng.integers(1, 4))]
+        total = sum(int(np.prod(s)) for s in shapes)
+        theta = [rand(s) for s in shapes]
+        opt = OuterNesterov(theta, lr=float(rng.uniform(0.05, 1.5)), momentum=float(rng.uniform(0.0, 0.95)))
+        for _ in range(3):
+            opt.step([rand(s, 1e-2) for s in shapes], missing=_random_spans(rng, total))
+        out["outer_step"] += [_digest(theta), _digest(opt.buffers)]
+
+        parts = [rand(shapes[0], 1e-2) for _ in range(int(rng.integers(1, 6)))]
+        out["ordered_mean"].append(_digest([ordered_mean(parts, parts[0].shape)]))
+
+        wire = [serialize_torch_tensor(t).SerializeToString() for t in theta]
+        decoded = [deserialize_torch_tensor(runtime_pb2.Tensor.FromString(b)) for b in wire]
+        out["decode"].append(_digest(decoded))
+
+        mine, other = [rand(s) for s in shapes], [rand(s) for s in shapes]
+        filled, still = fill_missing(mine, _random_spans(rng, total), other, _random_spans(rng, total))
+        out["fill_missing"].append(_digest(filled) + repr(still))
+
+        a, b = rand((4099,)), rand((4099,))
+        out["fused_control"].append(_digest([a.add(b, alpha=0.3)]))
+    result = {name: hashlib.sha256("".join(values).encode()).hexdigest() for name, values in out.items()}
+    result["capability"] = torch.backends.cpu.get_cpu_capability()
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cases", type=int, default=20)
+    args = parser.parse_args()
+    print(json.dumps(probe(args.seed, args.cases)))

@@ -1,0 +1,86 @@
+"""The stage group agrees on its shared state across CPUs and faults (DESIGN.md, "Agreement").
+
+    pytest tests/swarm/test_agreement.py -q
+
+Real peers on loopback; faults come from dilocox_p2p/injection.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.cpu import capabilities
+
+pytestmark = pytest.mark.swarm
+
+
+def _by_round(peer) -> dict[int, dict]:
+    return {r["round"]: r for r in peer.metrics()}
+
+
+def _faults(peer, name: str) -> int:
+    return sum(r["faults"][name] for r in peer.metrics())
+
+
+def test_peers_on_different_cpu_capabilities_hold_identical_state_every_round_without_repairs(swarm):
+    lowest, best = capabilities()[0], capabilities()[-1]
+    assert lowest != best, f"this CPU offers only {capabilities()}"
+    args = ("--mode", "delayed", "--rounds", "6", "--min-peers", "2")
+    peers = [
+        swarm.start_peer(*args, env={"ATEN_CPU_CAPABILITY": lowest}),
+        swarm.start_peer(*args, env={"ATEN_CPU_CAPABILITY": best}),
+    ]
+    for peer in peers:
+        assert peer.wait(timeout=240) == 0, peer.output()
+    for peer, capability in zip(peers, (lowest, best)):
+        assert f"CPU capability {capability.upper()}" in peer.stage_log(0), "the capability was not applied"
+
+    a, b = (_by_round(p) for p in peers)
+    assert sorted(a) == sorted(b) == list(range(6))
+    assert all(a[t]["stage_hashes"] == b[t]["stage_hashes"] for t in a), "the state differs between the CPUs"
+    assert all(r["kinds"] == ["averaged", "averaged"] for r in a.values() if r["applied_round"] is not None)
+    for peer in peers:
+        assert _faults(peer, "repairs") == _faults(peer, "catch_ups") == 0
+
+
+def test_a_corrupted_state_is_found_by_the_hash_check_and_repaired_from_the_majority(swarm):
+    args = ("--mode", "delayed", "--rounds", "7", "--min-peers", "3")
+    healthy = [swarm.start_peer(*args) for _ in range(2)]
+    corrupted = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "corrupt_state:round=1:stage=1"})
+    for peer in [*healthy, corrupted]:
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    a, b, c = (_by_round(p) for p in (*healthy, corrupted))
+    assert all(a[t]["stage_hashes"] == b[t]["stage_hashes"] for t in a), "the healthy peers disagree"
+    # the flipped bit shows in stage 1's hash right after round 1 ...
+    assert c[1]["stage_hashes"][0] == a[1]["stage_hashes"][0]
+    assert c[1]["stage_hashes"][1] != a[1]["stage_hashes"][1]
+    # ... the check of that boundary (one round later) finds it, and the next boundary repairs it
+    repaired = [t for t, r in sorted(c.items()) if r["faults"]["repairs"]]
+    assert repaired and repaired[0] <= 4, f"repaired at rounds {repaired}"
+    assert all(c[t]["stage_hashes"] == a[t]["stage_hashes"] for t in c if t >= repaired[0])
+    assert max(c) == 6, "the repaired peer did not finish the run"
+    for peer in healthy:
+        assert _faults(peer, "repairs") == 0
+
+
+def test_members_that_each_miss_a_different_reducers_parts_mend_them_into_one_average(swarm):
+    # Every reducer of stage 0 keeps round 1's average from the member after it in the group's
+    # order: each member misses a different span (equal coverage, different coordinates).
+    faults = {"DILOCOX_FAULTS": "withhold_average:round=1:stage=0"}
+    args = ("--mode", "sync", "--rounds", "4", "--min-peers", "3", "--stages", "1")
+    peers = [swarm.start_peer(*args, env=faults) for _ in range(3)]
+    for peer in peers:
+        assert peer.wait(timeout=240) == 0, peer.output()
+
+    rounds = [_by_round(p) for p in peers]
+    for t in range(4):
+        assert len({tuple(r[t]["stage_hashes"]) for r in rounds}) == 1, f"round {t}: the peers disagree"
+    mended = [r[1] for r in rounds]
+    assert all(m["kinds"] == ["mended"] for m in mended), [m["kinds"] for m in mended]
+    assert all(m["coverage"] == 1.0 and m["group_sizes"] == [3] for m in mended)
+    # the reducers that withheld answered the others' requests: none is suspected, all stay in the group
+    assert all(any(r[t]["group_sizes"] == [3] for t in (2, 3)) for r in rounds), "a live member was left out"
+    for peer in peers:
+        assert _faults(peer, "repairs") == 0
+        assert "parts that missed this worker were taken from" in peer.stage_log(0)

@@ -1,0 +1,120 @@
+"""The averager itself, with real hivemind DHT nodes and averager processes on loopback: every member
+gets the exact, unweighted mean summed in a fixed order, and members that miss parts mend them.
+
+    pytest tests/swarm/test_allreduce.py -q
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+import pytest
+import torch
+
+from dilocox_p2p.average import AverageKind
+from dilocox_p2p.swarm.allreduce import ordered_mean
+from dilocox_p2p.swarm.averager import DilocoxAverager, HeldAverage
+
+pytestmark = pytest.mark.swarm
+
+SHAPES = [(100, 200)] * 6 + [(20_000,)] * 6 + [(7,)]  # a few parts per reducer (a part is at most 512 KiB)
+
+
+def _inputs(n: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
+
+
+class Group:
+    def __init__(self, n: int):
+        first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.dhts = [first] + [
+            hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            for _ in range(n - 1)
+        ]
+        self.averagers = [
+            DilocoxAverager(
+                [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
+                start=True, min_group_size=2, min_matchmaking_time=5.0, request_timeout=2.0, allreduce_timeout=30.0,
+                next_chunk_timeout=5.0, allow_state_sharing=False,
+            )
+            for dht in self.dhts
+        ]
+        self.ids = [dht.peer_id.to_base58() for dht in self.dhts]
+
+    def all_reduce(self, round: int, inputs: list[list[torch.Tensor]], weights: list[float]):
+        def one(i: int):
+            averager = self.averagers[i]
+            with averager.get_tensors() as buffers:
+                for buf, t in zip(buffers, inputs[i]):
+                    buf.copy_(t)
+            averager.prepare_round(round, len(self.averagers))
+            result = averager.step(weight=weights[i], timeout=30.0, allow_retries=True)
+            with averager.get_tensors() as buffers:
+                return result, [b.clone() for b in buffers]
+
+        with ThreadPoolExecutor(len(self.averagers)) as pool:
+            return list(pool.map(one, range(len(self.averagers))))
+
+    def close(self) -> None:
+        for averager in self.averagers:
+            averager.shutdown()
+        for dht in self.dhts:
+            dht.shutdown()
+
+
+@pytest.fixture
+def group(request, monkeypatch):
+    """Three members; a test marked `faults("...")` arms those faults in the averager processes."""
+    marker = request.node.get_closest_marker("faults")
+    if marker is not None:
+        monkeypatch.setenv("DILOCOX_FAULTS", marker.args[0])  # the averager processes fork with it
+    g = Group(3)
+    yield g
+    g.close()
+
+
+def test_every_member_gets_the_unweighted_mean_summed_in_group_order_bit_for_bit(group):
+    inputs = _inputs(3)
+    outcomes = group.all_reduce(0, inputs, weights=[1.0, 5.0, 0.25])  # weights are ignored: every member counts once
+    result = outcomes[0][0]
+    assert sorted(result.group) == sorted(group.ids) and not result.missing
+    order = [group.ids.index(p) for p in result.group]
+    expected = [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+    for got_result, tensors in outcomes:
+        assert got_result.group == result.group
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected)), "not the exact mean in group order"
+    assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r, _ in outcomes)
+
+
+@pytest.mark.faults("withhold_average:round=3:stage=0")
+def test_members_missing_different_reducers_parts_fill_them_from_each_other(group):
+    inputs = _inputs(3)
+    outcomes = group.all_reduce(3, inputs, weights=[1.0, 1.0, 1.0])
+    assert all(r.missing for r, _ in outcomes), "every member should miss the span of the reducer before it"
+    assert len({r.missing for r, _ in outcomes}) == 3, "the members should miss different spans"
+
+    mended = []
+    for averager, (result, tensors) in zip(group.averagers, outcomes):
+        raw = HeldAverage(3, AverageKind.PARTIAL, tensors, result.missing, tuple(result.group), result.group_id)
+        others = [p for p in result.group if p != averager.peer_id.to_base58()]
+        collected = averager.collect(3, others, start=raw, wait_s=5.0, deadline_s=30.0)
+        assert collected.average is not None and collected.average.kind is AverageKind.MENDED
+        assert collected.average.missing == ()
+        mended.append(collected.average.tensors)
+    order = [group.ids.index(p) for p in outcomes[0][0].group]
+    expected = [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+    for tensors in mended:
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+
+
+def test_a_member_without_an_average_borrows_the_whole_average_from_the_group(group):
+    inputs = _inputs(3)
+    outcomes = group.all_reduce(5, inputs, weights=[1.0, 1.0, 1.0])
+    outsider = group.averagers[0]
+    collected = outsider.collect(5, group.ids[1:], start=None, wait_s=5.0, deadline_s=30.0)
+    assert collected.average is not None and collected.average.kind is AverageKind.BORROWED
+    assert all(torch.equal(a, b) for a, b in zip(collected.average.tensors, outcomes[1][1]))
+    nothing = outsider.collect(99, group.ids[1:], start=None, wait_s=0.5, deadline_s=5.0)
+    assert nothing.average is None and len(nothing.failures) == 2

@@ -1,0 +1,70 @@
+"""The swarm's small rules: which hash is the majority, how faults are counted and logged,
+how a config difference is named, how faults are armed.
+
+    pytest tests/unit/test_swarm_rules.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from dilocox_p2p import injection
+from dilocox_p2p.swarm.agreement import majority_hash
+from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
+from dilocox_p2p.swarm.membership import config_diff
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_majority_is_the_most_held_hash_and_a_tie_goes_to_the_smallest():
+    assert majority_hash({"a": "h2", "b": "h1", "c": "h2"}) == "h2"
+    assert majority_hash({"a": "h2", "b": "h1"}) == "h1"  # every peer breaks the tie the same way
+    assert majority_hash({"a": "", "b": "h3"}) == "h3"  # an empty hash (not known yet) does not vote
+    assert majority_hash({}) is None and majority_hash({"a": ""}) is None
+
+
+def test_faults_are_counted_per_take_and_every_counter_is_reported(caplog):
+    faults = FaultCounter()
+    with caplog.at_level(logging.WARNING):
+        faults.count("lookups_failed", "member lookup failed: %s", "timeout")
+        faults.count("repairs", "took the state of round %d", 4)
+    counts = faults.take()
+    assert set(counts) == set(FAULTS)
+    assert counts["lookups_failed"] == 1 and counts["repairs"] == 1 and sum(counts.values()) == 2
+    assert sum(faults.take().values()) == 0
+    assert "member lookup failed: timeout [lookups_failed]" in caplog.text
+
+
+def test_a_fault_repeating_with_the_same_reason_is_logged_once_a_minute_but_counted_every_time(caplog):
+    faults = FaultCounter()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            faults.count("records_refused", "refused a record from %s", "QmBad")
+        faults.count("records_refused", "refused a record from %s", "QmOther")
+    assert faults.take()["records_refused"] == 6
+    assert caplog.text.count("QmBad") == 1 and caplog.text.count("QmOther") == 1
+
+
+def test_an_unknown_fault_counter_is_a_programming_error():
+    with pytest.raises(AssertionError):
+        FaultCounter().count("no_such_counter", "x")
+
+
+def test_a_config_difference_names_each_field_and_both_values():
+    ours = json.dumps({"inner": {"lr": 0.003, "steps": 100}, "model": {"preset": "tiny"}})
+    theirs = json.dumps({"inner": {"lr": 0.001, "steps": 100}, "model": {"preset": "tiny"}})
+    assert config_diff(ours, theirs) == ["inner.lr: 0.003 here, 0.001 in the run"]
+
+
+def test_faults_are_armed_by_name_and_conditions_and_an_unknown_name_is_refused(monkeypatch):
+    monkeypatch.setenv(injection.ENV, "withhold_average:round=2:stage=0; corrupt_state:round=1:stage=1")
+    assert injection.armed("withhold_average", round=2, stage=0)
+    assert not injection.armed("withhold_average", round=2, stage=1)
+    assert injection.armed("corrupt_state", round=1, stage=1)
+    assert not injection.armed("kill_peer_in_allreduce", round=2, stage=0)
+    monkeypatch.setenv(injection.ENV, "kill_peer_inallreduce:round=2")
+    with pytest.raises(ValueError, match="unknown fault 'kill_peer_inallreduce'"):
+        injection.armed("kill_peer_in_allreduce", round=2)
