@@ -421,12 +421,18 @@ class DilocoxAverager(DecentralizedAverager):
 
     async def _wait_for_state(self, request: swarm_pb2.StateRequest, deadline: float) -> tuple[Any, Any, int]:
         """This worker's complete state at `request.boundary` (or later, with `at_least`): the current one
-        once its pending average is in, or the earlier one the worker kept for a waiting joiner."""
+        once its pending average is in, or, if the worker moved on before that happened (its all-reduce
+        is slower than training), the earlier one it kept for a waiting joiner."""
+        arrived_at = self._boundary.value
         while True:
             boundary, ready, kept = self._boundary.value, self._state_ready.value, self._kept_boundary.value
             if boundary > request.boundary and not request.at_least and kept != request.boundary:
                 return None, None, swarm_pb2.STATE_GONE
-            if (boundary >= request.boundary and ready) or kept == request.boundary or (request.at_least and kept > request.boundary):
+            if request.at_least:  # the current state is newer: wait for it unless the worker moved on
+                fits = kept >= request.boundary and boundary > arrived_at
+            else:
+                fits = kept == request.boundary
+            if (boundary >= request.boundary and ready) or fits:
                 blob, tensors, _ = await self._get_current_state_from_host_process()
                 metadata = self.serializer.loads(blob)
                 got = metadata.get("boundary", -1)
