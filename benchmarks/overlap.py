@@ -1,25 +1,29 @@
 #!/usr/bin/env python3
-"""Does the one-step delay hide the exchange? Peers on shaped links, three ways, in one run.
+"""Does the one-step delay hide the exchange? Peers on shaped links, side by side in one run.
 
     sudo python benchmarks/overlap.py                 # 3 peers x 2 stages, tiny, 10 Mbit/s links
+    sudo python benchmarks/overlap.py --helper-nice 0 -10 10 --repeats 3   # CPU priorities compared
 
 Every peer runs in its own network namespace behind a `tc tbf` link (both directions;
 netem is not available here, so there is bandwidth but no added latency). The same
-swarm trains three times: `delayed` (DiLoCoX: the all-reduce of round t runs during
-round t+1), `sync` (DiLoCo: each peer waits for it) and averaging disabled (each peer
-alone, `--no-swarm`: the upper bound). Throughput of a peer = tokens of rounds 1..R-2
-over their wall time: steady state, without round 0 (start-up) and the last round (in
-`delayed` it also waits for its own average, a once-per-run drain). The target is
-delayed >= 0.95 x disabled. H defaults to 100 inner steps per round (Streaming DiLoCo's
-setting); `--inner-steps 20` is a communication-heavy stress case. Each stage trains
-on one thread and the swarm's helper processes run below training (`--helper-nice 10`).
-Writes benchmarks/results/<name>.json and <name>.png (default name: overlap).
+swarm trains as `delayed` (DiLoCoX: the all-reduce of round t runs during round t+1),
+`sync` (DiLoCo: each peer waits for it) and with averaging disabled (each peer alone,
+`--no-swarm`: the upper bound). Throughput of a peer = tokens of rounds 1..R-2 over their
+wall time: steady state, without round 0 (start-up) and the last round (in `delayed` it
+also waits for its own average, a once-per-run drain). The target is delayed >= 0.95 x
+disabled. H defaults to 100 inner steps per round (Streaming DiLoCo's setting);
+`--inner-steps 20` is a communication-heavy stress case. Each stage trains on one thread.
+`--helper-nice A B ...` runs `delayed` once per CPU priority of the swarm's helper
+processes (swarm.helper_nice); `--repeats N` runs every variant N times, interleaved, and
+takes each ratio against the `disabled` run of the same repeat (single runs on a shared
+2-core machine move by several points). Writes benchmarks/results/<name>.json and .png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,12 +33,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
 from benchmarks.netlab import NetLab  # noqa: E402
+from dilocox_p2p.config import SwarmConfig, load_config  # noqa: E402
 from dilocox_p2p.launch import wait_for_multiaddrs  # noqa: E402
 
 VARIANTS = ("disabled", "delayed", "sync")
 
 
-def peer_cmd(args: argparse.Namespace, variant: str, lab: NetLab, host: int, run_dir: Path) -> list[str]:
+def peer_cmd(args: argparse.Namespace, variant: str, nice: int, lab: NetLab, host: int, run_dir: Path) -> list[str]:
     cmd = [
         sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", f"overlap-{variant}", "--run-dir", str(run_dir),
         "--preset", args.preset, "--stages", str(args.stages), "--rounds", str(args.rounds),
@@ -45,28 +50,40 @@ def peer_cmd(args: argparse.Namespace, variant: str, lab: NetLab, host: int, run
         return [*cmd, "--no-swarm"]
     return [
         *cmd, "--mode", variant, "--min-peers", str(args.peers), "--round-wait", "30",
-        "--set", f"swarm.helper_nice={args.helper_nice}",
+        "--set", f"swarm.helper_nice={nice}",
     ]
 
 
-def run_variant(args: argparse.Namespace, variant: str, tmp: Path) -> list[list[dict]]:
+def run_variant(args: argparse.Namespace, variant: str, nice: int, name: str, tmp: Path) -> list[list[dict]]:
     with NetLab(args.peers, args.rate_mbit) as lab:
         procs, logs = [], []
         for host in range(args.peers):
-            run_dir = tmp / variant / f"peer{host}"
+            run_dir = tmp / name / f"peer{host}"
             run_dir.mkdir(parents=True)
-            cmd = peer_cmd(args, variant, lab, host, run_dir)
+            cmd = peer_cmd(args, variant, nice, lab, host, run_dir)
             if host > 0 and variant != "disabled":
-                cmd += ["--initial-peers", _first_maddr(tmp / variant / "peer0", procs[0])]
+                cmd += ["--initial-peers", _first_maddr(tmp / name / "peer0", procs[0])]
             logs.append(open(run_dir.parent / f"peer{host}.out", "w"))
             procs.append(lab.popen(host, cmd, stdout=logs[-1], stderr=subprocess.STDOUT))
         for host, proc in enumerate(procs):
             if proc.wait(args.timeout) != 0:
-                raise SystemExit(f"{variant} peer{host} failed:\n{(tmp / variant / f'peer{host}.out').read_text()[-3000:]}")
+                raise SystemExit(f"{name} peer{host} failed:\n{(tmp / name / f'peer{host}.out').read_text()[-3000:]}")
     return [
-        [json.loads(line) for line in (tmp / variant / f"peer{h}" / "metrics.jsonl").read_text().splitlines()]
+        [json.loads(line) for line in (tmp / name / f"peer{h}" / "metrics.jsonl").read_text().splitlines()]
         for h in range(args.peers)
     ]
+
+
+def variant_names(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """(variant, helper_nice, name) for each run of one repeat: `disabled` once, `delayed` once per
+    --helper-nice value, `sync` at the first value only (the priority question is about the overlap)."""
+    runs = []
+    for variant in args.variants:
+        values = {"disabled": [0], "delayed": args.helper_nice, "sync": args.helper_nice[:1]}[variant]
+        for nice in values:
+            named = variant != "disabled" and len(args.helper_nice) > 1
+            runs.append((variant, nice, f"{variant} (helper_nice {nice})" if named else variant))
+    return runs
 
 
 def _first_maddr(run_dir: Path, proc: subprocess.Popen) -> str:
@@ -90,21 +107,23 @@ def summarize(records: list[list[dict]], tokens_per_round: int) -> dict:
     }
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(ratios: dict[str, list[float]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    names = list(results)
-    values = [results[n]["tokens_per_s"] for n in names]
-    bars = ax.bar(names, values, color=["#999999", "#2a7ab0", "#d9822b"])
-    for bar, name in zip(bars, names):
-        ratio = results[name]["tokens_per_s"] / results["disabled"]["tokens_per_s"]
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{ratio:.2f}x", ha="center", va="bottom")
-    ax.set_ylabel("tokens/s per peer")
-    ax.set_title("averaging disabled vs delayed (DiLoCoX) vs sync (DiLoCo)")
+    names = list(ratios)
+    means = [statistics.mean(ratios[n]) for n in names]
+    spread = [[m - min(ratios[n]) for n, m in zip(names, means)], [max(ratios[n]) - m for n, m in zip(names, means)]]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names)), 3.8))
+    colors = ["#999999" if n == "disabled" else "#2a7ab0" if n.startswith("delayed") else "#d9822b" for n in names]
+    bars = ax.bar([n.replace(" (", "\n(") for n in names], means, color=colors, yerr=spread, capsize=4)
+    for bar, mean in zip(bars, means):
+        ax.text(bar.get_x() + bar.get_width() / 2, 0.02, f"{mean:.2f}x", ha="center", va="bottom", color="white")
+    ax.axhline(0.95, color="#444444", linestyle="--", linewidth=0.8)
+    ax.set_ylabel("tokens/s vs averaging disabled")
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -118,44 +137,56 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8, help="at least 3 (steady state is rounds 1..R-2)")
     parser.add_argument("--inner-steps", type=int, default=100)
     parser.add_argument("--rate-mbit", type=float, default=10.0)
-    parser.add_argument("--helper-nice", type=int, default=10,
-                        help="swarm.helper_nice for the averaging variants; 10: the helpers take only idle CPU "
-                             "(one torch thread per stage leaves some); the peers' default is -10")
+    parser.add_argument("--helper-nice", type=int, nargs="+", default=[SwarmConfig().helper_nice],
+                        help="swarm.helper_nice for the averaging variants (default: the peers' default); "
+                             "several values run each averaging variant once per value, side by side")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--keep", metavar="DIR", help="keep the peers' run dirs here (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every variant this many times, interleaved; ratios are taken within a repeat")
     parser.add_argument("--name", default="overlap", help="result file name under benchmarks/results/")
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds must be at least 3: throughput is measured over rounds 1..R-2")
-    from dilocox_p2p.config import load_config
 
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # the network lab is torn down on the way out
     cfg = load_config(overrides={"model.preset": args.preset, "model.stages": args.stages})
     tokens_per_round = args.inner_steps * cfg.inner.batch_size * cfg.model.shape.seq_len
-    results = {}
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.keep or tmp
-        for variant in args.variants:
-            results[variant] = summarize(run_variant(args, variant, Path(tmp)), tokens_per_round)
-            print(f"{variant:9s} {results[variant]['tokens_per_s']:9,.0f} tokens/s per peer, "
-                  f"wait {results[variant]['mean_seconds_comm_wait_per_round']:.2f} s/round", flush=True)
-    if "disabled" not in results or len(results) == 1:
-        print(json.dumps(results, indent=2))  # nothing to compare: no plot, no result file
+        for repeat in range(args.repeats):  # interleaved: a slow spell of the machine hits every variant
+            for variant, nice, name in variant_names(args):
+                records = run_variant(args, variant, nice, name, Path(tmp) / f"repeat{repeat}")
+                runs.setdefault(name, []).append(summarize(records, tokens_per_round))
+                print(f"repeat {repeat + 1}/{args.repeats} {name:28s} {runs[name][-1]['tokens_per_s']:9,.0f} tokens/s "
+                      f"per peer, wait {runs[name][-1]['mean_seconds_comm_wait_per_round']:.2f} s/round", flush=True)
+    if "disabled" not in runs or len(runs) == 1:
+        print(json.dumps(runs, indent=2))  # nothing to compare: no plot, no result file
         return 0
-    base = results["disabled"]["tokens_per_s"]
-    ratios = {v: results[v]["tokens_per_s"] / base for v in results}
-    plot(results, RESULTS / f"{args.name}.png")
+    # each run against the `disabled` run of the same repeat
+    ratios = {n: [r["tokens_per_s"] / d["tokens_per_s"] for r, d in zip(rs, runs["disabled"])] for n, rs in runs.items()}
+    summary = {n: {"mean": statistics.mean(v), "min": min(v), "max": max(v)} for n, v in ratios.items()}
+    title = (f"{args.peers} peers x {args.stages} stages, {args.preset}, H={args.inner_steps}, "
+             f"{args.rate_mbit:g} Mbit/s, {args.repeats} interleaved repeats (bars: mean, whiskers: min-max)")
+    plot(ratios, RESULTS / f"{args.name}.png", title)
     path = write_result(args.name, {
         "config": vars(args),
         "link": f"tc tbf {args.rate_mbit} Mbit/s each way per peer, no added latency",
-        "results": results,
+        "runs": runs,
         "ratio_to_disabled": ratios,
+        "ratio_summary": summary,
         "target": "delayed >= 0.95 x disabled",
-        "target_met": ratios["delayed"] >= 0.95 if "delayed" in ratios else None,
+        "target_met": {n: v["mean"] >= 0.95 for n, v in summary.items() if n.startswith("delayed")},
     })
-    print(json.dumps(ratios, indent=2))
+    print(json.dumps(summary, indent=2))
     print(path)
     return 0
+
+
+def _exit_cleanly(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -267,7 +267,7 @@ class SwarmConfig:
     """Most seconds a state download (late join, repair) may take."""
     helper_nice: int = 0
     """CPU priority of the swarm's helper processes (DHT, p2p daemon, averager) against training, in nice
-    levels. 0 (default): equal, so neither can starve the other (benchmarks/overlap.py: 0.98x of training
+    levels. 0 (default): equal, so neither can starve the other (benchmarks/overlap.py: 0.97x of training
     without averaging). Positive: the helpers run that many levels below training and take only the CPU it
     leaves idle (about as fast where cores are to spare; on a CPU-bound machine starved helpers can miss the
     all-reduce timeouts). Negative: training runs below the helpers (measured slower: helper wake-ups
