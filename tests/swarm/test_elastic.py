@@ -28,6 +28,13 @@ def _wait_until_dead(peer, timeout):
     return time.time()
 
 
+def _wait_for(condition, timeout, message):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, message()
+        time.sleep(0.2)
+
+
 def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm):
     args = ("--mode", "delayed", "--rounds", "6", "--min-peers", "3")
     survivors = [swarm.start_peer(*args) for _ in range(2)]
@@ -54,22 +61,26 @@ def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm):
 
 
 def test_a_late_joiner_holds_the_same_theta_g_from_its_first_round(swarm):
-    # the others train long enough for the joiner's start-up (torch import, DHT) on a loaded 2-core box
-    args = ("--mode", "delayed", "--rounds", "12", "--inner-steps", "30")  # rounds long enough for its start-up
+    # the run lasts until the joiner has averaged with the others, however long its start-up
+    # (torch import, DHT, state download) takes on a loaded 2-core box; then every peer stops
+    args = ("--mode", "delayed", "--rounds", "60")
     first = [swarm.start_peer(*args, "--min-peers", "3") for _ in range(3)]
-    first[0].wait_for_round(0, timeout=180)  # the run has moved on: the joiner cannot start at round 0
+    first[0].wait_for_round(1, timeout=180)  # the run has moved on: the joiner cannot start at round 0
     joiner = swarm.start_peer(*args)
+    _wait_for(lambda: sum(r["group_sizes"] == [4, 4] for r in joiner.metrics()) >= 2, 360,
+              lambda: f"the joiner never averaged with the others twice:\n{joiner.output()}")
+    agreed_until = max(r["round"] for r in joiner.metrics())
     for peer in [*first, joiner]:
-        assert peer.wait(timeout=300) == 0, peer.output()
+        peer.signal(signal.SIGTERM)
+    for peer in [*first, joiner]:
+        assert peer.wait(timeout=120) == 128 + signal.SIGTERM, peer.output()
 
-    mine = _hashes(joiner)
-    assert mine, joiner.output()
-    assert min(mine) >= 1  # it started from the swarm's state, not from round 0
+    mine = {t: h for t, h in _hashes(joiner).items() if t <= agreed_until}
+    assert min(mine) >= 2, joiner.output()  # it started from the swarm's state, not from round 0
     assert sum(r["faults"]["catch_ups"] for r in joiner.metrics()) >= 1
     others = [_hashes(p) for p in first]
     for t, hashes in mine.items():
         assert all(o[t] == hashes for o in others), f"joiner differs at round {t}"
-    assert any(r["group_sizes"] == [4, 4] for r in joiner.metrics()), "the joiner never averaged with the others"
 
 
 def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm):
@@ -94,13 +105,6 @@ def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm)
         for _ in range(50):
             os.killpg(host.proc.pid, 0)
             time.sleep(0.2)
-
-
-def _wait_for(condition, timeout, message):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, message()
-        time.sleep(0.2)
 
 
 def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
