@@ -1,5 +1,6 @@
 """Run under one ATEN_CPU_CAPABILITY; print the SHA-256 of every result peers must agree on, as JSON:
-the model init (theta_g at round 0), the outer step, the reducer's mean, decoding and mending.
+the model init (theta_g at round 0), the outer step, the reducer's mean, decoding and mending, and
+the compression codecs (quantization, top-k, the exact low-rank basis and reconstruction).
 
     ATEN_CPU_CAPABILITY=default python -m tests.helpers.determinism_probe --seed 0 --cases 20
 
@@ -20,6 +21,9 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 
 from dilocox_p2p.average import fill_missing
+from dilocox_p2p.compression.lowrank import basis, reconstruct
+from dilocox_p2p.compression.quantize import dequantize, quantize
+from dilocox_p2p.compression.topk import decode_topk, encode_topk
 from dilocox_p2p.config import PRESETS
 from dilocox_p2p.model import build_stage
 from dilocox_p2p.outer import OuterNesterov
@@ -44,7 +48,8 @@ def probe(seed: int, cases: int) -> dict[str, str]:
     def rand(shape, scale=1.0):
         return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32))
 
-    out: dict[str, list] = {"outer_step": [], "ordered_mean": [], "decode": [], "fill_missing": [], "fused_control": []}
+    names = ["outer_step", "ordered_mean", "decode", "fill_missing", "quantize", "topk", "lowrank", "fused_control"]
+    out: dict[str, list] = {name: [] for name in names}
     model = build_stage(PRESETS["tiny"], 2, 1, seed)  # theta_g(0): the model init
     out["init"] = [_digest([p.detach() for p in model.parameters()])]
     for _ in range(cases):
@@ -66,6 +71,17 @@ def probe(seed: int, cases: int) -> dict[str, str]:
         mine, other = [rand(s) for s in shapes], [rand(s) for s in shapes]
         filled, still = fill_missing(mine, _random_spans(rng, total), other, _random_spans(rng, total))
         out["fill_missing"].append(_digest(filled) + repr(still))
+
+        for bits in (4, 8):
+            message = quantize(theta[0], bits=bits, block=int(rng.integers(1, 100)))
+            out["quantize"].append(_digest([dequantize(message)]) + message.codes.hex() + message.scales.hex())
+        sparse = encode_topk(theta[0], chunk=int(rng.integers(1, 300)), density=float(rng.uniform(0.01, 1)), bits=2)
+        out["topk"].append(_digest([decode_topk(sparse, theta[0].shape)]) + sparse.high.hex() + sparse.levels.hex())
+
+        n, m = (int(v) for v in rng.integers(1, 300, size=2))
+        r = int(rng.integers(1, 33))
+        base = basis(rand((n, r), 1e-3))
+        out["lowrank"].append(_digest([base.p_int, torch.from_numpy(base.chol), reconstruct(base, rand((m, r), 1e-3))]))
 
         a, b = rand((4099,)), rand((4099,))
         out["fused_control"].append(_digest([a.add(b, alpha=0.3)]))

@@ -1,0 +1,144 @@
+"""Low-rank approximation of pseudo-gradient matrices (PowerSGD, arXiv 1905.13727), decoded exactly.
+
+One power iteration per round, spread over rounds by warm-starting Q (DESIGN.md, "Compression"):
+
+    P_i = M_i Q                  each peer, with the Q every peer holds (shared state)
+    P   = mean_i P_i             phase 1: averaged in the stage group
+    B   = basis(P)               an orthonormal basis of P's columns (exact, below)
+    Q_i = M_i^T B                each peer
+    Q'  = mean_i Q_i             phase 2: averaged in the stage group
+    M~  = B Q'^T                 the decoded average; Q' is the next round's Q
+
+P and Q' are the same bits on every member (exact means of decoded messages), and `basis`
+and `reconstruct` turn them into B and M~ with the same bits on every machine, although an
+orthonormalization and a matrix product are made of reductions (outer.py's rule 2):
+
+- P is rounded to integers P_int = round(P / s) with |P_int| < 2^b, b small enough that the
+  Gram matrix G = P_int^T P_int is a sum of integers below 2^53: exact in float64, in any
+  order, with or without fused multiply-add. So a BLAS matmul computes it exactly.
+- G = L L^T (Cholesky) runs in numpy float64 one separately rounded operation at a time,
+  in a fixed order (r x r: cheap). B = P_int L^-T has orthonormal columns.
+- M~ = B Q'^T = P_int W with W = L^-T Q'^T, solved row by row with elementwise operations;
+  W is rounded to integers the same way, and P_int W_int is again an exact integer matmul,
+  scaled once by s_W.
+
+A column of P that is (numerically) a combination of earlier ones gets no basis vector: its
+row of W is zero. The rank of each matrix adapts (`adapt_rank`) to the share of the energy
+the approximation captures, decided from group-wide sums so that every member decides alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model import portable_normal
+
+__all__ = ["Basis", "adapt_rank", "basis", "initial_q", "local_basis", "reconstruct"]
+
+_EXACT_BITS = 52  # integer sums below 2^53 are exact in float64
+_DEAD_PIVOT = 1e-12  # a pivot below this share of its column's squared norm: the column adds nothing new
+
+
+@dataclass(frozen=True)
+class Basis:
+    """An orthonormal basis B = p_int @ inv(L)^T of an averaged P, in exact integer form."""
+
+    p_int: torch.Tensor
+    """P rounded to integers (float64 holding integers), shape (n, r)."""
+    chol: np.ndarray
+    """L, lower triangular (r, r), float64; a zero column marks a column of P with nothing new."""
+
+    @property
+    def rank(self) -> int:
+        return self.p_int.shape[1]
+
+
+def initial_q(run_id: str, round: int, name: str, cols: int, rank: int) -> torch.Tensor:
+    """The Q a tensor starts from when no averaged Q is known: seeded by run, round and name, the same
+    bits on every machine (portable_normal)."""
+    seed = int.from_bytes(hashlib.sha256(f"{run_id}/{round}/{name}".encode()).digest()[:8], "little")
+    return portable_normal((cols, rank), np.random.default_rng(seed), std=1.0)
+
+
+def _int_bits(length: int) -> int:
+    """Bits per integer so that a sum of `length` products of two such integers stays below 2^53."""
+    return max(1, (_EXACT_BITS - max(1, math.ceil(math.log2(max(length, 2))))) // 2)
+
+
+def _to_int(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, float]:
+    """x / s rounded to integers below 2^bits in magnitude, and s (0 for an all-zero x)."""
+    x64 = x.to(torch.float64)
+    absmax = float(x64.abs().max()) if x64.numel() else 0.0  # a max is exact in any order
+    if absmax == 0.0 or not math.isfinite(absmax):
+        return torch.zeros_like(x64), 0.0
+    scale = absmax / float(2**bits - 1)
+    return torch.round(x64 / scale), scale
+
+
+def basis(p: torch.Tensor) -> Basis:
+    """An orthonormal basis of the columns of `p` (n, r), computed exactly (module docstring)."""
+    n, r = p.shape
+    p_int, _ = _to_int(p, _int_bits(n))
+    gram = (p_int.T @ p_int).numpy()  # exact: integer sums below 2^53
+    return Basis(p_int, _cholesky(gram))
+
+
+def _cholesky(gram: np.ndarray) -> np.ndarray:
+    """L with L L^T = gram, one rounded float64 operation at a time in a fixed order."""
+    r = gram.shape[0]
+    chol = np.zeros((r, r), dtype=np.float64)
+    for j in range(r):
+        column = gram[j:, j].copy()
+        for k in range(j):
+            if chol[j, k] != 0.0:
+                column -= chol[j:, k] * chol[j, k]
+        pivot = column[0]
+        if not pivot > _DEAD_PIVOT * gram[j, j] or pivot <= 0.0:
+            continue  # dependent (or zero) column: no basis vector
+        diag = math.sqrt(pivot)
+        chol[j, j] = diag
+        chol[j + 1 :, j] = column[1:] / diag
+    return chol
+
+
+def local_basis(b: Basis) -> torch.Tensor:
+    """B as fp32 (n, r), for this peer's own Q_i = M_i^T B: any rounding will do there."""
+    inv = np.zeros_like(b.chol)
+    alive = np.diag(b.chol) > 0
+    if alive.any():
+        sub = b.chol[np.ix_(alive, alive)]
+        inv[np.ix_(alive, alive)] = np.linalg.inv(sub)
+    return (b.p_int @ torch.from_numpy(inv.T)).to(torch.float32)
+
+
+def reconstruct(b: Basis, q: torch.Tensor) -> torch.Tensor:
+    """M~ = B Q^T as fp32 (n, m) from the basis and the averaged Q (m, r): the same bits everywhere."""
+    qt = q.to(torch.float64).T.numpy()  # (r, m)
+    r = b.rank
+    w = np.zeros_like(qt)
+    for j in range(r - 1, -1, -1):  # back substitution: L^T W = Q^T, one row at a time
+        if b.chol[j, j] == 0.0:
+            continue
+        row = qt[j].copy()
+        for k in range(j + 1, r):
+            if b.chol[k, j] != 0.0:
+                row -= w[k] * b.chol[k, j]
+        w[j] = row / b.chol[j, j]
+    w_int, w_scale = _to_int(torch.from_numpy(w), _EXACT_BITS - _int_bits(b.p_int.shape[0]) - max(1, math.ceil(math.log2(max(r, 2)))))
+    product = b.p_int @ w_int  # exact: integer sums below 2^53
+    return (product * w_scale).to(torch.float32)
+
+
+def adapt_rank(rank: int, energy: float, *, target: float, low: int, high: int) -> int:
+    """The next round's rank: grow by a quarter while the captured energy is below `target`, shrink by
+    an eighth while it is well above it (above target + (1 - target) / 2), within [low, high]."""
+    if energy < target:
+        return min(high, rank + max(1, rank // 4))
+    if energy > target + (1.0 - target) / 2:
+        return max(low, rank - max(1, rank // 8))
+    return rank

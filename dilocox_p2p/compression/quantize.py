@@ -1,0 +1,104 @@
+"""Blockwise integer quantization (int8, int4) and fp16: dense codecs for pseudo-gradients and factors.
+
+    blocks of `block` consecutive values; per block a bf16 scale s >= absmax / qmax
+    code = round(x / s), clamped to [-qmax, qmax]        (qmax: 127 for int8, 7 for int4)
+    decode: x~ = code * s                                 (one rounded multiply: the same bits everywhere)
+
+Encoding runs on the sender only, so its rounding may differ between machines; the decode
+is one IEEE-754 multiply of exactly representable numbers (an integer code and a bf16
+scale widened to fp32), so every peer decodes a message to the same bits (outer.py's rule).
+The scale is rounded *up* to bf16, so no code is ever clamped and the error of every value
+is at most s / 2 (`error_bound`).
+
+int4 codes travel two to a byte; scales travel as bf16 (2 bytes per block). hivemind's own
+8-bit codecs are not used: numpy 2 silently breaks them (notes/hivemind-facts.md, trap 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+__all__ = ["Quantized", "dequantize", "error_bound", "quantize"]
+
+Bits = Literal[4, 8]
+_QMAX = {8: 127, 4: 7}
+_BF16_UP = 1.0 + 2.0**-7  # one bf16 ulp (relative): rounding s * (1 + 2^-7) to nearest never goes below s
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A tensor quantized blockwise: what travels, and what is needed to decode it."""
+
+    codes: bytes
+    """int8 codes, or int4 codes two to a byte (low nibble first), each stored as code + 8."""
+    scales: bytes
+    """One bf16 scale per block."""
+    shape: tuple[int, ...]
+    bits: int
+    block: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.codes) + len(self.scales)
+
+
+def quantize(x: torch.Tensor, *, bits: Bits = 8, block: int = 64) -> Quantized:
+    """Quantize `x` (any shape, float) blockwise to `bits`-bit integers with one bf16 scale per block."""
+    if bits not in _QMAX:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if block < 1:
+        raise ValueError(f"block must be at least 1, got {block}")
+    qmax = _QMAX[bits]
+    flat = x.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+    padded = torch.zeros(-(-n // block) * block, dtype=torch.float32)
+    padded[:n] = flat
+    blocks = padded.view(-1, block)
+    absmax = blocks.abs().amax(dim=1)  # a max is exact in any order
+    scales = (absmax / qmax * _BF16_UP).to(torch.bfloat16)
+    wide = scales.to(torch.float32)
+    safe = torch.where(wide > 0, wide, torch.ones_like(wide))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:n]
+    return Quantized(_pack(codes, bits), scales.view(torch.int16).numpy().tobytes(), tuple(x.shape), bits, block)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """The fp32 tensor `q` stands for: code * scale, one rounded multiply per value."""
+    n = int(np.prod(q.shape, dtype=np.int64))
+    codes = _unpack(q.codes, q.bits, n).to(torch.float32)
+    scales = torch.from_numpy(np.frombuffer(q.scales, dtype=np.int16).copy()).view(torch.bfloat16)
+    per_value = scales.to(torch.float32).repeat_interleave(q.block)[:n]
+    return (codes * per_value).reshape(q.shape)
+
+
+def error_bound(x: torch.Tensor, *, bits: Bits = 8, block: int = 64) -> torch.Tensor:
+    """The largest error `quantize` may make on each value of `x`: half its block's scale."""
+    q = quantize(x, bits=bits, block=block)
+    n = x.numel()
+    scales = torch.from_numpy(np.frombuffer(q.scales, dtype=np.int16).copy()).view(torch.bfloat16)
+    return (scales.to(torch.float32) / 2).repeat_interleave(block)[:n].reshape(x.shape)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> bytes:
+    if bits == 8:
+        return codes.numpy().tobytes()
+    nibbles = (codes.to(torch.int16) + 8).to(torch.uint8).numpy()
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(8))
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+def _unpack(blob: bytes, bits: int, n: int) -> torch.Tensor:
+    raw = np.frombuffer(blob, dtype=np.uint8 if bits == 4 else np.int8)
+    expected = n if bits == 8 else -(-n // 2)
+    if raw.size != expected:
+        raise ValueError(f"{bits}-bit codes: {raw.size} bytes for {n} values (expected {expected})")
+    if bits == 8:
+        return torch.from_numpy(raw.copy())
+    nibbles = np.empty(raw.size * 2, dtype=np.int16)
+    nibbles[0::2], nibbles[1::2] = raw & 0x0F, raw >> 4
+    return torch.from_numpy(nibbles[:n] - 8)

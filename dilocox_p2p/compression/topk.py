@@ -1,0 +1,178 @@
+"""Chunked top-k sparsification (SparseLoCo, arXiv 2508.15706): few values, few bits, tight indices.
+
+    a tensor, flattened, in chunks of `chunk` consecutive values (one chunk if it is smaller)
+    per chunk: the k = round(density * chunk) values of largest magnitude
+    values: a sign bit and (bits - 1) magnitude bits; per chunk 2^(bits-1) bf16 magnitudes,
+            each the mean |value| of its share of the kept values (sorted by magnitude)
+    indices: Elias-Fano per chunk: the low L = floor(log2(chunk / k)) bits of each sorted index
+            as they are, the high bits in unary (k + chunk >> L bits)
+
+At density 64/4096 with 2-bit values a chunk costs 64 x (2 + 6) + 128 + 32 bits: 84 bytes for
+16 KiB of fp32, 195x fewer. Decoding gives `sign * magnitude`, exact copies of bf16 numbers:
+the same bits on every machine (outer.py's rule). Encoding runs on the sender only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["SparseChunks", "TopKLayout", "decode_topk", "encode_topk"]
+
+
+@dataclass(frozen=True)
+class TopKLayout:
+    """How one tensor is cut into chunks and how much of each is kept."""
+
+    numel: int
+    chunk: int
+    k: int
+
+    @classmethod
+    def of(cls, numel: int, *, chunk: int, density: float) -> TopKLayout:
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        size = max(1, min(chunk, numel))
+        return cls(numel, size, max(1, min(size, round(density * size))))
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.numel // self.chunk)
+
+    @property
+    def low_bits(self) -> int:
+        return max(0, int(math.floor(math.log2(self.chunk / self.k))))
+
+    @property
+    def high_bits(self) -> int:
+        """Length of one chunk's unary-coded high parts."""
+        return self.k + (self.chunk >> self.low_bits) + 1
+
+
+@dataclass(frozen=True)
+class SparseChunks:
+    """One tensor's top-k message."""
+
+    layout: TopKLayout
+    bits: int
+    signs: bytes
+    """One bit per kept value, set for negative values."""
+    levels: bytes
+    """(bits - 1) bits per kept value: which of its chunk's magnitudes it takes."""
+    magnitudes: bytes
+    """2^(bits-1) bf16 magnitudes per chunk, ascending."""
+    low: bytes
+    high: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.signs) + len(self.levels) + len(self.magnitudes) + len(self.low) + len(self.high)
+
+
+def encode_topk(x: torch.Tensor, *, chunk: int = 4096, density: float = 1 / 64, bits: int = 2) -> SparseChunks:
+    """The top-k message of `x`: in each chunk its k largest-magnitude values, quantized."""
+    if bits not in (2, 3, 4):
+        raise ValueError(f"bits must be 2, 3 or 4, got {bits}")
+    layout = TopKLayout.of(x.numel(), chunk=chunk, density=density)
+    chunks = _chunks(x.detach().reshape(-1).to(torch.float32), layout)
+    index = torch.topk(chunks.abs(), layout.k, dim=1, sorted=False).indices.sort(dim=1).values
+    values = chunks.gather(1, index)
+    magnitudes, levels = _levels(values.abs(), 2 ** (bits - 1))
+    idx = index.numpy().astype(np.int64)
+    return SparseChunks(
+        layout=layout,
+        bits=bits,
+        signs=np.packbits((values < 0).numpy().reshape(-1), bitorder="little").tobytes(),
+        levels=_pack_uint(levels.numpy().reshape(-1), bits - 1),
+        magnitudes=magnitudes.to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
+        low=_pack_uint((idx & ((1 << layout.low_bits) - 1)).reshape(-1), layout.low_bits),
+        high=_unary_high(idx >> layout.low_bits, layout),
+    )
+
+
+def decode_topk(message: SparseChunks, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The dense fp32 tensor a message stands for (zeros where nothing was kept)."""
+    layout, k = message.layout, message.layout.k
+    n_kept = layout.n_chunks * k
+    index = _decode_indices(message, n_kept).reshape(layout.n_chunks, k)
+    levels = _unpack_uint(message.levels, message.bits - 1, n_kept)
+    n_levels = 2 ** (message.bits - 1)
+    mags = np.frombuffer(message.magnitudes, dtype=np.int16)
+    if mags.size != layout.n_chunks * n_levels:
+        raise ValueError(f"top-k message: {mags.size} magnitudes for {layout.n_chunks} chunks")
+    magnitudes = torch.from_numpy(mags.copy()).view(torch.bfloat16).to(torch.float32).reshape(-1, n_levels)
+    values = magnitudes.gather(1, torch.from_numpy(levels.reshape(layout.n_chunks, k)))
+    negative = np.unpackbits(np.frombuffer(message.signs, dtype=np.uint8), count=n_kept, bitorder="little")
+    values = torch.where(torch.from_numpy(negative.astype(bool)).reshape(values.shape), -values, values)
+    dense = torch.zeros(layout.n_chunks, layout.chunk, dtype=torch.float32)
+    dense.scatter_(1, torch.from_numpy(index), values)
+    return dense.reshape(-1)[: layout.numel].reshape(shape)
+
+
+def _chunks(flat: torch.Tensor, layout: TopKLayout) -> torch.Tensor:
+    padded = torch.zeros(layout.n_chunks * layout.chunk, dtype=torch.float32)
+    padded[: flat.numel()] = flat
+    return padded.view(layout.n_chunks, layout.chunk)
+
+
+def _levels(magnitude: torch.Tensor, n_levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk, split the kept values by magnitude rank into `n_levels` equal groups; each group's
+    level is its mean magnitude. Returns (levels per chunk ascending, level index per value)."""
+    k = magnitude.shape[1]
+    order = magnitude.argsort(dim=1)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(k).expand_as(order).contiguous())
+    group = (rank * n_levels) // k  # 0 .. n_levels-1, groups of equal size (within one)
+    sums = torch.zeros(magnitude.shape[0], n_levels, dtype=torch.float64).scatter_add_(1, group, magnitude.double())
+    counts = torch.zeros(magnitude.shape[0], n_levels, dtype=torch.float64).scatter_add_(
+        1, group, torch.ones_like(magnitude, dtype=torch.float64)
+    )
+    means = (sums / counts.clamp_min(1)).to(torch.float32)
+    # an empty group (k < n_levels) takes its neighbour's level, keeping the levels ascending
+    means = torch.cummax(means, dim=1).values
+    return means, group
+
+
+def _unary_high(high: np.ndarray, layout: TopKLayout) -> bytes:
+    """Elias-Fano high parts: in each chunk's bit field, bit high[i] + i is set for its i-th index."""
+    n_chunks, k = high.shape
+    field = np.zeros((n_chunks, layout.high_bits), dtype=np.uint8)
+    field[np.arange(n_chunks)[:, None], high + np.arange(k)[None, :]] = 1
+    return np.packbits(field.reshape(-1), bitorder="little").tobytes()
+
+
+def _decode_indices(message: SparseChunks, n_kept: int) -> np.ndarray:
+    layout = message.layout
+    field_bits = layout.n_chunks * layout.high_bits
+    field = np.unpackbits(np.frombuffer(message.high, dtype=np.uint8), count=field_bits, bitorder="little")
+    field = field.reshape(layout.n_chunks, layout.high_bits)
+    rows, positions = np.nonzero(field)
+    if rows.size != n_kept or np.any(np.bincount(rows, minlength=layout.n_chunks) != layout.k):
+        raise ValueError("top-k message: malformed index field")
+    high = positions.reshape(layout.n_chunks, layout.k) - np.arange(layout.k)[None, :]
+    low = _unpack_uint(message.low, layout.low_bits, n_kept).reshape(layout.n_chunks, layout.k)
+    index = (high.astype(np.int64) << layout.low_bits) | low
+    if np.any(index >= layout.chunk):
+        raise ValueError("top-k message: index outside its chunk")
+    return index
+
+
+def _pack_uint(values: np.ndarray, bits: int) -> bytes:
+    """Unsigned integers of `bits` bits each, packed tightly (little-endian bit order)."""
+    if bits == 0:
+        return b""
+    planes = (values.astype(np.int64)[:, None] >> np.arange(bits)[None, :]) & 1
+    return np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_uint(blob: bytes, bits: int, n: int) -> np.ndarray:
+    if bits == 0:
+        return np.zeros(n, dtype=np.int64)
+    if len(blob) != -(-n * bits // 8):
+        raise ValueError(f"top-k message: {len(blob)} bytes for {n} values of {bits} bits")
+    planes = np.unpackbits(np.frombuffer(blob, dtype=np.uint8), count=n * bits, bitorder="little")
+    weights = (1 << np.arange(bits)).astype(np.int64)
+    return planes.reshape(n, bits).astype(np.int64) @ weights

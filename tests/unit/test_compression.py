@@ -1,0 +1,173 @@
+"""Codecs for pseudo-gradients: quantization, top-k, low-rank and error feedback, as properties.
+
+    pytest tests/unit/test_compression.py -q
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilocox_p2p.compression.feedback import ErrorFeedback
+from dilocox_p2p.compression.lowrank import adapt_rank, basis, initial_q, local_basis, reconstruct
+from dilocox_p2p.compression.quantize import dequantize, error_bound, quantize
+from dilocox_p2p.compression.topk import decode_topk, encode_topk
+
+pytestmark = pytest.mark.unit
+
+shapes = st.lists(st.integers(1, 300), min_size=1, max_size=2).map(tuple)
+
+
+def _normal(shape, seed, scale=1e-2):
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape) * scale * np.exp(rng.standard_normal(shape))  # heavy-ish tails
+    return torch.from_numpy(values.astype(np.float32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**32 - 1), bits=st.sampled_from([4, 8]), block=st.sampled_from([1, 7, 64, 256]))
+def test_blockwise_quantization_errs_at_most_half_a_block_scale(shape, seed, bits, block):
+    x = _normal(shape, seed)
+    decoded = dequantize(quantize(x, bits=bits, block=block))
+    assert decoded.shape == x.shape and decoded.dtype == torch.float32
+    bound = error_bound(x, bits=bits, block=block)
+    assert torch.all((decoded - x).abs() <= bound * (1 + 1e-6) + 1e-30)
+    # and the scales are tight: within a bf16 rounding of absmax / qmax
+    qmax = 127 if bits == 8 else 7
+    blocks = torch.nn.functional.pad(x.reshape(-1), (0, (-x.numel()) % block)).view(-1, block)
+    tight = (blocks.abs().amax(1) / qmax / 2).repeat_interleave(block)[: x.numel()].reshape(x.shape)
+    assert torch.all(bound <= tight * (1 + 2**-6) + 1e-30)
+
+
+def test_int4_travels_two_codes_to_a_byte_and_int8_one():
+    x = _normal((1000,), 0)
+    assert quantize(x, bits=8, block=64).nbytes == 1000 + 2 * 16
+    assert quantize(x, bits=4, block=64).nbytes == 500 + 2 * 16
+
+
+def test_quantizing_zeros_gives_zeros():
+    assert torch.equal(dequantize(quantize(torch.zeros(3, 5), bits=4)), torch.zeros(3, 5))
+
+
+@settings(max_examples=40, deadline=None)
+@given(numel=st.integers(1, 20000), seed=st.integers(0, 2**32 - 1), density=st.sampled_from([1 / 64, 0.03, 0.25, 1.0]),
+       bits=st.sampled_from([2, 3, 4]), chunk=st.sampled_from([64, 4096]))  # fmt: skip
+def test_top_k_keeps_exactly_the_k_largest_of_each_chunk(numel, seed, density, bits, chunk):
+    x = torch.from_numpy(np.random.default_rng(seed).permutation(numel).astype(np.float32) + 1)  # distinct magnitudes
+    x = torch.where(torch.from_numpy(np.random.default_rng(seed + 1).random(numel) < 0.5), -x, x)
+    message = encode_topk(x, chunk=chunk, density=density, bits=bits)
+    decoded = decode_topk(message, x.shape)
+    layout = message.layout
+    for c in range(layout.n_chunks):
+        part, got = x[c * layout.chunk : (c + 1) * layout.chunk], decoded[c * layout.chunk : (c + 1) * layout.chunk]
+        k = min(layout.k, part.numel())
+        expected = set(torch.topk(part.abs(), k).indices.tolist())
+        assert set(torch.nonzero(got).reshape(-1).tolist()) == expected
+        assert torch.all(torch.sign(got[list(expected)]) == torch.sign(part[list(expected)]))
+
+
+def test_top_k_message_at_the_sparseloco_setting_is_about_195x_smaller_than_fp32():
+    x = _normal((512, 2048), 1)
+    message = encode_topk(x, chunk=4096, density=64 / 4096, bits=2)
+    ratio = 4 * x.numel() / message.nbytes
+    assert 190 < ratio < 200, ratio
+
+
+def test_top_k_two_bit_levels_are_the_means_of_the_smaller_and_larger_halves():
+    x = torch.tensor([0.0, 1.0, -2.0, 3.0, 0.1, -4.0, 0.0, 0.0])
+    decoded = decode_topk(encode_topk(x, chunk=8, density=0.5, bits=2), x.shape)
+    assert decoded.tolist() == [0.0, 1.5, -1.5, 3.5, 0.0, -3.5, 0.0, 0.0]
+
+
+def test_a_malformed_top_k_message_is_refused():
+    message = encode_topk(_normal((5000,), 2), chunk=4096, density=1 / 64)
+    broken = type(message)(**{**message.__dict__, "high": bytes(len(message.high))})
+    with pytest.raises(ValueError, match="index field"):
+        decode_topk(broken, (5000,))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 300), m=st.integers(2, 300), true_rank=st.integers(1, 6), extra=st.integers(0, 3),
+       seed=st.integers(0, 2**32 - 1))  # fmt: skip
+def test_low_rank_is_exact_for_a_matrix_of_rank_at_most_r(n, m, true_rank, extra, seed):
+    rank = min(true_rank + extra, n, m)
+    true_rank = min(true_rank, rank)
+    rng = np.random.default_rng(seed)
+    a, b = rng.standard_normal((n, true_rank)), rng.standard_normal((m, true_rank))
+    matrix = torch.from_numpy((a @ b.T * 1e-3).astype(np.float32))
+    q = initial_q("run", 0, "w", m, rank)
+    base = basis(matrix @ q)  # one peer: the average is its own P
+    approx = reconstruct(base, matrix.T @ local_basis(base))
+    assert torch.linalg.norm(approx - matrix) <= 1e-4 * torch.linalg.norm(matrix)
+
+
+def test_low_rank_basis_is_orthonormal_and_skips_dependent_columns():
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal((200, 4))
+    p[:, 2] = p[:, 0] * 2 - p[:, 1]  # a dependent column
+    base = basis(torch.from_numpy(p.astype(np.float32)))
+    assert base.chol[2, 2] == 0.0
+    b = local_basis(base)
+    gram = (b.T @ b).double()
+    assert torch.allclose(gram, torch.diag(torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64)), atol=1e-5)
+
+
+def test_low_rank_of_a_zero_matrix_is_zero():
+    base = basis(torch.zeros(30, 4))
+    assert torch.equal(reconstruct(base, torch.ones(20, 4)), torch.zeros(30, 20))
+
+
+def test_the_rank_grows_below_the_energy_target_and_shrinks_well_above_it():
+    assert adapt_rank(16, 0.5, target=0.8, low=4, high=64) == 20
+    assert adapt_rank(16, 0.85, target=0.8, low=4, high=64) == 16
+    assert adapt_rank(16, 0.95, target=0.8, low=4, high=64) == 14
+    assert adapt_rank(64, 0.1, target=0.8, low=4, high=64) == 64
+    assert adapt_rank(4, 0.99, target=0.8, low=4, high=64) == 4
+
+
+def test_initial_q_is_seeded_by_run_round_and_name():
+    assert torch.equal(initial_q("r", 3, "w", 10, 2), initial_q("r", 3, "w", 10, 2))
+    assert not torch.equal(initial_q("r", 3, "w", 10, 2), initial_q("r", 4, "w", 10, 2))
+    assert not torch.equal(initial_q("r", 3, "w", 10, 2), initial_q("r", 3, "v", 10, 2))
+
+
+def _codecs():
+    def topk(x):
+        return decode_topk(encode_topk(x, chunk=256, density=1 / 32, bits=2), x.shape)
+
+    def int4(x):
+        return dequantize(quantize(x, bits=4, block=64))
+
+    return {"topk": topk, "int4": int4}
+
+
+@pytest.mark.parametrize("codec", ["topk", "int4"])
+def test_with_error_feedback_the_decoded_updates_add_up_to_the_true_ones(codec):
+    compress = _codecs()[codec]
+    feedback = ErrorFeedback([torch.zeros(40, 64)], decay=1.0)
+    true_sum, sent_sum = torch.zeros(40, 64, dtype=torch.float64), torch.zeros(40, 64, dtype=torch.float64)
+    residuals = []
+    for step in range(100):
+        delta = _normal((40, 64), step)
+        true_sum += delta.double()
+        (buffer,) = feedback.absorb([delta])
+        decoded = compress(buffer)
+        feedback.sent([decoded])
+        sent_sum += decoded.double()
+        residuals.append(float(torch.linalg.norm(true_sum - sent_sum) / torch.linalg.norm(true_sum)))
+        # nothing is lost: what was not sent yet is exactly in the buffer
+        assert torch.allclose(true_sum - sent_sum, feedback.buffers[0].double(), atol=1e-5)
+    assert max(residuals[50:]) < 0.5 and residuals[-1] < residuals[9]  # bounded, and shrinking relative to the sum
+
+
+def test_error_feedback_round_trips_through_a_state_dict():
+    feedback = ErrorFeedback([torch.zeros(3, 4), torch.zeros(5)], decay=0.95)
+    feedback.absorb([torch.ones(3, 4), torch.ones(5)])
+    again = ErrorFeedback([torch.zeros(3, 4), torch.zeros(5)], decay=0.95)
+    again.load_state_dict(feedback.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(again.buffers, feedback.buffers))
+    with pytest.raises(ValueError, match="do not fit"):
+        ErrorFeedback([torch.zeros(2)]).load_state_dict(feedback.state_dict())
