@@ -122,7 +122,8 @@ class RoundOutcome:
 
     @property
     def group_size(self) -> int | None:
-        return min((a.average.group_size for a in self.applied), default=None)
+        """The size of the group whose average was applied last (the record's `applied_round`)."""
+        return self.last.group_size if self.last is not None else None
 
     @property
     def coverage(self) -> float:
