@@ -11,7 +11,8 @@ as they were, theta_g and momentum alike, on every member (outer.py), and `fill_
 mends them from another member's average of the same group: a span that reached any member
 came from one reducer, so every copy of it holds the same bits.
 
-Determinism rule (see outer.py): everything here copies bits; nothing rounds.
+Determinism rule (see outer.py): everything here copies bits; nothing rounds, except
+`ordered_mean`, which sums in a fixed order in float64 and casts once (rule 2).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "covered_share",
     "fill_missing",
     "intersect_spans",
+    "ordered_mean",
     "spans_by_tensor",
 ]
 
@@ -121,6 +123,16 @@ class LocalAverager:
 
     def close(self) -> None:
         pass
+
+
+def ordered_mean(parts: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """The mean of `parts` summed in the given order in float64, cast to float32 once."""
+    if not parts:
+        return torch.zeros(shape)
+    total = parts[0].to(torch.float64, copy=True)
+    for part in parts[1:]:
+        total.add_(part)
+    return total.div_(len(parts)).to(torch.float32)
 
 
 def covered_share(missing: Spans, total: int) -> float:

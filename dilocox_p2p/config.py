@@ -233,11 +233,50 @@ class OuterConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CompressionConfig:
-    kind: Literal["none"] = "none"
-    """How pseudo-gradients travel: none = fp32, exact average (bit-identical on every peer)."""
+    kind: Literal["none", "fp16", "int8", "lowrank", "topk"] = "none"
+    """How pseudo-gradients travel: none = fp32 through the exact butterfly; fp16, int8 (blockwise),
+    lowrank (PowerSGD, quantized factors, adaptive rank) and topk (SparseLoCo) are gathered as
+    compressed messages that every member decodes to the same bits."""
+    block: int = 64
+    """Values per quantization block (int8, low-rank factors, low-rank's other tensors), one bf16 scale each."""
+    factor_bits: Literal[4, 8] = 4
+    """Bits per value of low-rank factors and of the tensors low-rank sends whole."""
+    rank: int = 4
+    """Low-rank: the rank every matrix starts at."""
+    rank_min: int = 1
+    rank_max: int = 64
+    energy_target: float = 0.8
+    """Low-rank: the share of ||delta||^2 the approximation should keep; the rank grows below it and
+    shrinks well above it (halfway to 1), within [rank_min, rank_max]. 0 keeps the rank fixed."""
+    topk_density: float = 1 / 64
+    """Top-k: the share of each chunk kept (SparseLoCo: 64 of 4096)."""
+    topk_chunk: int = 4096
+    topk_bits: Literal[2, 3, 4] = 2
+    """Top-k: bits per kept value (a sign bit and the rest for one of 2^(bits-1) magnitudes per chunk)."""
+    feedback_decay: float = -1.0
+    """Error feedback: e <- decay * e + delta before compressing; -1 means the kind's default
+    (topk 0.95, where it stands in for outer momentum; 1.0 otherwise); 0 turns error feedback off."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "compression")
+        if self.block < 1:
+            _fail("compression.block", self.block, "must be at least 1")
+        if not 1 <= self.rank_min <= self.rank <= self.rank_max:
+            _fail("compression.rank", self.rank, f"must satisfy 1 <= rank_min ({self.rank_min}) <= rank <= rank_max ({self.rank_max})")
+        if not 0.0 <= self.energy_target < 1.0:
+            _fail("compression.energy_target", self.energy_target, "must be in [0, 1)")
+        if not 0.0 < self.topk_density <= 1.0:
+            _fail("compression.topk_density", self.topk_density, "must be in (0, 1]")
+        if self.topk_chunk < 1:
+            _fail("compression.topk_chunk", self.topk_chunk, "must be at least 1")
+        if self.feedback_decay != -1.0 and not 0.0 <= self.feedback_decay <= 1.0:
+            _fail("compression.feedback_decay", self.feedback_decay, "must be in [0, 1], or -1 for the kind's default")
+
+    @property
+    def effective_feedback_decay(self) -> float:
+        if self.feedback_decay != -1.0:
+            return self.feedback_decay
+        return 0.95 if self.kind == "topk" else 1.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -105,6 +105,8 @@ def decode_topk(message: SparseChunks, shape: torch.Size | tuple[int, ...]) -> t
         raise ValueError(f"top-k message: {mags.size} magnitudes for {layout.n_chunks} chunks")
     magnitudes = torch.from_numpy(mags.copy()).view(torch.bfloat16).to(torch.float32).reshape(-1, n_levels)
     values = magnitudes.gather(1, torch.from_numpy(levels.reshape(layout.n_chunks, k)))
+    if len(message.signs) != -(-n_kept // 8):
+        raise ValueError(f"top-k message: {len(message.signs)} sign bytes for {n_kept} values")
     negative = np.unpackbits(np.frombuffer(message.signs, dtype=np.uint8), count=n_kept, bitorder="little")
     values = torch.where(torch.from_numpy(negative.astype(bool)).reshape(values.shape), -values, values)
     dense = torch.zeros(layout.n_chunks, layout.chunk, dtype=torch.float32)
@@ -147,6 +149,8 @@ def _unary_high(high: np.ndarray, layout: TopKLayout) -> bytes:
 def _decode_indices(message: SparseChunks, n_kept: int) -> np.ndarray:
     layout = message.layout
     field_bits = layout.n_chunks * layout.high_bits
+    if len(message.high) != -(-field_bits // 8):
+        raise ValueError(f"top-k message: {len(message.high)} index bytes for {layout.n_chunks} chunks")
     field = np.unpackbits(np.frombuffer(message.high, dtype=np.uint8), count=field_bits, bitorder="little")
     field = field.reshape(layout.n_chunks, layout.high_bits)
     rows, positions = np.nonzero(field)

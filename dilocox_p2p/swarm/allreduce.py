@@ -33,21 +33,11 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from .. import injection
-from ..average import Spans
+from ..average import Spans, ordered_mean
 
-__all__ = ["ExactAllReduceRunner", "ordered_mean"]
+__all__ = ["ExactAllReduceRunner"]
 
 logger = logging.getLogger(__name__)
-
-
-def ordered_mean(parts: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """The mean of `parts` summed in the given order in float64, cast to float32 once."""
-    if not parts:
-        return torch.zeros(shape)
-    total = parts[0].to(torch.float64, copy=True)
-    for part in parts[1:]:
-        total.add_(part)
-    return total.div_(len(parts)).to(torch.float32)
 
 
 class _OrderedMeanReducer(TensorPartReducer):

@@ -27,7 +27,7 @@ from dilocox_p2p.compression.topk import decode_topk, encode_topk
 from dilocox_p2p.config import PRESETS
 from dilocox_p2p.model import build_stage
 from dilocox_p2p.outer import OuterNesterov
-from dilocox_p2p.swarm.allreduce import ordered_mean
+from dilocox_p2p.average import ordered_mean
 
 
 def _digest(tensors) -> str:

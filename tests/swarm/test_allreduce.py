@@ -12,8 +12,7 @@ import hivemind
 import pytest
 import torch
 
-from dilocox_p2p.average import AverageKind
-from dilocox_p2p.swarm.allreduce import ordered_mean
+from dilocox_p2p.average import AverageKind, ordered_mean
 from dilocox_p2p.swarm.averager import DilocoxAverager, HeldAverage
 
 pytestmark = pytest.mark.swarm

@@ -171,3 +171,86 @@ def test_error_feedback_round_trips_through_a_state_dict():
     assert all(torch.equal(a, b) for a, b in zip(again.buffers, feedback.buffers))
     with pytest.raises(ValueError, match="do not fit"):
         ErrorFeedback([torch.zeros(2)]).load_state_dict(feedback.state_dict())
+
+
+# ----- one stage's codec, three members in one process ---------------------------------------
+from dilocox_p2p.compression.codec import StageCodec, is_finite  # noqa: E402
+from dilocox_p2p.config import CompressionConfig  # noqa: E402
+
+SHAPES = [torch.Size((96, 64)), torch.Size((64,)), torch.Size((64, 200)), torch.Size((3, 5))]
+NAMES = ["a.weight", "a.bias", "b.weight", "c.weight"]
+
+
+def _exchange(codecs, deltas, round=0, tamper=None):
+    rounds = [c.begin(round, d) for c, d in zip(codecs, deltas)]
+    gathered = [r.message(1) for r in rounds]
+    if tamper is not None:
+        gathered = tamper(gathered)
+    if codecs[0].phases == 2:
+        gathered = [r.message(2, gathered) for r in rounds]
+    return [r.average(gathered) for r in rounds]
+
+
+def _deltas(seed, low_rank=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape in SHAPES:
+        if low_rank and len(shape) == 2:
+            a, b = rng.standard_normal((shape[0], low_rank)), rng.standard_normal((shape[1], low_rank))
+            out.append(torch.from_numpy((a @ b.T * 1e-3).astype(np.float32)))
+        else:
+            out.append(torch.from_numpy((rng.standard_normal(tuple(shape)) * 1e-3).astype(np.float32)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int8", "topk", "lowrank"])
+def test_every_member_decodes_the_group_average_to_the_same_bits(kind):
+    cfg = CompressionConfig(kind=kind, rank=4, energy_target=0.0, topk_chunk=256, topk_density=0.25)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+    deltas = [_deltas(seed, low_rank=1 if kind == "lowrank" else None) for seed in range(3)]
+    results = _exchange(codecs, deltas)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0].tensors, other.tensors))
+    assert results[0].used == [0, 1, 2] and not results[0].rejected
+    true_mean = [sum(d[i] for d in deltas) / 3 for i in range(len(SHAPES))]
+    tolerance = {"fp16": 1e-3, "int8": 2e-2, "topk": 0.9, "lowrank": 0.2}[kind]
+    for i, (got, want) in enumerate(zip(results[0].tensors, true_mean)):
+        assert got.shape == want.shape
+        err = float(torch.linalg.norm(got - want) / torch.linalg.norm(want))
+        assert err < tolerance, f"{kind} tensor {NAMES[i]}: relative error {err:.3f}"
+
+
+def test_low_rank_recovers_the_exact_mean_of_low_rank_deltas_and_adapts_its_rank():
+    cfg = CompressionConfig(kind="lowrank", rank=4, rank_min=1, rank_max=8, energy_target=0.5, factor_bits=8)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+    assert codecs[0].lowrank == [True, False, True, False]  # the bias and the 3x5 matrix are sent whole
+    deltas = [_deltas(seed, low_rank=1) for seed in range(3)]  # the mean has rank <= 3 < 4
+    (first, *_) = _exchange(codecs, deltas)
+    mean = sum(d[0] for d in deltas) / 3
+    assert float(torch.linalg.norm(first.tensors[0] - mean) / torch.linalg.norm(mean)) < 0.03  # int8 factors
+    metrics = codecs[0].metrics()
+    assert metrics["energy"]["a.weight"] > 0.95 and metrics["ranks"]["a.weight"] == 4 - max(1, 4 // 8)
+    assert all(c.ranks == codecs[0].ranks for c in codecs)
+
+
+def test_a_malformed_or_non_finite_message_is_left_out_by_every_member():
+    cfg = CompressionConfig(kind="int8")
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+
+    def tamper(gathered):
+        return [gathered[0], b"\x08garbage", gathered[2]]
+
+    results = _exchange(codecs, [_deltas(s) for s in range(3)], tamper=tamper)
+    assert all(r.used == [0, 2] and list(r.rejected) == [1] for r in results)
+    assert all(torch.equal(a, b) for a, b in zip(results[0].tensors, results[2].tensors))
+    assert not is_finite([torch.tensor([1.0, float("nan")])])
+
+
+def test_error_feedback_and_warm_q_survive_a_checkpoint():
+    cfg = CompressionConfig(kind="lowrank", rank=2, energy_target=0.0)
+    codec = StageCodec(cfg, NAMES, SHAPES, run_id="r")
+    _exchange([codec], [_deltas(0)])
+    again = StageCodec(cfg, NAMES, SHAPES, run_id="r")
+    again.load_state_dict(codec.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(again.feedback.buffers, codec.feedback.buffers))
+    assert sorted(again.qs) == [0, 2] and all(torch.equal(again.qs[i], codec.qs[i]) for i in again.qs)
