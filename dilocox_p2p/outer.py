@@ -156,7 +156,7 @@ class OuterLoop:
         self.mode = cfg.mode
         self.averager = averager
         self.theta_g = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
-        self.optimizer = OuterNesterov(self.theta_g, lr=cfg.effective_lr, momentum=cfg.momentum)
+        self.optimizer = OuterNesterov(self.theta_g, lr=cfg.effective_lr, momentum=cfg.effective_momentum)
         self.pending: _Pending | None = None
         self.boundary = 0  # rounds completed: theta_g is theta_g(boundary)
         self.pending_lost: int | None = None  # restored without the average that was in flight (round)

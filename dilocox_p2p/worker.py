@@ -94,6 +94,17 @@ class StageWorker:
         """Faults counted since the last call (failed lookups, repairs...), for the metrics record."""
         return {}
 
+    def compression_facts(self) -> dict[str, Any]:
+        """This stage's compression state for the metrics record (low-rank: ranks and captured energy)."""
+        return {}
+
+    def extra_state(self) -> dict[str, Any]:
+        """This worker's own state beyond theta_g and the inner optimizer, for its checkpoints."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what `extra_state` saved (a checkpoint's whole dict)."""
+
     def close(self) -> None:
         self.averager.close()
 
@@ -136,6 +147,7 @@ class StageWorker:
             "data": self.sampler.state() if self.sampler else None,
             "rng": torch.get_rng_state(),
             "tokens": self.tokens,
+            **self.extra_state(),
         }
 
     def restore(self) -> int:
@@ -155,6 +167,7 @@ class StageWorker:
             self.sampler.load_state(state["data"])
         torch.set_rng_state(state["rng"])
         self.tokens = state["tokens"]
+        self.load_extra_state(state)
         logger.info("resumed from round %d", round)
         return round
 
@@ -255,6 +268,7 @@ class StageWorker:
             "seconds_round": seconds_round,
             "compute_window": compute_window,
             "faults": self.take_fault_counts(),
+            "compression": self.compression_facts(),
         }
         gathered = self._gather(facts)
         if not self.lead:
@@ -296,6 +310,7 @@ class StageWorker:
             "coverage": min(o.coverage for o in outcomes),
             "replaced_stages": [i for i, s in enumerate(stages) if s["replaced"]],
             "faults": faults,
+            "compression": [s["compression"] for s in stages] if any(s["compression"] for s in stages) else None,
             "mode": self.cfg.outer.mode,
             "time": time.time(),
         }

@@ -35,6 +35,7 @@ _FLAG_KEYS = {
     "inner_lr": "inner.lr",
     "mode": "outer.mode",
     "outer_lr": "outer.lr",
+    "compression": "compression.kind",
     "initial_peers": "swarm.initial_peers",
     "host_maddrs": "swarm.host_maddrs",
     "announce_maddrs": "swarm.announce_maddrs",
@@ -65,6 +66,11 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     g.add_argument("--inner-lr", type=float, help="peak AdamW learning rate")
     g.add_argument("--mode", choices=["sync", "delayed"], help="outer mode (default delayed)")
     g.add_argument("--outer-lr", type=float, help="outer Nesterov lr (default: sync 0.7, delayed 0.1)")
+    g.add_argument(
+        "--compression",
+        choices=["none", "fp16", "int8", "lowrank", "topk"],
+        help="how pseudo-gradients travel (default none: fp32); see compression.* in `config show`",
+    )
     g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], help="progress display")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     g.add_argument(

@@ -11,12 +11,14 @@ same order (the group's), sums them in float64 in that order and casts once, so 
 holds the same bits on any CPU (outer.py's rule). A message that does not decode (malformed,
 wrong shapes, non-finite) is left out, by every member alike, and named in `Decoded.rejected`.
 
-Per kind, what travels:
+Per kind, what travels: one vector per message, the stage's pieces flattened and concatenated
+(one protobuf field, so a stage of many small tensors pays no framing per tensor):
 - fp16 / int8: every tensor, as IEEE half / blockwise int8 (quantize.py).
-- topk: every tensor as chunked top-k (topk.py).
+- topk: every tensor, chunked top-k over the concatenation (topk.py).
 - lowrank: matrices large enough as two factors over two phases (lowrank.py): P_i = M_i Q,
   then Q_i = M_i^T B with B the exact basis of the group's mean P; the other tensors (biases,
-  norms, small matrices) quantized whole in phase 1. Factors and tensors use `factor_bits`.
+  norms, small matrices) quantized whole in phase 1. Factors travel transposed (a block of
+  the quantization runs along one column) and use `factor_bits`, as do the other tensors.
 
 Local state (error-feedback buffers; low-rank's Q and ranks) is this peer's own: kept in its
 checkpoints, never hashed or shared. A peer that joins or jumps starts from an empty buffer
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,70 +79,92 @@ class StageCodec:
         decay = cfg.effective_feedback_decay
         self.feedback = ErrorFeedback([torch.zeros(s) for s in self.shapes], decay=decay) if decay > 0 else None
         self.lowrank = [cfg.kind == "lowrank" and _factorable(s, cfg) for s in self.shapes]
-        self.ranks = {i: cfg.rank for i, f in enumerate(self.lowrank) if f}
+        self.factored = [i for i, f in enumerate(self.lowrank) if f]
+        self.ranks = {i: min(cfg.rank, *self.shapes[i]) for i in self.factored}
         self.qs: dict[int, torch.Tensor] = {}  # the last averaged Q per low-rank matrix (warm start)
         self.last_energy: dict[int, float] = {}
+        self.lock = threading.RLock()  # the exchange thread encodes while the main thread may checkpoint
 
     @property
     def phases(self) -> int:
-        return 2 if any(self.lowrank) else 1
+        return 2 if self.factored else 1
+
+    @property
+    def max_message_bytes(self) -> int:
+        """More than any honest message of this stage can take (fp16 of everything, plus framing)."""
+        return 4 * sum(s.numel() for s in self.shapes) + 65536
 
     def begin(self, round: int, delta: Sequence[torch.Tensor]) -> RoundCodec:
-        if self.feedback is not None:
-            target = [b.clone() for b in self.feedback.absorb(delta)]
-        else:
-            target = [d.detach().to(torch.float32).clone() for d in delta]
+        with self.lock:
+            if self.feedback is not None:
+                target = [b.clone() for b in self.feedback.absorb(delta)]
+            else:
+                target = [d.detach().to(torch.float32).clone() for d in delta]
         return RoundCodec(self, round, target)
 
     def reset(self) -> None:
         """Forget this peer's own history (it moved on to the swarm's state)."""
-        if self.feedback is not None:
-            self.feedback.reset()
-        self.qs.clear()
+        with self.lock:
+            if self.feedback is not None:
+                self.feedback.reset()
+            self.qs.clear()
 
     def metrics(self) -> dict[str, Any]:
-        if not any(self.lowrank):
+        if not self.factored:
             return {}
-        names = {i: self.names[i] for i in self.ranks}
         return {
-            "ranks": {names[i]: r for i, r in sorted(self.ranks.items())},
-            "energy": {names[i]: round(e, 4) for i, e in sorted(self.last_energy.items())},
+            "ranks": {self.names[i]: self.ranks[i] for i in self.factored},
+            "energy": {self.names[i]: round(e, 4) for i, e in sorted(self.last_energy.items())},
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.cfg.kind,
-            "feedback": self.feedback.state_dict() if self.feedback is not None else None,
-            "ranks": dict(self.ranks),
-            "qs": {i: q.clone() for i, q in self.qs.items()},
-        }
+        with self.lock:
+            return {
+                "kind": self.cfg.kind,
+                "feedback": self.feedback.state_dict() if self.feedback is not None else None,
+                "ranks": dict(self.ranks),
+                "qs": {i: q.clone() for i, q in self.qs.items()},
+            }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if saved.get("kind") != self.cfg.kind:
             return  # another compression kind: start afresh
-        if self.feedback is not None and saved.get("feedback") is not None:
-            self.feedback.load_state_dict(saved["feedback"])
-        self.ranks.update({int(i): int(r) for i, r in saved.get("ranks", {}).items() if int(i) in self.ranks})
-        self.qs = {int(i): q.clone() for i, q in saved.get("qs", {}).items() if int(i) in self.ranks}
+        with self.lock:
+            if self.feedback is not None and saved.get("feedback") is not None:
+                self.feedback.load_state_dict(saved["feedback"])
+            self.ranks.update({int(i): int(r) for i, r in saved.get("ranks", {}).items() if int(i) in self.ranks})
+            self.qs = {int(i): q.clone() for i, q in saved.get("qs", {}).items() if int(i) in self.ranks}
 
-    # ----- encoding ------------------------------------------------------------------------
-    def _encode(self, x: torch.Tensor, *, bits: int | None = None) -> tuple[pb.EncodedTensor, torch.Tensor]:
-        """(what travels, what it decodes to)."""
-        cfg, out = self.cfg, pb.EncodedTensor(shape=list(x.shape))
+    # ----- layout --------------------------------------------------------------------------
+    def pieces(self, phase: int, ranks: Sequence[int]) -> list[torch.Size]:
+        """The shapes a message of `phase` concatenates, given the ranks of the factored matrices."""
+        rank_of = dict(zip(self.factored, ranks))
+        if phase == 2:
+            return [torch.Size((rank_of[i], self.shapes[i][1])) for i in self.factored]
+        return [torch.Size((rank_of[i], s[0])) if i in rank_of else s for i, s in enumerate(self.shapes)]
+
+    @property
+    def pad(self) -> int:
+        """Pieces start on a quantization block (int8, low-rank), so that a block never mixes two."""
+        return self.cfg.block if self.cfg.kind in ("int8", "lowrank") else 1
+
+    def encode(self, pieces: Sequence[torch.Tensor]) -> tuple[pb.EncodedTensor, list[torch.Tensor]]:
+        """(the payload, what each piece decodes to)."""
+        cfg, flat = self.cfg, _concat(pieces, self.pad)
+        out = pb.EncodedTensor(shape=[flat.numel()])
         if cfg.kind == "fp16":
-            half = x.to(torch.float16)
+            half = flat.to(torch.float16)
             out.fp16 = half.numpy().tobytes()
-            return out, half.to(torch.float32)
-        if cfg.kind == "topk":
-            sparse = encode_topk(x, chunk=cfg.topk_chunk, density=cfg.topk_density, bits=cfg.topk_bits)
+            decoded = half.to(torch.float32)
+        elif cfg.kind == "topk":
+            sparse = encode_topk(flat, chunk=cfg.topk_chunk, density=cfg.topk_density, bits=cfg.topk_bits)
             out.sparse.CopyFrom(_sparse_pb(sparse))
-            return out, decode_topk(sparse, x.shape)
-        q = quantize(x, bits=bits or 8, block=cfg.block)
-        out.quantized.CopyFrom(pb.QuantizedTensor(codes=q.codes, scales=q.scales, bits=q.bits, block=q.block))
-        return out, dequantize(q)
-
-    def _bits(self) -> int:
-        return self.cfg.factor_bits if self.cfg.kind == "lowrank" else 8
+            decoded = decode_topk(sparse, flat.shape)
+        else:
+            q = quantize(flat, bits=cfg.factor_bits if cfg.kind == "lowrank" else 8, block=cfg.block)
+            out.quantized.CopyFrom(pb.QuantizedTensor(codes=q.codes, scales=q.scales, bits=q.bits, block=q.block))
+            decoded = dequantize(q)
+        return out, _split(decoded, [p.shape for p in pieces], self.pad)
 
     def _q_for(self, index: int, round: int) -> torch.Tensor:
         rank, shape = self.ranks[index], self.shapes[index]
@@ -152,16 +177,8 @@ class StageCodec:
         return q[:, :rank]
 
     # ----- decoding ------------------------------------------------------------------------
-    @property
-    def max_message_bytes(self) -> int:
-        """More than any honest message of this stage can take (fp16 of everything, plus framing)."""
-        return 4 * sum(s.numel() for s in self.shapes) + 65536
-
-    def decode_message(
-        self, blob: bytes, *, round: int, phase: int, expect: Sequence[torch.Size | None]
-    ) -> tuple[pb.CompressedMessage, list[torch.Tensor]]:
-        """Parse and decode one member's message; `expect` gives each tensor's shape (None: a factor of a
-        low-rank matrix, whose rank may vary). Raises MessageRejected."""
+    def decode_message(self, blob: bytes, *, round: int, phase: int) -> tuple[pb.CompressedMessage, list[torch.Tensor]]:
+        """Parse and decode one member's message into its pieces. Raises MessageRejected."""
         if len(blob) > self.max_message_bytes:
             raise MessageRejected(f"{len(blob)} bytes, more than this stage's messages can take")
         message = pb.CompressedMessage()
@@ -171,21 +188,26 @@ class StageCodec:
             raise MessageRejected(f"malformed ({e})") from None
         if (message.codec, message.round, message.phase) != (self.cfg.kind, round, phase):
             raise MessageRejected(f"a {message.codec} message of round {message.round} phase {message.phase}")
-        if len(message.tensors) != len(expect):
-            raise MessageRejected(f"{len(message.tensors)} tensors, expected {len(expect)}")
-        out = []
-        for i, (encoded, shape) in enumerate(zip(message.tensors, expect)):
-            got = torch.Size(encoded.shape)
-            if shape is not None and got != shape:
-                raise MessageRejected(f"tensor {i} has shape {tuple(got)}, expected {tuple(shape)}")
-            try:
-                tensor = _decode_tensor(encoded, got)
-            except (ValueError, RuntimeError) as e:
-                raise MessageRejected(f"tensor {i}: {e}") from None
-            if not bool(torch.isfinite(tensor).all()):
-                raise MessageRejected(f"tensor {i} holds NaN or Inf")
-            out.append(tensor)
-        return message, out
+        ranks = list(message.ranks)
+        if len(ranks) != len(self.factored) or any(
+            not 1 <= r <= min(self.shapes[i]) for r, i in zip(ranks, self.factored)
+        ):
+            raise MessageRejected(f"ranks {ranks} do not fit this stage's {len(self.factored)} factored matrices")
+        shapes = self.pieces(phase, ranks)
+        total = sum(_padded(s.numel(), self.pad) for s in shapes)
+        if list(message.payload.shape) != [total]:
+            raise MessageRejected(f"payload of shape {list(message.payload.shape)}, expected [{total}]")
+        try:
+            flat = _decode_payload(message.payload, total)
+        except (ValueError, RuntimeError) as e:
+            raise MessageRejected(str(e)) from None
+        if not bool(torch.isfinite(flat).all()):
+            raise MessageRejected("it holds NaN or Inf")
+        if phase == 2 and (len(message.energy_total) != len(ranks) or len(message.energy_kept) != len(ranks)):
+            raise MessageRejected("energies missing")
+        if not all(math.isfinite(e) and e >= 0 for e in [*message.energy_total, *message.energy_kept]):
+            raise MessageRejected("energies not finite")
+        return message, _split(flat, shapes, self.pad)
 
 
 class RoundCodec:
@@ -193,84 +215,43 @@ class RoundCodec:
 
     def __init__(self, codec: StageCodec, round: int, target: list[torch.Tensor]):
         self.codec, self.round, self.target = codec, round, target
-        self.sent: list[torch.Tensor | None] = [None] * len(target)  # what each tensor's messages decode to
         self.bases: dict[int, Basis] = {}
         self.phase1: Decoded | None = None
 
-    def message(self, phase: int, gathered: Sequence[bytes] | None = None) -> bytes:
+    def message(self, phase: int, gathered: Sequence[bytes | None] | None = None) -> bytes:
+        """This worker's message of `phase` (phase 2: given the group's phase-1 messages, in group order)."""
+        with self.codec.lock:
+            if phase == 1:
+                return self._first()
+            if phase != 2 or self.codec.phases != 2 or gathered is None:
+                raise ValueError(f"phase {phase} does not exist for {self.codec.cfg.kind}")
+            return self._second(gathered)
+
+    def average(self, gathered: Sequence[bytes | None]) -> Decoded:
+        """The decoded mean of the group's messages of the last phase, in the given (group) order;
+        None stands for a message never received."""
+        with self.codec.lock:
+            if self.codec.phases == 1:
+                return self._mean_of_first(gathered)
+            return self._low_rank_average(gathered)
+
+    # ----- phase 1 -------------------------------------------------------------------------
+    def _first(self) -> bytes:
         codec = self.codec
-        out = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=phase)
-        if phase == 1:
-            for i, x in enumerate(self.target):
-                if codec.lowrank[i]:
-                    p = x @ codec._q_for(i, self.round)
-                    encoded, _ = codec._encode(p.T.contiguous(), bits=codec._bits())  # factors travel by column
-                else:
-                    encoded, self.sent[i] = codec._encode(x, bits=codec._bits())
-                out.tensors.append(encoded)
-            self._feed_back(lambda i: not codec.lowrank[i])
-            return out.SerializeToString()
-        if phase != 2 or codec.phases != 2 or gathered is None:
-            raise ValueError(f"phase {phase} does not exist for {codec.cfg.kind}")
-        self.phase1 = self._decode_phase1(gathered)
-        for i, x in enumerate(self.target):
-            if not codec.lowrank[i]:
-                continue
-            base = self.bases[i] = basis(self.phase1.tensors[i])
-            b = local_basis(base)
-            q = x.T @ b
-            encoded, decoded_qt = codec._encode(q.T.contiguous(), bits=codec._bits())
-            decoded_q = decoded_qt.T
-            self.sent[i] = b @ decoded_qt  # this peer's part of the approximation
-            out.tensors.append(encoded)
-            out.energy_total.append(float(torch.sum(x.double() ** 2)))
-            out.energy_kept.append(float(torch.sum(decoded_q.double() ** 2)))
-        self._feed_back(lambda i: codec.lowrank[i])
-        return out.SerializeToString()
+        ranks = [codec.ranks[i] for i in codec.factored]
+        pieces = [(x @ codec._q_for(i, self.round)).T if codec.lowrank[i] else x for i, x in enumerate(self.target)]
+        payload, decoded = codec.encode(pieces)
+        sent = [None if codec.lowrank[i] else d for i, d in enumerate(decoded)]
+        self._feed_back(sent)
+        message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, payload=payload, ranks=ranks)
+        return message.SerializeToString()
 
-    def average(self, gathered: Sequence[bytes]) -> Decoded:
-        """The decoded mean of the group's messages of the last phase, in the given (group) order."""
+    def _mean_of_first(self, gathered: Sequence[bytes | None]) -> Decoded:
+        """The mean of the phase-1 messages: whole tensors, and for low-rank the mean P of each matrix
+        (at the rank most members used, ties to the larger; other ranks cut or zero-padded)."""
         codec = self.codec
-        if codec.phases == 1:
-            return self._decode_all(gathered, phase=1, expect=list(codec.shapes))
-        assert self.phase1 is not None, "phase 2 needs the phase-1 messages first"
-        low = [i for i, f in enumerate(codec.lowrank) if f]
-        decoded, messages, rejected = self._decode_messages(gathered, phase=2, expect=[None] * len(low))
-        out = list(self.phase1.tensors)
-        for j, i in enumerate(low):
-            rank = self.bases[i].rank
-            qs = [_fit_rank(d[j].T, rank) for d in decoded.values() if d[j].shape[1] == codec.shapes[i][1]]
-            q_mean = ordered_mean(qs, torch.Size((codec.shapes[i][1], rank)))
-            out[i] = reconstruct(self.bases[i], q_mean)
-            codec.qs[i] = q_mean
-            total = math.fsum(m.energy_total[j] for m in messages.values() if len(m.energy_total) > j)
-            kept = math.fsum(m.energy_kept[j] for m in messages.values() if len(m.energy_kept) > j)
-            energy = kept / total if total > 0 else 1.0
-            codec.last_energy[i] = energy
-            if codec.cfg.energy_target > 0:
-                cfg = codec.cfg
-                codec.ranks[i] = adapt_rank(rank, energy, target=cfg.energy_target, low=cfg.rank_min, high=cfg.rank_max)
-        return Decoded(out, used=sorted(decoded), rejected={**self.phase1.rejected, **rejected})
-
-    def lost(self) -> None:
-        """The messages never reached the group: put what they carried back into the buffer."""
-        feedback = self.codec.feedback
-        if feedback is not None:
-            feedback.sent([-s if s is not None else torch.zeros_like(t) for s, t in zip(self.sent, self.target)])
-
-    # ----- helpers -------------------------------------------------------------------------
-    def _feed_back(self, which: Any) -> None:
-        feedback = self.codec.feedback
-        if feedback is None:
-            return
-        sent = [s if (which(i) and s is not None) else torch.zeros_like(e) for i, (s, e) in enumerate(zip(self.sent, feedback.buffers))]
-        feedback.sent(sent)
-
-    def _decode_phase1(self, gathered: Sequence[bytes]) -> Decoded:
-        codec = self.codec
-        expect = [None if f else s for s, f in zip(codec.shapes, codec.lowrank)]
-        decoded, _, rejected = self._decode_messages(gathered, phase=1, expect=expect)
-        ranks = {i: _group_rank([d[i].T for d in decoded.values()], codec.shapes[i][0]) for i in codec.ranks}
+        decoded, _, rejected = self._decode_all(gathered, phase=1)
+        ranks = {i: _group_rank([d[i].shape[0] for d in decoded.values()]) for i in codec.factored}
         for i, r in ranks.items():
             if r is not None:
                 codec.ranks[i] = r
@@ -278,32 +259,75 @@ class RoundCodec:
         for i, shape in enumerate(codec.shapes):
             if codec.lowrank[i]:
                 rank = codec.ranks[i]
-                parts = [_fit_rank(d[i].T, rank) for d in decoded.values() if d[i].shape[1] == shape[0]]
-                out.append(ordered_mean(parts, torch.Size((shape[0], rank))))
+                out.append(ordered_mean([_fit_rank(d[i].T, rank) for d in decoded.values()], torch.Size((shape[0], rank))))
             else:
                 out.append(ordered_mean([d[i] for d in decoded.values()], shape))
         return Decoded(out, used=sorted(decoded), rejected=rejected)
 
-    def _decode_messages(
-        self, gathered: Sequence[bytes], *, phase: int, expect: Sequence[torch.Size | None]
+    # ----- phase 2 (low-rank) ----------------------------------------------------------------
+    def _second(self, gathered: Sequence[bytes | None]) -> bytes:
+        codec = self.codec
+        self.phase1 = self._mean_of_first(gathered)
+        bs, energy_total = [], []
+        for i in codec.factored:
+            self.bases[i] = basis(self.phase1.tensors[i])
+            bs.append(local_basis(self.bases[i]))
+            energy_total.append(float(torch.sum(self.target[i].double() ** 2)))
+        qts = [(self.target[i].T @ b).T for i, b in zip(codec.factored, bs)]
+        payload, decoded = codec.encode(qts)
+        sent: list[torch.Tensor | None] = [None] * len(self.target)
+        energy_kept = []
+        for i, b, qt in zip(codec.factored, bs, decoded):
+            sent[i] = b @ qt  # this peer's part of the approximation: B B^T M_i
+            energy_kept.append(float(torch.sum(qt.double() ** 2)))
+        self._feed_back(sent)
+        message = pb.CompressedMessage(
+            codec=codec.cfg.kind, round=self.round, phase=2, payload=payload,
+            ranks=[self.bases[i].rank for i in codec.factored], energy_total=energy_total, energy_kept=energy_kept,
+        )  # fmt: skip
+        return message.SerializeToString()
+
+    def _low_rank_average(self, gathered: Sequence[bytes | None]) -> Decoded:
+        codec, cfg = self.codec, self.codec.cfg
+        assert self.phase1 is not None, "phase 2 needs the phase-1 messages first"
+        decoded, messages, rejected = self._decode_all(gathered, phase=2)
+        out = list(self.phase1.tensors)
+        for j, i in enumerate(codec.factored):
+            rank, cols = self.bases[i].rank, codec.shapes[i][1]
+            q_mean = ordered_mean([_fit_rank(d[j].T, rank) for d in decoded.values()], torch.Size((cols, rank)))
+            out[i] = reconstruct(self.bases[i], q_mean)
+            codec.qs[i] = q_mean
+            total = math.fsum(m.energy_total[j] for m in messages.values())  # exactly rounded: any order
+            kept = math.fsum(m.energy_kept[j] for m in messages.values())
+            codec.last_energy[i] = energy = min(kept / total, 1.0) if total > 0 else 1.0
+            if cfg.energy_target > 0:
+                high = min(cfg.rank_max, *codec.shapes[i])
+                codec.ranks[i] = adapt_rank(rank, energy, target=cfg.energy_target, low=cfg.rank_min, high=high)
+        return Decoded(out, used=sorted(decoded), rejected={**self.phase1.rejected, **rejected})
+
+    # ----- helpers -------------------------------------------------------------------------
+    def _feed_back(self, sent: Sequence[torch.Tensor | None]) -> None:
+        """e <- e - what this worker's message carried, for the tensors it carried."""
+        feedback = self.codec.feedback
+        if feedback is not None:
+            feedback.sent([s if s is not None else torch.zeros_like(e) for s, e in zip(sent, feedback.buffers)])
+
+    def _decode_all(
+        self, gathered: Sequence[bytes | None], *, phase: int
     ) -> tuple[dict[int, list[torch.Tensor]], dict[int, pb.CompressedMessage], dict[int, str]]:
-        """Decode every message, in order: (tensors by index, messages by index, rejected index -> reason)."""
+        """Decode every message, in order: (pieces by index, messages by index, rejected index -> reason)."""
         decoded: dict[int, list[torch.Tensor]] = {}
         messages: dict[int, pb.CompressedMessage] = {}
         rejected: dict[int, str] = {}
         for index, blob in enumerate(gathered):
+            if blob is None:
+                rejected[index] = "not received"
+                continue
             try:
-                messages[index], decoded[index] = self.codec.decode_message(
-                    blob, round=self.round, phase=phase, expect=expect
-                )
+                messages[index], decoded[index] = self.codec.decode_message(blob, round=self.round, phase=phase)
             except MessageRejected as e:
                 rejected[index] = str(e)
         return decoded, messages, rejected
-
-    def _decode_all(self, gathered: Sequence[bytes], *, phase: int, expect: list[torch.Size]) -> Decoded:
-        decoded, _, rejected = self._decode_messages(gathered, phase=phase, expect=expect)
-        out = [ordered_mean([d[i] for d in decoded.values()], s) for i, s in enumerate(expect)]
-        return Decoded(out, used=sorted(decoded), rejected=rejected)
 
 
 def _factorable(shape: torch.Size, cfg: CompressionConfig) -> bool:
@@ -311,20 +335,42 @@ def _factorable(shape: torch.Size, cfg: CompressionConfig) -> bool:
     return len(shape) == 2 and min(shape) > 1 and cfg.rank_min * (shape[0] + shape[1]) * 4 <= shape[0] * shape[1]
 
 
-def _group_rank(factors: Sequence[torch.Tensor], rows: int) -> int | None:
-    """The rank most of the group's messages use for a matrix (ties: the larger), None if none fits."""
-    counts = collections.Counter(f.shape[1] for f in factors if f.dim() == 2 and f.shape[0] == rows)
+def _padded(n: int, pad: int) -> int:
+    return -(-n // pad) * pad
+
+
+def _concat(pieces: Sequence[torch.Tensor], pad: int) -> torch.Tensor:
+    flat = torch.zeros(sum(_padded(p.numel(), pad) for p in pieces), dtype=torch.float32)
+    offset = 0
+    for p in pieces:
+        flat[offset : offset + p.numel()] = p.reshape(-1)
+        offset += _padded(p.numel(), pad)
+    return flat
+
+
+def _split(flat: torch.Tensor, shapes: Sequence[torch.Size], pad: int) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = shape.numel()
+        out.append(flat[offset : offset + n].reshape(shape))
+        offset += _padded(n, pad)
+    return out
+
+
+def _group_rank(ranks: Sequence[int]) -> int | None:
+    """The rank most of the group's messages use for a matrix (ties: the larger), None if none."""
+    counts = collections.Counter(ranks)
     if not counts:
         return None
     return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
 
 
 def _fit_rank(factor: torch.Tensor, rank: int) -> torch.Tensor:
-    """A factor cut or zero-padded to `rank` columns (a member that used another rank)."""
+    """A factor (rows, r) cut or zero-padded to `rank` columns (a member that used another rank)."""
     if factor.shape[1] == rank:
         return factor
     if factor.shape[1] > rank:
-        return factor[:, :rank].contiguous()
+        return factor[:, :rank]
     return torch.cat([factor, torch.zeros(factor.shape[0], rank - factor.shape[1])], dim=1)
 
 
@@ -333,26 +379,24 @@ def _sparse_pb(s: SparseChunks) -> pb.SparseTensor:
                            magnitudes=s.magnitudes, low=s.low, high=s.high)  # fmt: skip
 
 
-def _decode_tensor(encoded: pb.EncodedTensor, shape: torch.Size) -> torch.Tensor:
-    numel = math.prod(shape)
+def _decode_payload(encoded: pb.EncodedTensor, numel: int) -> torch.Tensor:
     which = encoded.WhichOneof("encoding")
     if which == "fp16":
         raw = np.frombuffer(encoded.fp16, dtype=np.float16)
         if raw.size != numel:
-            raise ValueError(f"{raw.size} fp16 values for shape {tuple(shape)}")
-        return torch.from_numpy(raw.astype(np.float32)).reshape(shape)
+            raise ValueError(f"{raw.size} fp16 values, expected {numel}")
+        return torch.from_numpy(raw.astype(np.float32))
     if which == "quantized":
         q = encoded.quantized
         if q.bits not in (4, 8) or q.block < 1:
             raise ValueError(f"bits {q.bits}, block {q.block}")
         if len(q.scales) != 2 * -(-numel // q.block):
             raise ValueError(f"{len(q.scales) // 2} scales for {numel} values in blocks of {q.block}")
-        return dequantize(Quantized(q.codes, q.scales, tuple(shape), q.bits, q.block))
+        return dequantize(Quantized(q.codes, q.scales, (numel,), q.bits, q.block))
     if which == "sparse":
         s = encoded.sparse
-        layout = TopKLayout(numel, s.chunk, s.k)
-        if not (1 <= s.k <= s.chunk and s.chunk >= 1 and s.bits in (2, 3, 4)) or (numel > 0 and s.chunk > max(numel, 1)):
+        if not (1 <= s.k <= s.chunk <= max(numel, 1) and s.bits in (2, 3, 4)):
             raise ValueError(f"chunk {s.chunk}, k {s.k}, bits {s.bits}")
-        message = SparseChunks(layout, s.bits, s.signs, s.levels, s.magnitudes, s.low, s.high)
-        return decode_topk(message, shape)
+        message = SparseChunks(TopKLayout(numel, s.chunk, s.k), s.bits, s.signs, s.levels, s.magnitudes, s.low, s.high)
+        return decode_topk(message, (numel,))
     raise ValueError("no encoding")

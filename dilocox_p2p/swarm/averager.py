@@ -11,6 +11,8 @@ Runs in its own process (hivemind's), beside the stage worker. What it adds:
    average are merged; the merged copy is what this worker then serves and applies.
 3. `rpc_download_round`: a joining or repairing worker downloads the stage's state at a
    round boundary (theta_g, momentum, pending average) from a live worker.
+4. With compression, the round's group all-gathers compressed messages instead of running
+   the butterfly (gather.py); later phases (low-rank) gather again in the same group.
 
 The private hivemind methods overridden here are listed in hivemind_patches.py.
 """
@@ -41,6 +43,7 @@ from ..average import Average, AverageKind, Spans, fill_missing
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
 from .allreduce import ExactAllReduceRunner
+from .gather import GatherResult, MessageGather
 from .priority import lower_priority
 
 __all__ = ["DilocoxAverager", "HeldAverage", "RoundResult", "StateDownload"]
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 ROUND_BITS = 24
 KEEP_AVERAGES = 3  # recent rounds' averages kept for group members that miss parts of theirs
 MAX_WAIT_S = 600.0  # the longest a request may ask a donor to wait
+GATHER_SHARE = 0.7  # share of allreduce_timeout the first gather of a compressed round may take
 
 
 def round_group_bits(round: int) -> str:
@@ -93,6 +97,9 @@ class RoundResult:
     bytes_received: int = 0
     failed_reducers: list[str] = field(default_factory=list)
     banned_senders: list[str] = field(default_factory=list)
+    messages: list[bytes | None] | None = None
+    """With compression: the group's phase-1 messages, in group order (None: never received)."""
+    failures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -127,7 +134,7 @@ async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class DilocoxAverager(DecentralizedAverager):
+class DilocoxAverager(MessageGather, DecentralizedAverager):
     """One stage worker's averager: exact round-keyed all-reduce, average and state serving."""
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: collect this subclass's own
@@ -142,6 +149,7 @@ class DilocoxAverager(DecentralizedAverager):
         config_hash: str,
         stage: int,
         nice: int = 0,
+        max_message_bytes: int = 1 << 30,
         **kwargs: Any,
     ):
         self.run_id, self.config_hash, self.stage, self.nice = run_id, config_hash, stage, nice
@@ -153,6 +161,8 @@ class DilocoxAverager(DecentralizedAverager):
         self._current_round = -1
         self._held: dict[int, HeldAverage] = {}
         self._last_result: RoundResult | None = None
+        self._payload: bytes | None = None  # this round's compressed message (phase 1), if compressed
+        self._init_gather(max_message_bytes)
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self) -> None:
@@ -199,8 +209,21 @@ class DilocoxAverager(DecentralizedAverager):
         self._outer_pipe.send((method, [], dict(kwargs, future=future)))
         return future.result(timeout=result_within)
 
-    def prepare_round(self, round: int, target_group_size: int) -> None:
-        self._call("_prepare_round", 30.0, round=round, target=target_group_size)
+    def prepare_round(self, round: int, target_group_size: int, payload: bytes | None = None) -> None:
+        """Set up the next step: its round, target group size, and with compression this worker's
+        phase-1 message (the step then all-gathers messages instead of running the butterfly)."""
+        self._call("_prepare_round", 30.0, round=round, target=target_group_size, payload=payload)
+
+    def gather_phase(
+        self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float
+    ) -> GatherResult:
+        """All-gather a later phase's messages within the group that gathered phase 1."""
+        kwargs = dict(phase=phase, payload=payload, group=list(group), group_id=group_id, timeout=timeout)
+        return self._call("_gather_phase", timeout + 30.0, **kwargs)
+
+    def hold_buffers(self, round: int, kind: AverageKind, group: Sequence[str], group_id: bytes) -> None:
+        """Keep (and serve to the group) the average the worker wrote into the averaged tensors."""
+        self._call("_hold_buffers", 30.0, round=round, kind=kind, group=tuple(group), group_id=group_id)
 
     def collect(
         self, round: int, peers: Sequence[str], *, start: HeldAverage | None, wait_s: float, deadline_s: float
@@ -217,8 +240,9 @@ class DilocoxAverager(DecentralizedAverager):
         return self._call("_download_round", timeout + wait_s + 30.0, **kwargs)
 
     # ----- averager process: the all-reduce -------------------------------------------------
-    async def _prepare_round(self, round: int, target: int, future: MPFuture) -> None:
+    async def _prepare_round(self, round: int, target: int, payload: bytes | None, future: MPFuture) -> None:
         try:
+            self._payload = payload
             mm = self._matchmaking
             mm.group_key_manager.group_bits = round_group_bits(round)
             # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
@@ -240,6 +264,10 @@ class DilocoxAverager(DecentralizedAverager):
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
         round = self._current_round
+        if self._payload is not None:  # compressed: all-gather the messages instead of the butterfly
+            self._running_groups[group_id].set_result(None)  # no butterfly parts will arrive for this group
+            await self._gather_first_phase(round, group_info, group_id)
+            return
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -274,6 +302,45 @@ class DilocoxAverager(DecentralizedAverager):
             failed_reducers=[peers[i] for i in sorted(runner.failed_from)],
             banned_senders=[p.to_base58() for p in runner.banned_senders],
         )
+
+    async def _gather_first_phase(self, round: int, group_info: GroupInfo, group_id: bytes) -> None:
+        peers = [p.to_base58() for p in group_info.peer_ids]
+        # well inside hivemind's own timeout of the step, so that a member that never shows (its
+        # matchmaking failed after the group formed) costs its message, not the whole round
+        deadline = time.monotonic() + GATHER_SHARE * self._allreduce_timeout
+        assert self._payload is not None
+        gathered = await self._all_gather(group_id, 1, peers, self.peer_id.to_base58(), self._payload, deadline)
+        self._last_result = RoundResult(
+            round=round,
+            group=peers,
+            group_id=group_id,
+            missing=(),
+            bytes_sent=gathered.bytes_sent,
+            bytes_received=gathered.bytes_received,
+            messages=gathered.messages,
+            failures=gathered.failures,
+        )
+
+    async def _gather_phase(
+        self, phase: int, payload: bytes, group: list[str], group_id: bytes, timeout: float, future: MPFuture
+    ) -> None:
+        try:
+            deadline = time.monotonic() + timeout
+            gathered = await self._all_gather(group_id, phase, group, self.peer_id.to_base58(), payload, deadline)
+            future.set_result(gathered)
+        except Exception as e:  # pragma: no cover - reported to the caller
+            future.set_exception(e)
+
+    async def _hold_buffers(
+        self, round: int, kind: AverageKind, group: tuple[str, ...], group_id: bytes, future: MPFuture
+    ) -> None:
+        try:
+            with self.lock_averaged_tensors:
+                tensors = [t.clone() for t in self._averaged_tensors]
+            self._hold(HeldAverage(round, kind, tensors, (), group, group_id))
+            future.set_result(None)
+        except Exception as e:  # pragma: no cover - reported to the caller
+            future.set_exception(e)
 
     def _hold(self, held: HeldAverage) -> None:
         self._held[held.round] = held

@@ -1,10 +1,15 @@
 """One round's exchange of a stage worker, and the queue that runs them in the background.
 
     Phase 1: wait (at most round_wait) until the stage's live members have started this round
-    Phase 2: all-reduce with them (hivemind matchmaking, then the exact butterfly)
+    Phase 2: all-reduce with them (hivemind matchmaking, then the exact butterfly), or with
+             compression, all-gather the members' compressed messages (gather.py; low-rank
+             gathers twice in the same group) and decode them (compression/codec.py)
     Phase 3: mend the spans that missed this worker from the group's other members, or,
              if the all-reduce failed, take the whole average from members that finished it
     Phase 4: suspect the members that failed, and say what happened: the Average's kind
+
+A pseudo-gradient holding NaN or Inf is never sent: the round is dropped from this worker's
+side (logged as an error, counted as `nonfinite_dropped`) and it takes its group's average.
 
 A round never raises and never blocks past its timeouts: every way it can end is an
 `AverageKind` (average.py), and STRANDED / ABANDONED apply nothing.
@@ -23,6 +28,7 @@ import torch
 from hivemind.averaging.control import AveragingStage
 
 from ..average import Average, AverageKind
+from ..compression.codec import is_finite
 from .averager import Collected, HeldAverage, RoundResult
 
 if TYPE_CHECKING:
@@ -51,14 +57,24 @@ class RoundExchange:
             control.cancel()
 
     def run(self) -> Average:
+        finite = is_finite(self.tensors)
+        if not finite:
+            self.stage.faults.count("nonfinite_dropped", "round %d: this worker's pseudo-gradient holds NaN or Inf: "
+                                    "it is not sent, and the group's average is taken instead", self.round, level=logging.ERROR)
         # Phase 1: wait until the stage's live members have started this round
         others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self.abandoned)
         if self.abandoned():
             return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if not others:
+            if not finite:
+                return _nothing(AverageKind.STRANDED, "a non-finite pseudo-gradient and nobody to average with", 0.0)
             return Average(kind=AverageKind.ALONE, tensors=self.tensors)
-        # Phase 2: all-reduce with them
         self._window_start = time.time()
+        if not finite:
+            return self._borrow("this worker's pseudo-gradient was not finite")
+        # Phase 2: all-reduce with them
+        if self.stage.codec is not None:
+            return self._compressed(expected=1 + len(others))
         result, failure = self._all_reduce(expected=1 + len(others))
         if self.abandoned():
             return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
@@ -72,11 +88,12 @@ class RoundExchange:
         return average
 
     # ----- phase 2 -------------------------------------------------------------------------
-    def _all_reduce(self, expected: int) -> tuple[RoundResult | None, str]:
-        with self.averager.get_tensors() as buffers:
-            for buf, t in zip(buffers, self.tensors):
-                buf.copy_(t)
-        self.averager.prepare_round(self.round, expected)
+    def _all_reduce(self, expected: int, payload: bytes | None = None) -> tuple[RoundResult | None, str]:
+        if payload is None:
+            with self.averager.get_tensors() as buffers:
+                for buf, t in zip(buffers, self.tensors):
+                    buf.copy_(t)
+        self.averager.prepare_round(self.round, expected, payload=payload)
         started = time.monotonic()
         self._control = self.averager.step(timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False)
         try:
@@ -101,6 +118,45 @@ class RoundExchange:
             if any(self.membership.finished(m, self.round) for m in self.membership.members(training_only=True)):
                 self._control.cancel()
                 return None
+
+    def _compressed(self, expected: int) -> Average:
+        """Phases 2-4 with compression: gather the group's messages, decode, hold what was applied."""
+        codec = self.stage.codec
+        assert codec is not None
+        round_codec = codec.begin(self.round, self.tensors)
+        result, failure = self._all_reduce(expected, payload=round_codec.message(1))
+        if self.abandoned():
+            return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
+        if result is None or result.messages is None:
+            return self._borrow(failure)
+        messages, sent, received, failures = result.messages, result.bytes_sent, result.bytes_received, list(result.failures)
+        if codec.phases == 2:
+            second = self.averager.gather_phase(
+                self.round, 2, round_codec.message(2, messages),
+                group=result.group, group_id=result.group_id, timeout=self.sw.allreduce_timeout,
+            )  # fmt: skip
+            messages = second.messages
+            sent, received = sent + second.bytes_sent, received + second.bytes_received
+            failures += second.failures
+        decoded = round_codec.average(messages)
+        used = tuple(result.group[i] for i in decoded.used)
+        for index, reason in decoded.rejected.items():
+            self.stage.faults.count("messages_left_out", "round %d: %s's message left out: %s",
+                                    self.round, result.group[index], reason)
+        for failure in failures:
+            logger.info("round %d: %s", self.round, failure)
+        self.membership.suspect([result.group[i] for i in decoded.rejected if result.group[i] != self.stage.peer_id])
+        with self.averager.get_tensors() as buffers:
+            for buf, t in zip(buffers, decoded.tensors):
+                buf.copy_(t)
+        self.averager.hold_buffers(self.round, AverageKind.AVERAGED, used, result.group_id)
+        average = Average(
+            kind=AverageKind.AVERAGED, tensors=decoded.tensors, group=used, bytes_sent=sent, bytes_received=received,
+            window=(self._window_start, time.time()),
+            note=f"{len(decoded.rejected)} of {len(result.group)} messages left out" if decoded.rejected else "",
+        )  # fmt: skip
+        self._log(average, expected=expected)
+        return average
 
     # ----- phase 3 -------------------------------------------------------------------------
     def _mend(self, result: RoundResult) -> Average:

@@ -31,6 +31,8 @@ FAULTS = {
     "records_refused": "a DHT record could not be decoded or did not belong to this run",
     "publishes_failed": "a record of this worker (heartbeat, round record) could not be stored in the DHT",
     "pending_dropped": "an average lost with a checkpoint could not be had from any member and was skipped",
+    "nonfinite_dropped": "this worker's pseudo-gradient held NaN or Inf: not sent; the group's average was taken",
+    "messages_left_out": "a member's compressed message was not received or did not decode: left out of the average",
 }
 """Every counter, with what it counts (README: metrics.jsonl)."""
 
@@ -46,8 +48,8 @@ class FaultCounter:
         self._counts = dict.fromkeys(FAULTS, 0)
         self._last_logged: dict[tuple[str, str], tuple[float, int]] = {}
 
-    def count(self, name: str, message: str, *args: Any) -> None:
-        """Count one `name` fault and log `message % args` at warning level (rate-limited per reason)."""
+    def count(self, name: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+        """Count one `name` fault and log `message % args` at `level` (rate-limited per reason)."""
         assert name in FAULTS, f"unknown fault counter {name}"
         text = message % args if args else message
         now = time.monotonic()
@@ -59,7 +61,7 @@ class FaultCounter:
                 return
             self._last_logged[(name, text)] = (now, 0)
         again = f" (and {suppressed} more times in the last minute)" if suppressed else ""
-        self._log.warning("%s%s [%s]", text, again, name)
+        self._log.log(level, "%s%s [%s]", text, again, name)
 
     def take(self) -> dict[str, int]:
         """The counts since the last call (every counter, zeros included)."""

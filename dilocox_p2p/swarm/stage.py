@@ -2,7 +2,8 @@
 
     SwarmStage
       dht, records        the worker's DHT node and typed access to the run's records (dht.py)
-      averager            hivemind averager process: exact all-reduce, average and state serving
+      averager            hivemind averager process: exact all-reduce or message gather, average and state serving
+      codec               with compression: this worker's encoder/decoder and error feedback (compression/)
       heartbeat           this worker's member record, refreshed every few seconds
       membership          who else trains this stage; admission (membership.py)
       exchanges           one background exchange per round (exchange.py): the Averager protocol
@@ -22,6 +23,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from ..average import Average, AverageKind
+from ..compression.codec import StageCodec
 from ..config import Config, config_hash, shared_fields
 from ..wire import swarm_pb2
 from .agreement import Agreement
@@ -46,6 +48,7 @@ class SwarmStage:
         *,
         stage: int,
         tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
         run_dir: Path,
         peer_name: str,
         extra_peers: Sequence[str] = (),
@@ -60,6 +63,9 @@ class SwarmStage:
         )
         self.peer_id = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults)
+        self.codec: StageCodec | None = None
+        if cfg.compression.kind != "none":
+            self.codec = StageCodec(cfg.compression, names, [t.shape for t in tensors], run_id=cfg.run.run_id)
         self.averager = DilocoxAverager(
             [t.detach().to("cpu", torch.float32, copy=True) for t in tensors],
             self.dht,
@@ -67,6 +73,7 @@ class SwarmStage:
             config_hash=self.config_hash,
             stage=stage,
             nice=max(self.sw.helper_nice, 0),
+            max_message_bytes=self.codec.max_message_bytes if self.codec is not None else 1 << 20,
             prefix=f"{cfg.run.run_id}_{self.config_hash[:16]}_s{stage}",
             start=True,
             min_group_size=self.sw.min_group_size,

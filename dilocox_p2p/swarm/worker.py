@@ -50,6 +50,7 @@ class SwarmStageWorker(StageWorker):
                 self.cfg,
                 stage=self.stage,
                 tensors=self.trainer.params,
+                names=[name for name, _ in self.trainer.module.named_parameters()],
                 run_dir=self.run_dir,
                 peer_name=peer_name,
                 extra_peers=extra_peers,
@@ -89,6 +90,17 @@ class SwarmStageWorker(StageWorker):
 
     def take_fault_counts(self) -> dict[str, int]:
         return self.swarm.faults.take()
+
+    def compression_facts(self) -> dict[str, Any]:
+        return self.swarm.codec.metrics() if self.swarm.codec is not None else {}
+
+    def extra_state(self) -> dict[str, Any]:
+        """Error feedback and low-rank Qs: this peer's own, kept in its checkpoints, never shared."""
+        return {"codec": self.swarm.codec.state_dict()} if self.swarm.codec is not None else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        if self.swarm.codec is not None and state.get("codec") is not None:
+            self.swarm.codec.load_state_dict(state["codec"])
 
     # ----- start ----------------------------------------------------------------------------------
     def on_start(self, start: int) -> int:
@@ -203,6 +215,8 @@ class SwarmStageWorker(StageWorker):
         self.swarm.exchanges.abandon_before(download.boundary)
         self.swarm.agreement.forget()
         self.outer.load_state(download.state)
+        if self.swarm.codec is not None:
+            self.swarm.codec.reset()  # its error feedback was measured against a state it left
         self.swarm.set_state(download.boundary, ready=False, training=True)
         self.swarm.faults.count(reason, "took the state of round %d from %s (hash %s; this worker was at round %d)",
                                 download.boundary, download.donor, download.state_hash[:12], was)

@@ -1,0 +1,177 @@
+"""All-gather of compressed messages within a stage group (the averager process's side).
+
+Compressed pseudo-gradients (compression/) are not summed part by part in the butterfly:
+a sparse top-k message has no dense parts, and a quantized sum would have to be quantized
+again. Instead every member of the round's group (formed by hivemind's matchmaking) takes
+every other member's whole message, and each decodes the same set in the same order
+(codec.py). Bytes per member and phase: (N - 1) messages out, (N - 1) in.
+
+    member A                                member B
+      box[(group, phase)][A] = payload        box[(group, phase)][B] = payload
+      pull B's message from B   <---------->  pull A's message from A     (rpc_download_message)
+      a message still missing: pull it from a member that has it (relaying), so that every
+      member that stays reachable ends with the same set
+
+Messages are pulled, never pushed: a worker holds only what it asked for. What a member could
+not get by the deadline is None in the result; the worker decodes what it has and says so.
+A member returns once the others have pulled its message too (or a few seconds passed), so
+the bytes it served are counted with the round they belong to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
+
+from hivemind.p2p import P2PContext, PeerID
+
+from ..wire import swarm_pb2
+
+__all__ = ["GatherResult", "MessageGather"]
+
+logger = logging.getLogger(__name__)
+
+PAYLOAD_PART = 1 << 19  # bytes per streamed part
+KEYS_KEPT = 8  # (group, phase) inboxes kept for members that relay late
+DELIVERY_WAIT_S = 3.0  # how long a member waits for the others to pull its message
+
+
+@dataclass
+class GatherResult:
+    """The messages of one phase, in group order (None: never received), and the bytes it took."""
+
+    messages: list[bytes | None]
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class MessageGather:
+    """Mixin for DilocoxAverager: hold this worker's messages, serve them, pull the group's."""
+
+    run_id: str
+    config_hash: str
+    stage: int
+    prefix: str
+    _p2p: Any
+
+    def _init_gather(self, max_message_bytes: int) -> None:
+        self._my_id = ""  # this worker's peer id, known once the averager process runs
+        self._inbox: collections.OrderedDict[tuple[bytes, int], dict[str, bytes]] = collections.OrderedDict()
+        self._max_message_bytes = max_message_bytes
+        self._served: dict[tuple[bytes, int], int] = collections.defaultdict(int)  # bytes served per inbox
+        self._delivered: dict[tuple[bytes, int], set[str]] = collections.defaultdict(set)  # who pulled my message
+
+    def _box(self, group_id: bytes, phase: int) -> dict[str, bytes]:
+        key = (group_id, phase)
+        if key not in self._inbox:
+            self._inbox[key] = {}
+            while len(self._inbox) > KEYS_KEPT:
+                old, _ = self._inbox.popitem(last=False)
+                self._served.pop(old, None)
+                self._delivered.pop(old, None)
+        return self._inbox[key]
+
+    async def _all_gather(
+        self, group_id: bytes, phase: int, peers: Sequence[str], me: str, payload: bytes, deadline: float
+    ) -> GatherResult:
+        """Every member's message of (group_id, phase), in the order of `peers`."""
+        self._my_id = me
+        box = self._box(group_id, phase)
+        box[me] = payload
+        result = GatherResult(messages=[])
+        others = [p for p in peers if p != me]
+        pulls = [self._pull(p, group_id, phase, p, deadline) for p in others]
+        answered = []
+        for peer, (blob, reason, size) in zip(others, await asyncio.gather(*pulls)):
+            result.bytes_received += size
+            if blob is None:
+                result.failures.append(f"{peer}: {reason}")
+            else:
+                box[peer] = blob
+                answered.append(peer)
+        for sender in [p for p in others if p not in box]:  # relay what missed this worker
+            for holder in answered:
+                blob, reason, size = await self._pull(holder, group_id, phase, sender, min(deadline, time.monotonic() + 5.0))
+                result.bytes_received += size
+                if blob is not None:
+                    box[sender] = blob
+                    logger.info("phase %d: %s's message relayed by %s", phase, sender, holder)
+                    break
+        result.messages = [box.get(p) for p in peers]
+        key, until = (group_id, phase), min(deadline, time.monotonic() + DELIVERY_WAIT_S)
+        while not set(answered) <= self._delivered[key] and time.monotonic() < until:
+            await asyncio.sleep(0.02)
+        result.bytes_sent = self._served[key]
+        return result
+
+    async def _pull(
+        self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float
+    ) -> tuple[bytes | None, str, int]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None, "no time left", 0
+        request = swarm_pb2.GatherRequest(
+            run_id=self.run_id, config_hash=self.config_hash, stage=self.stage,
+            group_id=group_id, phase=phase, sender=sender, wait_s=remaining,
+        )  # fmt: skip
+        size, parts, header = 0, [], None
+        try:
+            stub = type(self).get_stub(self._p2p, PeerID.from_base58(holder), namespace=self.prefix)  # type: ignore[attr-defined]
+            stream = await asyncio.wait_for(stub.rpc_download_message(request), remaining)
+
+            async def read() -> None:
+                nonlocal size, header
+                async for chunk in stream:
+                    size += chunk.ByteSize()
+                    if header is None:
+                        header = chunk.gather if chunk.HasField("gather") else swarm_pb2.GatherHeader(status=-1)
+                    else:
+                        parts.append(chunk.payload)
+                    if sum(map(len, parts)) > self._max_message_bytes:
+                        raise ValueError("message larger than this stage's messages can be")
+
+            await asyncio.wait_for(read(), max(deadline - time.monotonic(), 0.1) + 5.0)
+        except Exception as e:
+            return None, repr(e)[:200], size
+        if header is None:
+            return None, "empty reply", size
+        if header.status != swarm_pb2.STATE_OK:
+            return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
+        blob = b"".join(parts)
+        if len(blob) != header.size:
+            return None, f"truncated: {len(blob)} of {header.size} bytes", size
+        return blob, "", size
+
+    async def rpc_download_message(
+        self, request: swarm_pb2.GatherRequest, context: P2PContext
+    ) -> AsyncIterator[swarm_pb2.Chunk]:
+        """Stream the message of `request.sender` for (group, phase) once this worker holds it."""
+        header = swarm_pb2.GatherHeader(status=swarm_pb2.STATE_REFUSED)
+        if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
+            header.reason = "another run, config or stage"
+            yield swarm_pb2.Chunk(gather=header)
+            return
+        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 120.0)
+        key = (request.group_id, request.phase)
+        while time.monotonic() < deadline and request.sender not in self._inbox.get(key, {}):
+            await asyncio.sleep(0.05)
+        blob = self._inbox.get(key, {}).get(request.sender)
+        if blob is None:
+            header.status, header.reason = swarm_pb2.STATE_NOT_READY, "not held here"
+            yield swarm_pb2.Chunk(gather=header)
+            return
+        first = swarm_pb2.Chunk(gather=swarm_pb2.GatherHeader(status=swarm_pb2.STATE_OK, size=len(blob)))
+        self._served[key] += first.ByteSize()
+        yield first
+        for start in range(0, len(blob), PAYLOAD_PART):
+            chunk = swarm_pb2.Chunk(payload=blob[start : start + PAYLOAD_PART])
+            self._served[key] += chunk.ByteSize()
+            yield chunk
+        if request.sender == self._my_id:
+            self._delivered[key].add(context.remote_id.to_base58())
