@@ -186,6 +186,13 @@ def test_as_many_stages_as_layers_is_allowed():
         ({"swarm.helper_nice": 20}, r"swarm\.helper_nice = 20: must be -19\.\.19"),
         ({"swarm.helper_nice": -20}, r"swarm\.helper_nice = -20"),
         ({"model.seq_len": 1}, r"model\.seq_len = 1: must be at least 2"),
+        ({"compression.kind": "zip"}, r"compression\.kind = 'zip': must be one of: none, fp16, int8, lowrank, topk"),
+        ({"compression.topk_density": 0.0}, r"compression\.topk_density"),
+        ({"compression.rank": 100}, r"compression\.rank = 100: must satisfy 1 <= rank_min \(1\) <= rank <= rank_max \(64\)"),
+        ({"compression.energy_target": 1.0}, r"compression\.energy_target"),
+        ({"compression.factor_bits": 2}, r"compression\.factor_bits = 2: must be one of: 4, 8"),
+        ({"compression.feedback_decay": 1.5}, r"compression\.feedback_decay"),
+        ({"outer.momentum": -0.5}, r"outer\.momentum"),
     ],
 )
 def test_impossible_values_are_config_errors_naming_the_field(overrides, pattern):
@@ -344,3 +351,13 @@ def test_the_example_peer_config_loads():
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "peer" / "example.toml")
     assert cfg.model.preset == "small" and cfg.swarm.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)
+
+
+def test_outer_momentum_defaults_to_0_9_and_to_0_with_top_k_whose_error_feedback_replaces_it():
+    assert load_config().outer.effective_momentum == 0.9
+    topk = load_config(overrides={"compression.kind": "topk"})
+    assert topk.outer.effective_momentum == 0.0 and topk.compression.effective_feedback_decay == 0.95
+    assert load_config(overrides={"compression.kind": "topk", "outer.momentum": 0.5}).outer.effective_momentum == 0.5
+    assert load_config(overrides={"compression.kind": "lowrank"}).compression.effective_feedback_decay == 1.0
+    # the resolved momentum is part of what peers must share
+    assert config_hash(load_config()) != config_hash(load_config(overrides={"compression.kind": "topk"}))

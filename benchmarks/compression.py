@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Compression of a real pseudo-gradient, per strategy: bytes, ratio, error, speed, memory.
+
+    python benchmarks/compression.py                            # small preset, stage 0 of 2, H=10
+    python benchmarks/compression.py --preset tiny --inner-steps 20 --name compression_tiny
+
+The pseudo-gradient is real: `dilocox-peer join --no-swarm` trains the preset for one round
+of H inner steps, and delayed mode keeps that round's delta (the pending average of a peer
+alone) in the round-1 checkpoint. Each strategy then runs in its own process (so that its
+peak memory is its own) as one member of a group of three whose members hold this delta:
+encode it (error feedback on), decode the three messages (low-rank: both phases), for
+--repeats rounds. Reported per strategy: bytes per message and per round in the group
+(all-gather: N-1 messages out), the ratio to an fp32 ring all-reduce (2 (N-1)/N x 4 bytes x
+params per member), the relative L2 error of the first round's decoded mean (no error
+feedback yet), encode / low-rank phase 2 / decode seconds (medians), and the peak memory
+above the delta itself, in fp32 copies of the stage shard. Writes benchmarks/results/<name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import write_result  # noqa: E402
+
+STRATEGIES = {
+    "fp16": {"kind": "fp16"},
+    "int8": {"kind": "int8"},
+    "topk (64 of 4096, 2-bit)": {"kind": "topk"},
+    "lowrank r=8 int4": {"kind": "lowrank", "rank": 8, "energy_target": 0.0},
+    "lowrank r=32 int4": {"kind": "lowrank", "rank": 32, "energy_target": 0.0},
+}
+GROUP = 3
+
+
+def make_delta(args: argparse.Namespace, tmp: Path) -> Path:
+    """Train one round of the preset alone; return the file holding stage 0's pseudo-gradient."""
+    run_dir = tmp / "run"
+    cmd = [
+        sys.executable, "-m", "dilocox_p2p.cli", "join", "--no-swarm", "--run-dir", str(run_dir),
+        "--preset", args.preset, "--stages", str(args.stages), "--device", "cpu", "--mode", "delayed",
+        "--rounds", "2", "--inner-steps", str(args.inner_steps), "--batch-size", str(args.batch_size),
+        "--microbatches", str(args.microbatches), "--progress", "off", "--log-level", "warning", "--data-seed", "0",
+        "--set", "inner.warmup_steps=0",
+    ]  # fmt: skip
+    print(f"training {args.preset} for one round of {args.inner_steps} steps ...", flush=True)
+    subprocess.run(cmd, check=True)
+    import torch
+
+    from dilocox_p2p.checkpoint import load_checkpoint
+    from dilocox_p2p.model import build_stage
+    from dilocox_p2p.config import PRESETS
+
+    state = load_checkpoint(run_dir, 0, 1)
+    pending = state["outer"]["pending"]
+    assert pending is not None and pending["round"] == 0, "round 1's checkpoint lacks round 0's pseudo-gradient"
+    names = [n for n, _ in build_stage(PRESETS[args.preset], args.stages, 0, 0).named_parameters()]
+    path = tmp / "delta.pt"
+    torch.save({"names": names, "tensors": list(pending["tensors"])}, path)
+    return path
+
+
+def measure(delta_path: str, settings: dict, repeats: int) -> dict:
+    """Runs in its own process: one strategy, one member of a group whose members hold the same delta
+    (so the decoded mean should be the delta itself)."""
+    import torch
+
+    from dilocox_p2p.compression.codec import StageCodec
+    from dilocox_p2p.config import CompressionConfig
+
+    saved = torch.load(delta_path)
+    names, delta = saved["names"], saved["tensors"]
+    params = sum(t.numel() for t in delta)
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    codec = StageCodec(CompressionConfig(**settings), names, [t.shape for t in delta], run_id="bench")
+    times: dict[str, list[float]] = {"encode_s": [], "phase2_s": [], "decode_s": []}
+    for round in range(repeats):
+        started = time.perf_counter()
+        round_codec = codec.begin(round, delta)
+        gathered = [round_codec.message(1)] * GROUP
+        times["encode_s"].append(time.perf_counter() - started)
+        sizes = [len(gathered[0])]
+        if codec.phases == 2:  # decode the group's P, its exact basis, encode Q
+            started = time.perf_counter()
+            gathered = [round_codec.message(2, gathered)] * GROUP
+            times["phase2_s"].append(time.perf_counter() - started)
+            sizes.append(len(gathered[0]))
+        started = time.perf_counter()
+        average = round_codec.average(gathered)
+        times["decode_s"].append(time.perf_counter() - started)
+        if round == 0:
+            num = sum(float(torch.sum((a.double() - d.double()) ** 2)) for a, d in zip(average.tensors, delta))
+            den = sum(float(torch.sum(d.double() ** 2)) for d in delta)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    message = sum(sizes)
+    medians = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
+    return {
+        "params": params,
+        "message_bytes": message,
+        "ratio_vs_fp32_message": 4 * params / message,
+        "bytes_sent_per_round": (GROUP - 1) * message,
+        "ratio_vs_fp32_ring": (2 * (GROUP - 1) / GROUP * 4 * params) / ((GROUP - 1) * message),
+        "relative_error_first_round": (num / den) ** 0.5,
+        **medians,
+        "total_s": sum(medians.values()),
+        "peak_extra_fp32_copies": (peak_rss - base_rss) / (4 * params),
+        "codec_metrics": codec.metrics(),
+    }
+
+
+def step_seconds(args: argparse.Namespace, tmp: Path) -> float:
+    """Seconds of one inner step of the whole peer on this machine (the scale for encode/decode)."""
+    records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    return min(r["seconds_compute"] for r in records) / args.inner_steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--name", default="compression")
+    parser.add_argument("--measure", nargs=2, metavar=("DELTA", "SETTINGS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure[0], json.loads(args.measure[1]), args.repeats)))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        delta_path = make_delta(args, Path(tmp))
+        step_s = step_seconds(args, Path(tmp))
+        results = {}
+        for label, settings in STRATEGIES.items():
+            cmd = [sys.executable, __file__, "--measure", str(delta_path), json.dumps(settings), "--repeats", str(args.repeats)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            results[label] = {"settings": settings, **json.loads(out.stdout.strip().splitlines()[-1])}
+            r = results[label]
+            print(f"{label:28s} {r['message_bytes']:>10,d} B/message  x{r['ratio_vs_fp32_ring']:7.1f} vs fp32 ring  "
+                  f"err {r['relative_error_first_round']:.3f}  codec {r['total_s']:.2f}s/round  "
+                  f"peak +{r['peak_extra_fp32_copies']:.1f} copies", flush=True)
+    path = write_result(args.name, {
+        "preset": args.preset, "stage": 0, "stages": args.stages, "inner_steps": args.inner_steps,
+        "group_size": GROUP, "inner_step_s": step_s, "strategies": results,
+    })  # fmt: skip
+    print(f"one inner step of the whole peer: {step_s:.2f}s; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
