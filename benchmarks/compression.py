@@ -56,8 +56,8 @@ def make_delta(args: argparse.Namespace, tmp: Path) -> Path:
     import torch
 
     from dilocox_p2p.checkpoint import load_checkpoint
-    from dilocox_p2p.model import build_stage
     from dilocox_p2p.config import PRESETS
+    from dilocox_p2p.model import build_stage
 
     state = load_checkpoint(run_dir, 0, 1)
     pending = state["outer"]["pending"]
@@ -141,7 +141,8 @@ def main() -> int:
         step_s = step_seconds(args, Path(tmp))
         results = {}
         for label, settings in STRATEGIES.items():
-            cmd = [sys.executable, __file__, "--measure", str(delta_path), json.dumps(settings), "--repeats", str(args.repeats)]
+            cmd = [sys.executable, __file__, "--measure", str(delta_path), json.dumps(settings),
+                   "--repeats", str(args.repeats)]  # fmt: skip
             out = subprocess.run(cmd, check=True, capture_output=True, text=True)
             results[label] = {"settings": settings, **json.loads(out.stdout.strip().splitlines()[-1])}
             r = results[label]

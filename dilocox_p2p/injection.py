@@ -12,6 +12,8 @@ Armed through the environment of the peer's processes, several separated by `;`:
   that member sees this reducer fail, the others do not, an asymmetric failure.
 - `corrupt_state:round=R:stage=S` flips the lowest bit of theta_g's first value on stage S
   right after round R's outer step, as a memory error or a buggy peer would.
+- `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,
+  as a diverged or broken peer would produce.
 
 Unset in normal runs; nothing here runs unless a fault is armed.
 """
@@ -26,7 +28,7 @@ __all__ = ["KNOWN", "armed", "kill_peer"]
 
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
-KNOWN = ("kill_peer_in_allreduce", "withhold_average", "corrupt_state")
+KNOWN = ("kill_peer_in_allreduce", "withhold_average", "corrupt_state", "nan_pseudo_gradient")
 
 
 def _parse(text: str) -> list[tuple[str, dict[str, str]]]:

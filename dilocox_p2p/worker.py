@@ -18,7 +18,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch

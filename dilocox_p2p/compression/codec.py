@@ -259,7 +259,8 @@ class RoundCodec:
         for i, shape in enumerate(codec.shapes):
             if codec.lowrank[i]:
                 rank = codec.ranks[i]
-                out.append(ordered_mean([_fit_rank(d[i].T, rank) for d in decoded.values()], torch.Size((shape[0], rank))))
+                parts = [_fit_rank(d[i].T, rank) for d in decoded.values()]
+                out.append(ordered_mean(parts, torch.Size((shape[0], rank))))
             else:
                 out.append(ordered_mean([d[i] for d in decoded.values()], shape))
         return Decoded(out, used=sorted(decoded), rejected=rejected)

@@ -129,7 +129,8 @@ def reconstruct(b: Basis, q: torch.Tensor) -> torch.Tensor:
             if b.chol[k, j] != 0.0:
                 row -= w[k] * b.chol[k, j]
         w[j] = row / b.chol[j, j]
-    w_int, w_scale = _to_int(torch.from_numpy(w), _EXACT_BITS - _int_bits(b.p_int.shape[0]) - max(1, math.ceil(math.log2(max(r, 2)))))
+    w_bits = _EXACT_BITS - _int_bits(b.p_int.shape[0]) - max(1, math.ceil(math.log2(max(r, 2))))
+    w_int, w_scale = _to_int(torch.from_numpy(w), w_bits)
     product = b.p_int @ w_int  # exact: integer sums below 2^53
     return (product * w_scale).to(torch.float32)
 

@@ -70,8 +70,9 @@ class RoundExchange:
                 return _nothing(AverageKind.STRANDED, "a non-finite pseudo-gradient and nobody to average with", 0.0)
             return Average(kind=AverageKind.ALONE, tensors=self.tensors)
         self._window_start = time.time()
-        if not finite:
-            return self._borrow("this worker's pseudo-gradient was not finite")
+        if not finite:  # the others average without it (matchmaking waits up to round_wait for it first)
+            return self._borrow("this worker's pseudo-gradient was not finite",
+                                wait_s=self.sw.round_wait + self.sw.allreduce_timeout)
         # Phase 2: all-reduce with them
         if self.stage.codec is not None:
             return self._compressed(expected=1 + len(others))
@@ -184,11 +185,11 @@ class RoundExchange:
             mended_from=tuple(mended_from),
         )
 
-    def _borrow(self, failure: str) -> Average:
+    def _borrow(self, failure: str, wait_s: float | None = None) -> Average:
         self.membership.refresh()
         members = self.membership.members(training_only=True)
         order = [m.peer_id for m in sorted(members, key=lambda m: not self.membership.finished(m, self.round))]
-        collected = self._collect(order, start=None)
+        collected = self._collect(order, start=None, wait_s=wait_s)
         if collected.average is None:
             note = f"this worker's all-reduce failed ({failure}) and no member had the group's average"
             return _nothing(AverageKind.STRANDED, note, self._window_start)
@@ -199,9 +200,10 @@ class RoundExchange:
             mended_from=tuple(collected.mended_from),
         )
 
-    def _collect(self, peers: list[str], *, start: HeldAverage | None) -> Collected:
+    def _collect(self, peers: list[str], *, start: HeldAverage | None, wait_s: float | None = None) -> Collected:
+        wait_s = wait_s or self.sw.chunk_timeout
         collected = self.averager.collect(
-            self.round, peers, start=start, wait_s=self.sw.chunk_timeout, deadline_s=self.sw.state_timeout
+            self.round, peers, start=start, wait_s=wait_s, deadline_s=max(self.sw.state_timeout, wait_s)
         )
         for failure in collected.failures:
             self.stage.faults.count("downloads_failed", "round %d: no average from %s", self.round, failure)

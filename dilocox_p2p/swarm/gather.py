@@ -97,7 +97,8 @@ class MessageGather:
                 answered.append(peer)
         for sender in [p for p in others if p not in box]:  # relay what missed this worker
             for holder in answered:
-                blob, reason, size = await self._pull(holder, group_id, phase, sender, min(deadline, time.monotonic() + 5.0))
+                until = min(deadline, time.monotonic() + 5.0)
+                blob, reason, size = await self._pull(holder, group_id, phase, sender, until)
                 result.bytes_received += size
                 if blob is not None:
                     box[sender] = blob

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from hivemind.utils import get_dht_time
 
+from .. import injection
 from ..average import Average, AverageKind
 from ..compression.codec import StageCodec
 from ..config import Config, config_hash, shared_fields
@@ -134,6 +135,8 @@ class SwarmStage:
 
     # ----- the Averager protocol ---------------------------------------------------------------------
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:
+        if injection.armed("nan_pseudo_gradient", round=round, stage=self.stage):
+            tensors[0].view(-1)[0] = float("nan")
         self.heartbeat.update(averaging_round=round, wait=False)  # tells the others this round is ready to average
         if not self.membership.members():  # nobody else in the run: the average of one, at once (and deterministic)
             future: Future[Average] = Future()

@@ -40,3 +40,22 @@ def test_three_compressing_peers_agree_every_round_at_a_hundredth_of_the_fp32_by
         assert sum(r["bytes_sent"] for r in records) <= rounds * ring_fp32 / 100  # one exchange per round
         if kind == "lowrank":
             assert all(set(s["ranks"]) and set(s["energy"]) for s in records[-1]["compression"])
+
+
+def test_a_nan_pseudo_gradient_is_never_averaged_and_its_peer_takes_the_group_average(swarm):
+    rounds = 5
+    args = ("--mode", "delayed", "--rounds", str(rounds), "--min-peers", "3", "--compression", "int8")
+    peers = [swarm.start_peer(*args) for _ in range(2)]
+    broken = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "nan_pseudo_gradient:round=2:stage=0"})
+    for peer in [*peers, broken]:
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    hashes = [_hashes(p) for p in [*peers, broken]]
+    for t in range(rounds):
+        assert hashes[0][t] == hashes[1][t] == hashes[2][t], f"peers differ at round {t}"
+    assert all(r["val_loss"] == r["val_loss"] for p in peers for r in p.metrics())  # no NaN anywhere
+    records = {r["applied_round"]: r for r in broken.metrics()}
+    assert records[2]["kinds"][0] == "borrowed" and sum(r["faults"]["nonfinite_dropped"] for r in records.values()) == 1
+    assert "ERROR" in broken.stage_log(0) and "holds NaN or Inf" in broken.stage_log(0)
+    others = {r["applied_round"]: r for r in peers[0].metrics()}
+    assert others[2]["group_sizes"][0] == 2  # the two healthy peers averaged without it

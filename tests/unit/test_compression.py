@@ -28,7 +28,8 @@ def _normal(shape, seed, scale=1e-2):
 
 
 @settings(max_examples=60, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 2**32 - 1), bits=st.sampled_from([4, 8]), block=st.sampled_from([1, 7, 64, 256]))
+@given(shape=shapes, seed=st.integers(0, 2**32 - 1), bits=st.sampled_from([4, 8]),
+       block=st.sampled_from([1, 7, 64, 256]))  # fmt: skip
 def test_blockwise_quantization_errs_at_most_half_a_block_scale(shape, seed, bits, block):
     x = _normal(shape, seed)
     decoded = dequantize(quantize(x, bits=bits, block=block))

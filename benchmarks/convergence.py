@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Quality at equal tokens: fp32 DiLoCo against compressed pseudo-gradients, side by side.
+
+    python benchmarks/convergence.py                        # 3 peers, tiny, 60 rounds x H=20, lr sweeps
+    python benchmarks/convergence.py --rounds 10 --name convergence_smoke --configs "sync fp32"
+
+Three peers train the same model in one process, with the project's own parts: the model,
+data sampler and inner trainer (inner.py), the outer loop and its Nesterov step (outer.py)
+and each peer's compression codec (compression/codec.py) with its error feedback. Only the
+network is left out: the group's messages are handed from codec to codec in memory, in
+group order, exactly as the swarm's gather delivers them (its bytes are the messages'
+bytes, N-1 out per member). Every configuration sees the same tokens (rounds x H x batch x
+seq per peer) and the same data order per peer; each is swept over a few outer learning
+rates (outer lr and momentum must be tuned per mode and compression: notes/outer-loop-
+variants.md) and reported at its best. Writes benchmarks/results/<name>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import RESULTS, write_result  # noqa: E402
+
+# configuration -> (settings, outer learning rates swept)
+CONFIGS: dict[str, tuple[dict, list[float]]] = {
+    "sync fp32": ({"outer.mode": "sync"}, [0.35, 0.7, 1.0]),
+    "delayed fp32": ({"outer.mode": "delayed"}, [0.1, 0.2, 0.35]),
+    "delayed lowrank": ({"outer.mode": "delayed", "compression.kind": "lowrank"}, [0.1, 0.2, 0.35]),
+    "delayed topk": ({"outer.mode": "delayed", "compression.kind": "topk"}, [0.35, 0.7, 1.0]),
+    "sync topk": ({"outer.mode": "sync", "compression.kind": "topk"}, [0.7, 1.0, 1.5]),
+}
+PEERS = 3
+
+
+class GroupAverager:
+    """The stage group in memory: each member's all_reduce resolves once every member has sent its
+    pseudo-gradient of the round, with what the swarm would deliver (the exact fp32 mean, or the
+    decoded mean of the members' compressed messages, in group order)."""
+
+    def __init__(self, codecs: list):
+        self.codecs = codecs
+        self.lock = threading.Lock()
+        self.pending: dict[int, dict[int, tuple[list, Future]]] = {}
+        self.bytes_sent = [0] * len(codecs)
+
+    def member(self, index: int) -> "Member":
+        return Member(self, index)
+
+    def submit(self, index: int, tensors: list, round: int) -> Future:
+        from dilocox_p2p.average import Average, AverageKind, ordered_mean
+
+        future: Future = Future()
+        with self.lock:
+            box = self.pending.setdefault(round, {})
+            box[index] = (list(tensors), future)
+            if len(box) < len(self.codecs):
+                return future
+            del self.pending[round]
+        members = [box[i] for i in range(len(self.codecs))]
+        if self.codecs[0] is None:
+            shapes = [t.shape for t in members[0][0]]
+            mean = [ordered_mean([m[0][j] for m in members], s) for j, s in enumerate(shapes)]
+            results = [mean] * len(members)
+            sizes = [4 * sum(t.numel() for t in members[0][0]) * 2 / len(members)] * len(members)  # ring share
+        else:
+            rounds = [c.begin(round, m[0]) for c, m in zip(self.codecs, members)]
+            gathered = [r.message(1) for r in rounds]
+            sizes = [len(g) for g in gathered]
+            if self.codecs[0].phases == 2:
+                gathered = [r.message(2, gathered) for r in rounds]
+                sizes = [a + len(g) for a, g in zip(sizes, gathered)]
+            results = [r.average(gathered).tensors for r in rounds]
+            assert all(all(a.equal(b) for a, b in zip(results[0], r)) for r in results[1:]), "members differ"
+        for i, ((_, fut), tensors) in enumerate(zip(members, results)):
+            self.bytes_sent[i] += int(sizes[i] * (len(members) - 1))
+            fut.set_result(Average(kind=AverageKind.AVERAGED, tensors=[t.clone() for t in tensors],
+                                   group=tuple(map(str, range(len(members))))))  # fmt: skip
+        return future
+
+
+class Member:
+    def __init__(self, group: GroupAverager, index: int):
+        self.group, self.index = group, index
+
+    def all_reduce(self, tensors, *, round: int) -> Future:
+        return self.group.submit(self.index, tensors, round)
+
+    def close(self) -> None:
+        pass
+
+
+def run(label: str, settings: dict, lr: float, args: argparse.Namespace) -> dict:
+    import torch
+
+    from dilocox_p2p.compression.codec import StageCodec
+    from dilocox_p2p.config import load_config
+    from dilocox_p2p.data import BatchSampler, load_corpus, val_batches
+    from dilocox_p2p.inner import InnerTrainer
+    from dilocox_p2p.outer import OuterLoop
+
+    overrides = {
+        "model.preset": args.preset, "model.stages": 1, "run.rounds": args.rounds, "inner.steps": args.inner_steps,
+        "inner.batch_size": args.batch_size, "inner.microbatches": 1, "inner.warmup_steps": args.warmup,
+        "outer.lr": lr, **settings,
+    }  # fmt: skip
+    cfg = load_config(overrides=overrides)
+    shape = cfg.model.shape
+    corpus = load_corpus(cfg.data, shape.seq_len)
+    val = val_batches(corpus, shape.seq_len, cfg.inner.batch_size, args.val_batches)
+    trainers = [InnerTrainer(cfg, stage=0, device=torch.device("cpu")) for _ in range(PEERS)]
+    names = [n for n, _ in trainers[0].module.named_parameters()]
+    codecs = [
+        StageCodec(cfg.compression, names, [p.shape for p in t.params], run_id="bench")
+        if cfg.compression.kind != "none" else None
+        for t in trainers
+    ]  # fmt: skip
+    group = GroupAverager(codecs)
+    outers = [OuterLoop(t.params, cfg.outer, group.member(i)) for i, t in enumerate(trainers)]
+    samplers = [BatchSampler(corpus.train, shape.seq_len, cfg.inner.batch_size, seed) for seed in range(PEERS)]
+    curve, started = [], time.perf_counter()
+    for t in range(cfg.run.rounds):
+        for trainer, outer, sampler in zip(trainers, outers, samplers):
+            outer.load_into_model()
+            for step in range(cfg.inner.steps):
+                inputs, targets = sampler.next()
+                trainer.train_step(t * cfg.inner.steps + step, inputs, targets)
+        threads = [threading.Thread(target=o.end_round, args=(t,)) for o in outers]
+        if t + 1 == cfg.run.rounds:
+            threads = [threading.Thread(target=lambda o=o: (o.end_round(t), o.drain())) for o in outers]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0].theta_g, o.theta_g)), "theta_g split"
+        outers[0].load_into_model()
+        curve.append(trainers[0].evaluate(val))
+        print(f"  {label} lr {lr}: round {t} val {curve[-1]:.4f}", flush=True)
+    params = trainers[0].n_params()
+    ring = 2 * (PEERS - 1) / PEERS * 4 * params * cfg.run.rounds
+    return {
+        "outer_lr": lr,
+        "outer_momentum": cfg.outer.effective_momentum,
+        "val_curve": curve,
+        "final_val": curve[-1],
+        "bytes_sent_per_peer": group.bytes_sent[0],
+        "ratio_vs_fp32_ring": ring / group.bytes_sent[0],
+        "seconds": time.perf_counter() - started,
+        "codec_metrics": codecs[0].metrics() if codecs[0] is not None else {},
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, r in results.items():
+        best = r["best"]
+        ax.plot(best["val_curve"], label=f"{label} (lr {best['outer_lr']}, {best['ratio_vs_fp32_ring']:.0f}x)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("val loss of theta_g")
+    ax.set_title(f"{PEERS} peers, equal tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--name", default="convergence")
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    from dilocox_p2p.config import PRESETS
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    store = Path(tempfile.mkdtemp()) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)  # PipelineStage's group
+    results = {}
+    for label in args.configs:
+        settings, lrs = CONFIGS[label]
+        runs = [run(label, settings, lr, args) for lr in lrs]
+        best = min(runs, key=lambda r: r["final_val"])
+        results[label] = {"settings": settings, "runs": runs, "best": best}
+        print(f"{label}: best outer lr {best['outer_lr']}, final val {best['final_val']:.4f}, "
+              f"{best['ratio_vs_fp32_ring']:.1f}x fewer bytes than an fp32 ring", flush=True)
+    baseline = results.get("sync fp32", {}).get("best", {}).get("final_val")
+    verdicts = {}
+    for label, r in results.items():
+        best = r["best"]
+        verdicts[label] = {
+            "ratio_vs_fp32_ring": best["ratio_vs_fp32_ring"],
+            "final_val": best["final_val"],
+            "vs_sync_fp32": (best["final_val"] / baseline - 1) if baseline else None,
+            "meets_target": bool(baseline and best["ratio_vs_fp32_ring"] >= 100 and best["final_val"] <= baseline),
+        }
+    png = RESULTS / f"{args.name}.png"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    plot(results, png)
+    payload = {
+        "peers": PEERS, "preset": args.preset, "rounds": args.rounds, "inner_steps": args.inner_steps,
+        "batch_size": args.batch_size,
+        "tokens_per_peer": args.rounds * args.inner_steps * args.batch_size * PRESETS[args.preset].seq_len,
+        "results": results, "summary": verdicts, "plot": png.name,
+    }  # fmt: skip
+    path = write_result(args.name, payload)
+    for label, v in verdicts.items():
+        print(f"{label:18s} final val {v['final_val']:.4f}  {v['ratio_vs_fp32_ring']:7.1f}x  "
+              f"vs sync fp32 {100 * (v['vs_sync_fp32'] or 0):+.1f}%  "
+              f"target {'met' if v['meets_target'] else 'not met'}")
+    print(f"wrote {path} and {png}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
