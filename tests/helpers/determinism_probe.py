@@ -81,7 +81,7 @@ def probe(seed: int, cases: int) -> dict[str, str]:
         n, m = (int(v) for v in rng.integers(1, 300, size=2))
         r = int(rng.integers(1, 33))
         base = basis(rand((n, r), 1e-3))
-        out["lowrank"].append(_digest([base.p_int, torch.from_numpy(base.chol), reconstruct(base, rand((m, r), 1e-3))]))
+        out["lowrank"].append(_digest([base.p_int, torch.from_numpy(base.scales), torch.from_numpy(base.chol), reconstruct(base, rand((m, r), 1e-3))]))
 
         a, b = rand((4099,)), rand((4099,))
         out["fused_control"].append(_digest([a.add(b, alpha=0.3)]))

@@ -100,9 +100,13 @@ def test_low_rank_is_exact_for_a_matrix_of_rank_at_most_r(n, m, true_rank, extra
     a, b = rng.standard_normal((n, true_rank)), rng.standard_normal((m, true_rank))
     matrix = torch.from_numpy((a @ b.T * 1e-3).astype(np.float32))
     q = initial_q("run", 0, "w", m, rank)
-    base = basis(matrix @ q)  # one peer: the average is its own P
+    p = matrix @ q  # one peer: the average is its own P
+    base = basis(p)
     approx = reconstruct(base, matrix.T @ local_basis(base))
-    assert torch.linalg.norm(approx - matrix) <= 1e-4 * torch.linalg.norm(matrix)
+    # as good as a float64 QR of the same P (whose float32 rounding limits both, by P's condition)
+    reference, _ = np.linalg.qr(p.double().numpy())
+    ref_err = np.linalg.norm(reference @ (reference.T @ matrix.double().numpy()) - matrix.double().numpy())
+    assert torch.linalg.norm(approx - matrix) <= 2 * ref_err + 1e-5 * torch.linalg.norm(matrix)
 
 
 def test_low_rank_basis_is_orthonormal_and_skips_dependent_columns():
