@@ -86,6 +86,8 @@ class Average:
     """Why the exchange went as it did, for the log."""
     mended_from: tuple[str, ...] = field(default=())
     """Members whose copies filled this worker's missing spans (MENDED, BORROWED)."""
+    stranded_alike: bool = False
+    """STRANDED: every member that answered had no average of the round either (nobody is ahead)."""
 
     @property
     def group_size(self) -> int:

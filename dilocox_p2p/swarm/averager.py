@@ -110,6 +110,8 @@ class Collected:
     mended_from: list[str] = field(default_factory=list)
     answered: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    lacking: list[str] = field(default_factory=list)
+    """Members that answered that they have no average of the round either."""
     bytes_received: int = 0
 
 
@@ -157,6 +159,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._state_ready = mp.Value(ctypes.c_bool, False)
         self._kept_boundary = mp.Value(ctypes.c_int64, -1)  # a complete earlier state kept for a joiner
         self._state_wanted = mp.Value(ctypes.c_int64, 0)  # state downloads waiting in the averager process
+        self._failed_round = mp.Value(ctypes.c_int64, -1)  # the latest round whose exchange failed here
         self._state_provider: StateProvider | None = None
         self._current_round = -1
         self._held: dict[int, HeldAverage] = {}
@@ -178,6 +181,11 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         with self._boundary.get_lock():
             self._boundary.value = boundary
             self._state_ready.value = ready
+
+    def mark_failed(self, round: int) -> None:
+        """This worker's own exchange of `round` failed: members asking for its average are told at once
+        that it lacks one too (so that members all stranded alike know it and need not resync)."""
+        self._failed_round.value = round
 
     def state_wanted(self) -> bool:
         """Whether a peer is waiting to download this worker's state (so a complete one should be kept)."""
@@ -377,6 +385,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             out.bytes_received += size
             if got is None:
                 out.failures.append(f"{peer}: {reason}")
+                if reason.startswith(swarm_pb2.StateStatus.Name(swarm_pb2.STATE_LACKING)):
+                    out.lacking.append(peer)
                 continue
             out.answered.append(peer)
             mine = out.average
@@ -430,11 +440,14 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             yield swarm_pb2.Chunk(average=header)
             return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
-        while request.round not in self._held and time.monotonic() < deadline and self._current_round <= request.round:
+        def lacking() -> bool:
+            return self._current_round > request.round or self._failed_round.value == request.round
+
+        while request.round not in self._held and time.monotonic() < deadline and not lacking():
             await asyncio.sleep(0.2)
         held = self._held.get(request.round)
         if held is None:
-            header.status = swarm_pb2.STATE_NOT_READY
+            header.status = swarm_pb2.STATE_LACKING if lacking() else swarm_pb2.STATE_NOT_READY
             yield swarm_pb2.Chunk(average=header)
             return
         header = swarm_pb2.AverageHeader(status=swarm_pb2.STATE_OK, average=held.info(), n_tensors=len(held.tensors))

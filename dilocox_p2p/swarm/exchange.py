@@ -17,6 +17,7 @@ A round never raises and never blocks past its timeouts: every way it can end is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -186,13 +187,17 @@ class RoundExchange:
         )
 
     def _borrow(self, failure: str, wait_s: float | None = None) -> Average:
+        self.averager.mark_failed(self.round)
         self.membership.refresh()
         members = self.membership.members(training_only=True)
         order = [m.peer_id for m in sorted(members, key=lambda m: not self.membership.finished(m, self.round))]
         collected = self._collect(order, start=None, wait_s=wait_s)
         if collected.average is None:
             note = f"this worker's all-reduce failed ({failure}) and no member had the group's average"
-            return _nothing(AverageKind.STRANDED, note, self._window_start)
+            # members that answered all lack it too: the group is stranded alike, nobody is ahead
+            alike = bool(collected.lacking) and all(f.split(":")[0] in collected.lacking or "STATE_" not in f
+                                                    for f in collected.failures)  # fmt: skip
+            return dataclasses.replace(_nothing(AverageKind.STRANDED, note, self._window_start), stranded_alike=alike)
         return collected.average.to_average(
             bytes_received=collected.bytes_received,
             window=(self._window_start, time.time()),

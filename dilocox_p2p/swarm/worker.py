@@ -228,12 +228,17 @@ class SwarmStageWorker(StageWorker):
 
         Triggers, decided together by all stages of this peer: the background hash check of an
         earlier boundary found a stage in the minority; a stage was stranded (others train, but
-        no average could be had); or the peer fell two rounds behind.
+        no average could be had) while some member may have had one (not when every member that
+        answered lacked it too: then nobody is ahead); or the peer fell two rounds behind.
         """
         if injection.armed("corrupt_state", round=boundary - 1, stage=self.stage):
             self._corrupt_theta_g()
         repair = self.swarm.agreement.take_repair() is not None
-        stranded = outcome.kind is AverageKind.STRANDED and bool(self.swarm.membership.members(training_only=True))
+        last = outcome.last
+        stranded = (
+            last is not None and last.kind is AverageKind.STRANDED and not last.stranded_alike
+            and bool(self.swarm.membership.members(training_only=True))
+        )  # fmt: skip
         behind = any(m.record.boundary >= boundary + 2 for m in self.swarm.membership.donors())
         reasons = self._all_gather((repair, stranded, behind))
         if not any(any(r) for r in reasons):
