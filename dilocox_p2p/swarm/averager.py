@@ -151,7 +151,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         config_hash: str,
         stage: int,
         nice: int = 0,
-        max_message_bytes: int = 1 << 30,
+        max_message_bytes: int = 0,
         **kwargs: Any,
     ):
         self.run_id, self.config_hash, self.stage, self.nice = run_id, config_hash, stage, nice
@@ -165,6 +165,9 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._held: dict[int, HeldAverage] = {}
         self._last_result: RoundResult | None = None
         self._payload: bytes | None = None  # this round's compressed message (phase 1), if compressed
+        # messages go to the averager process through shared memory: hivemind's command pipe is
+        # non-blocking on the averager's side and breaks on anything larger than its buffer
+        self._outbox = torch.zeros(max_message_bytes, dtype=torch.uint8).share_memory_()
         self._init_gather(max_message_bytes)
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -220,14 +223,27 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
     def prepare_round(self, round: int, target_group_size: int, payload: bytes | None = None) -> None:
         """Set up the next step: its round, target group size, and with compression this worker's
         phase-1 message (the step then all-gathers messages instead of running the butterfly)."""
-        self._call("_prepare_round", 30.0, round=round, target=target_group_size, payload=payload)
+        size = self._stage(payload) if payload is not None else -1
+        self._call("_prepare_round", 30.0, round=round, target=target_group_size, payload_size=size)
 
     def gather_phase(
         self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float
     ) -> GatherResult:
         """All-gather a later phase's messages within the group that gathered phase 1."""
-        kwargs = dict(phase=phase, payload=payload, group=list(group), group_id=group_id, timeout=timeout)
+        size = self._stage(payload)
+        kwargs = dict(phase=phase, payload_size=size, group=list(group), group_id=group_id, timeout=timeout)
         return self._call("_gather_phase", timeout + 30.0, **kwargs)
+
+    def _stage(self, payload: bytes) -> int:
+        """Put a message into the shared outbox (the averager process copies it out when called)."""
+        if len(payload) > self._outbox.numel():
+            raise ValueError(f"a {len(payload)}-byte message does not fit the {self._outbox.numel()}-byte outbox")
+        if payload:
+            self._outbox[: len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        return len(payload)
+
+    def _unstage(self, size: int) -> bytes:
+        return self._outbox[:size].numpy().tobytes()
 
     def hold_buffers(self, round: int, kind: AverageKind, group: Sequence[str], group_id: bytes) -> None:
         """Keep (and serve to the group) the average the worker wrote into the averaged tensors."""
@@ -248,9 +264,9 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         return self._call("_download_round", timeout + wait_s + 30.0, **kwargs)
 
     # ----- averager process: the all-reduce -------------------------------------------------
-    async def _prepare_round(self, round: int, target: int, payload: bytes | None, future: MPFuture) -> None:
+    async def _prepare_round(self, round: int, target: int, payload_size: int, future: MPFuture) -> None:
         try:
-            self._payload = payload
+            self._payload = self._unstage(payload_size) if payload_size >= 0 else None
             mm = self._matchmaking
             mm.group_key_manager.group_bits = round_group_bits(round)
             # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
@@ -330,9 +346,10 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         )
 
     async def _gather_phase(
-        self, phase: int, payload: bytes, group: list[str], group_id: bytes, timeout: float, future: MPFuture
+        self, phase: int, payload_size: int, group: list[str], group_id: bytes, timeout: float, future: MPFuture
     ) -> None:
         try:
+            payload = self._unstage(payload_size)
             deadline = time.monotonic() + timeout
             gathered = await self._all_gather(group_id, phase, group, self.peer_id.to_base58(), payload, deadline)
             future.set_result(gathered)

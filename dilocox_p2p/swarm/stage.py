@@ -74,7 +74,7 @@ class SwarmStage:
             config_hash=self.config_hash,
             stage=stage,
             nice=max(self.sw.helper_nice, 0),
-            max_message_bytes=self.codec.max_message_bytes if self.codec is not None else 1 << 20,
+            max_message_bytes=self.codec.max_message_bytes if self.codec is not None else 0,
             prefix=f"{cfg.run.run_id}_{self.config_hash[:16]}_s{stage}",
             start=True,
             min_group_size=self.sw.min_group_size,
