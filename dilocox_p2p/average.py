@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ __all__ = [
     "Averager",
     "LocalAverager",
     "Spans",
+    "alone",
     "average_hash",
     "covered_share",
     "fill_missing",
@@ -39,6 +41,8 @@ __all__ = [
     "ordered_mean",
     "spans_by_tensor",
 ]
+
+logger = logging.getLogger(__name__)
 
 Spans = tuple[tuple[int, int], ...]
 """Half-open coordinate ranges over a stage's tensors, flattened and concatenated in order."""
@@ -120,7 +124,7 @@ class LocalAverager:
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:
         future: Future[Average] = Future()
-        future.set_result(Average(kind=AverageKind.ALONE, tensors=list(tensors)))
+        future.set_result(alone(tensors, round=round))
         return future
 
     def close(self) -> None:
@@ -135,6 +139,16 @@ def ordered_mean(parts: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tens
     for part in parts[1:]:
         total.add_(part)
     return total.div_(len(parts)).to(torch.float32)
+
+
+def alone(tensors: Sequence[torch.Tensor], *, round: int) -> Average:
+    """The average of a group of one: the tensors themselves, unless they hold NaN or Inf (then
+    nothing is applied, and the log says so)."""
+    if all(bool(torch.isfinite(t).all()) for t in tensors):
+        return Average(kind=AverageKind.ALONE, tensors=list(tensors))
+    logger.error("round %d: the pseudo-gradient holds NaN or Inf: not applied (inner training may have "
+                 "diverged: check the loss and inner.lr)", round)
+    return Average(kind=AverageKind.STRANDED, tensors=[], note="a non-finite pseudo-gradient")
 
 
 def covered_share(missing: Spans, total: int) -> float:

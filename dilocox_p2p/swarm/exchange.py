@@ -60,8 +60,13 @@ class RoundExchange:
     def run(self) -> Average:
         finite = is_finite(self.tensors)
         if not finite:
-            self.stage.faults.count("nonfinite_dropped", "round %d: this worker's pseudo-gradient holds NaN or Inf: "
-                                    "it is not sent, and the group's average is taken instead", self.round, level=logging.ERROR)
+            self.stage.faults.count(
+                "nonfinite_dropped",
+                "round %d: this worker's pseudo-gradient holds NaN or Inf: it is not sent, and the group's average "
+                "is taken instead (inner training may have diverged: check the loss and inner.lr)",
+                self.round,
+                level=logging.ERROR,
+            )
         # Phase 1: wait until the stage's live members have started this round
         others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self.abandoned)
         if self.abandoned():
@@ -131,7 +136,8 @@ class RoundExchange:
             return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if result is None or result.messages is None:
             return self._borrow(failure)
-        messages, sent, received, failures = result.messages, result.bytes_sent, result.bytes_received, list(result.failures)
+        messages, failures = result.messages, list(result.failures)
+        sent, received = result.bytes_sent, result.bytes_received
         if codec.phases == 2:
             second = self.averager.gather_phase(
                 self.round, 2, round_codec.message(2, messages),

@@ -23,7 +23,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from .. import injection
-from ..average import Average, AverageKind
+from ..average import Average, alone
 from ..compression.codec import StageCodec
 from ..config import Config, config_hash, shared_fields
 from ..wire import swarm_pb2
@@ -140,6 +140,6 @@ class SwarmStage:
         self.heartbeat.update(averaging_round=round, wait=False)  # tells the others this round is ready to average
         if not self.membership.members():  # nobody else in the run: the average of one, at once (and deterministic)
             future: Future[Average] = Future()
-            future.set_result(Average(kind=AverageKind.ALONE, tensors=list(tensors)))
+            future.set_result(alone(tensors, round=round))
             return future
         return self.exchanges.submit(round, list(tensors))

@@ -145,3 +145,12 @@ def test_a_pending_average_that_applies_nothing_is_not_part_of_the_served_state(
     assert known and pending is None
     state = loop.state()
     assert state is not None and state.pending is None and state.boundary == 1
+
+
+def test_a_lone_peer_never_applies_a_non_finite_pseudo_gradient():
+    from dilocox_p2p.average import LocalAverager
+
+    bad = LocalAverager().all_reduce([torch.tensor([1.0, float("inf")])], round=3).result()
+    assert bad.kind is AverageKind.STRANDED and not bad.kind.applies
+    good = LocalAverager().all_reduce([torch.tensor([1.0, 2.0])], round=3).result()
+    assert good.kind is AverageKind.ALONE and torch.equal(good.tensors[0], torch.tensor([1.0, 2.0]))
