@@ -37,7 +37,7 @@ __all__ = ["GatherResult", "MessageGather"]
 logger = logging.getLogger(__name__)
 
 PAYLOAD_PART = 1 << 19  # bytes per streamed part
-KEYS_KEPT = 8  # (group, phase) inboxes kept for members that relay late
+KEYS_KEPT = 2  # (group, phase) inboxes kept: this phase and the one before, for members a step behind
 DELIVERY_WAIT_S = 3.0  # how long a member waits for the others to pull its message
 
 
