@@ -249,7 +249,9 @@ class CompressionConfig:
     rank: int = 4
     """Low-rank: the rank every matrix starts at."""
     rank_min: int = 1
-    rank_max: int = 64
+    rank_max: int = 0
+    """Low-rank: the highest rank; 0 means per matrix the highest whose two factors stay 100x
+    smaller than the matrix in fp32 (at factor_bits), so that adapting never costs the ratio."""
     energy_target: float = 0.8
     """Low-rank: the share of ||delta||^2 the approximation should keep; the rank grows below it and
     shrinks well above it (halfway to 1), within [rank_min, rank_max]. 0 keeps the rank fixed."""
@@ -266,8 +268,10 @@ class CompressionConfig:
         _check_choices(self, "compression")
         if self.block < 1:
             _fail("compression.block", self.block, "must be at least 1")
-        if not 1 <= self.rank_min <= self.rank <= self.rank_max:
-            _fail("compression.rank", self.rank, f"must satisfy 1 <= rank_min ({self.rank_min}) <= rank <= rank_max ({self.rank_max})")
+        top = self.rank_max or self.rank
+        if not 1 <= self.rank_min <= self.rank <= top:
+            _fail("compression.rank", self.rank,
+                  f"must satisfy 1 <= rank_min ({self.rank_min}) <= rank <= rank_max ({self.rank_max}, 0: auto)")
         if not 0.0 <= self.energy_target < 1.0:
             _fail("compression.energy_target", self.energy_target, "must be in [0, 1)")
         if not 0.0 < self.topk_density <= 1.0:

@@ -80,10 +80,19 @@ class StageCodec:
         self.feedback = ErrorFeedback([torch.zeros(s) for s in self.shapes], decay=decay) if decay > 0 else None
         self.lowrank = [cfg.kind == "lowrank" and _factorable(s, cfg) for s in self.shapes]
         self.factored = [i for i, f in enumerate(self.lowrank) if f]
-        self.ranks = {i: min(cfg.rank, *self.shapes[i]) for i in self.factored}
+        self.ranks = {i: max(1, min(cfg.rank, self.rank_cap(i))) for i in self.factored}
         self.qs: dict[int, torch.Tensor] = {}  # the last averaged Q per low-rank matrix (warm start)
         self.last_energy: dict[int, float] = {}
         self.lock = threading.RLock()  # the exchange thread encodes while the main thread may checkpoint
+
+    def rank_cap(self, index: int) -> int:
+        """The highest rank of a factored matrix: rank_max, or (0) the highest whose factors stay 100x
+        below the matrix in fp32; never more than the matrix's smaller side."""
+        n, m = self.shapes[index]
+        if self.cfg.rank_max:
+            return min(self.cfg.rank_max, n, m)
+        factor_bytes_per_rank = (n + m) * self.cfg.factor_bits / 8 * (1 + 16 / (self.cfg.factor_bits * self.cfg.block))
+        return max(1, min(n, m, int(4 * n * m / 100 / factor_bytes_per_rank)))
 
     @property
     def phases(self) -> int:
@@ -302,8 +311,9 @@ class RoundCodec:
             kept = math.fsum(m.energy_kept[j] for m in messages.values())
             codec.last_energy[i] = energy = min(kept / total, 1.0) if total > 0 else 1.0
             if cfg.energy_target > 0:
-                high = min(cfg.rank_max, *codec.shapes[i])
-                codec.ranks[i] = adapt_rank(rank, energy, target=cfg.energy_target, low=cfg.rank_min, high=high)
+                high = codec.rank_cap(i)
+                low = min(cfg.rank_min, high)
+                codec.ranks[i] = adapt_rank(rank, energy, target=cfg.energy_target, low=low, high=high)
         return Decoded(out, used=sorted(decoded), rejected={**self.phase1.rejected, **rejected})
 
     # ----- helpers -------------------------------------------------------------------------

@@ -210,7 +210,7 @@ def _deltas(seed, low_rank=None):
 
 @pytest.mark.parametrize("kind", ["fp16", "int8", "topk", "lowrank"])
 def test_every_member_decodes_the_group_average_to_the_same_bits(kind):
-    cfg = CompressionConfig(kind=kind, rank=4, energy_target=0.0, topk_chunk=256, topk_density=0.25)
+    cfg = CompressionConfig(kind=kind, rank=4, rank_max=8, energy_target=0.0, topk_chunk=256, topk_density=0.25)
     codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
     deltas = [_deltas(seed, low_rank=1 if kind == "lowrank" else None) for seed in range(3)]
     results = _exchange(codecs, deltas)
@@ -259,3 +259,18 @@ def test_error_feedback_and_warm_q_survive_a_checkpoint():
     again.load_state_dict(codec.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(again.feedback.buffers, codec.feedback.buffers))
     assert sorted(again.qs) == [0, 2] and all(torch.equal(again.qs[i], codec.qs[i]) for i in again.qs)
+
+
+@pytest.mark.parametrize("shape", [(512, 1536), (64, 64), (256, 64), (2048, 2048)])
+def test_the_automatic_rank_cap_keeps_every_factored_matrix_100x_below_fp32(shape):
+    cfg = CompressionConfig(kind="lowrank", rank=1, energy_target=0.0)
+    codec = StageCodec(cfg, ["w"], [torch.Size(shape)], run_id="r")
+    cap = codec.rank_cap(0)
+    codec = StageCodec(CompressionConfig(kind="lowrank", rank=cap, energy_target=0.0), ["w"], [torch.Size(shape)],
+                       run_id="r")  # fmt: skip
+    round_codec = codec.begin(0, [torch.randn(shape) * 1e-3])
+    first = round_codec.message(1)
+    second = round_codec.message(2, [first])
+    assert len(first) + len(second) <= 4 * shape[0] * shape[1] / 100 + 64  # + the message's own framing
+    if min(shape) >= 512:
+        assert cap >= 16  # and the cap is not needlessly low on real widths

@@ -188,7 +188,7 @@ def test_as_many_stages_as_layers_is_allowed():
         ({"model.seq_len": 1}, r"model\.seq_len = 1: must be at least 2"),
         ({"compression.kind": "zip"}, r"compression\.kind = 'zip': must be one of: none, fp16, int8, lowrank, topk"),
         ({"compression.topk_density": 0.0}, r"compression\.topk_density"),
-        ({"compression.rank": 100}, r"compression\.rank = 100: must satisfy 1 <= rank_min \(1\) <= rank <= rank_max \(64\)"),
+        ({"compression.rank": 100, "compression.rank_max": 50}, r"compression\.rank = 100: must satisfy 1 <= rank_min \(1\) <= rank <= rank_max \(50, 0: auto\)"),
         ({"compression.energy_target": 1.0}, r"compression\.energy_target"),
         ({"compression.factor_bits": 2}, r"compression\.factor_bits = 2: must be one of: 4, 8"),
         ({"compression.feedback_decay": 1.5}, r"compression\.feedback_decay"),
