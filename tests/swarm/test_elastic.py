@@ -67,8 +67,8 @@ def test_a_late_joiner_holds_the_same_theta_g_from_its_first_round(swarm):
     first = [swarm.start_peer(*args, "--min-peers", "3") for _ in range(3)]
     first[0].wait_for_round(1, timeout=180)  # the run has moved on: the joiner cannot start at round 0
     joiner = swarm.start_peer(*args)
-    _wait_for(lambda: sum(r["group_sizes"] == [4, 4] for r in joiner.metrics()) >= 2, 360,
-              lambda: f"the joiner never averaged with the others twice:\n{joiner.output()}")
+    _wait_for(lambda: sum(r["group_sizes"] == [4, 4] for r in joiner.metrics()) >= 3, 360,
+              lambda: f"the joiner never averaged with the others three times:\n{joiner.output()}")
     agreed_until = max(r["round"] for r in joiner.metrics())
     for peer in [*first, joiner]:
         peer.signal(signal.SIGTERM)
@@ -79,8 +79,10 @@ def test_a_late_joiner_holds_the_same_theta_g_from_its_first_round(swarm):
     assert min(mine) >= 2, joiner.output()  # it started from the swarm's state, not from round 0
     assert sum(r["faults"]["catch_ups"] for r in joiner.metrics()) >= 1
     others = [_hashes(p) for p in first]
-    for t, hashes in mine.items():
-        assert all(o[t] == hashes for o in others), f"joiner differs at round {t}"
+    common = [t for t in mine if all(t in o for o in others)]  # SIGTERM may stop a peer a round earlier
+    assert any(r["group_sizes"] == [4, 4] for r in joiner.metrics() if r["round"] in common)
+    for t in common:
+        assert all(o[t] == mine[t] for o in others), f"joiner differs at round {t}"
 
 
 def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm):
@@ -150,7 +152,7 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     def back():
         return {r["round"]: r for r in resumed.metrics() if r["time"] > restarted_at}
 
-    _wait_for(lambda: sum(r["group_sizes"] == [2, 2] for r in back().values()) >= 2, 300,
+    _wait_for(lambda: sum(r["group_sizes"] == [2, 2] for r in back().values()) >= 3, 300,
               lambda: f"the resumed peer never averaged with the survivor again:\n{resumed.output()}")
     agreed_until = max(back())
     for peer in (survivor, resumed):
@@ -169,4 +171,6 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     assert min(resumed_rounds) > checkpointed, "the restarted peer trained from its checkpoint, not the swarm's state"
     assert sum(r["faults"]["catch_ups"] for r in resumed_rounds.values()) >= 1
     s = _hashes(survivor)
-    assert all(s[t] == r["stage_hashes"] for t, r in resumed_rounds.items()), "the resumed peer differs from the survivor"
+    common = [t for t in resumed_rounds if t in s]  # SIGTERM may stop the survivor a round earlier
+    assert any(resumed_rounds[t]["group_sizes"] == [2, 2] for t in common)
+    assert all(s[t] == resumed_rounds[t]["stage_hashes"] for t in common), "the resumed peer differs from the survivor"
