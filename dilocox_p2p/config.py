@@ -72,6 +72,10 @@ PRESETS: dict[str, ModelShape] = {
 OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1}
 """Outer lr defaults per mode: lr 0.7 + Nesterov 0.9 diverges with the one-step delay
 (measured in shared/notes/outer-loop-variants.md), so `delayed` uses 0.1."""
+TOPK_OUTER_LR_BY_MODE = {"sync": 1.5, "delayed": 0.7}
+"""With topk the outer step has no momentum (error feedback stands in for it), so it needs a larger
+lr: sync 1.5 was the best measured (notes/outer-loop-variants.md); delayed 0.7 is provisional
+until benchmarks/convergence.py has swept it."""
 
 
 def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
@@ -215,7 +219,8 @@ class OuterConfig:
     mode: Literal["sync", "delayed"] = "delayed"
     """When round t's average is applied: sync = at once (DiLoCo); delayed = end of round t+1 (DiLoCoX)."""
     lr: float = 0.0
-    """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1)."""
+    """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1; with
+    compression topk, which has no outer momentum: sync 1.5, delayed 0.7)."""
     momentum: float = -1.0
     """Outer Nesterov momentum; -1 means the default: 0.9, or 0 with compression.kind = topk, whose
     error feedback stands in for momentum (SparseLoCo; notes: keeping 0.9 on top costs 11 points)."""
@@ -364,8 +369,10 @@ class Config:
         shape = self.model.shape
         if shape.seq_len < 2:
             _fail("model.seq_len", shape.seq_len, "must be at least 2")
-        if self.outer.momentum == -1.0 and self.compression.kind == "topk":
-            object.__setattr__(self, "outer", dataclasses.replace(self.outer, momentum=0.0))
+        if self.compression.kind == "topk" and (self.outer.momentum == -1.0 or self.outer.lr == 0.0):
+            momentum = 0.0 if self.outer.momentum == -1.0 else self.outer.momentum
+            lr = self.outer.lr or TOPK_OUTER_LR_BY_MODE[self.outer.mode]
+            object.__setattr__(self, "outer", dataclasses.replace(self.outer, momentum=momentum, lr=lr))
 
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}

@@ -1,7 +1,7 @@
 """Compressed pseudo-gradients in a real swarm: every member decodes the same average, at a
 hundredth of the bytes of an fp32 ring all-reduce.
 
-    pytest tests/swarm/test_compression.py -q
+    pytest tests/swarm/test_compressed_rounds.py -q
 """
 
 from __future__ import annotations
