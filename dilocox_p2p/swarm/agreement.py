@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,11 +35,16 @@ CHECK_ATTEMPTS = 3  # a boundary whose records cannot be read is checked again a
 
 
 def majority_hash(hashes: dict[str, str]) -> str | None:
-    """The hash most workers hold; ties go to the smallest hash, so every peer picks the same. Empty ones don't vote."""
-    counts = Counter(h for h in hashes.values() if h)
-    if not counts:
+    """The hash most workers hold. Empty ones don't vote. A tie goes to the hash held by the smallest
+    peer id: every peer picks the same, and the same worker wins a tie at every boundary, so a split
+    pair is repaired one way (the other worker takes its state) instead of trading states."""
+    holders: dict[str, list[str]] = {}
+    for peer, h in hashes.items():
+        if h:
+            holders.setdefault(h, []).append(peer)
+    if not holders:
         return None
-    return min(counts, key=lambda h: (-counts[h], h))
+    return min(holders, key=lambda h: (-len(holders[h]), min(holders[h])))
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class RoundExchange:
         if not others:
             if not finite:
                 return _nothing(AverageKind.STRANDED, "a non-finite pseudo-gradient and nobody to average with", 0.0)
+            # served like any average: a member that arrives late borrows it and stays in agreement
+            self._hold(self.tensors, AverageKind.ALONE, (self.stage.peer_id,), b"")
             return Average(kind=AverageKind.ALONE, tensors=self.tensors)
         self._window_start = time.time()
         if not finite:  # the others average without it (matchmaking waits up to round_wait for it first)
@@ -154,10 +156,7 @@ class RoundExchange:
         for failure in failures:
             logger.info("round %d: %s", self.round, failure)
         self.membership.suspect([result.group[i] for i in decoded.rejected if result.group[i] != self.stage.peer_id])
-        with self.averager.get_tensors() as buffers:
-            for buf, t in zip(buffers, decoded.tensors):
-                buf.copy_(t)
-        self.averager.hold_buffers(self.round, AverageKind.AVERAGED, used, result.group_id)
+        self._hold(decoded.tensors, AverageKind.AVERAGED, used, result.group_id)
         average = Average(
             kind=AverageKind.AVERAGED, tensors=decoded.tensors, group=used, bytes_sent=sent, bytes_received=received,
             window=(self._window_start, time.time()),
@@ -165,6 +164,13 @@ class RoundExchange:
         )  # fmt: skip
         self._log(average, expected=expected)
         return average
+
+    def _hold(self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes) -> None:
+        """Keep `tensors` as this round's average, served to members that ask for it."""
+        with self.averager.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors):
+                buf.copy_(t)
+        self.averager.hold_buffers(self.round, kind, group, group_id)
 
     # ----- phase 3 -------------------------------------------------------------------------
     def _mend(self, result: RoundResult) -> Average:

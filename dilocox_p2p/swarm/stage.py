@@ -23,7 +23,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from .. import injection
-from ..average import Average, alone
+from ..average import Average
 from ..compression.codec import StageCodec
 from ..config import Config, config_hash, shared_fields
 from ..wire import swarm_pb2
@@ -138,8 +138,6 @@ class SwarmStage:
         if injection.armed("nan_pseudo_gradient", round=round, stage=self.stage):
             tensors[0].view(-1)[0] = float("nan")
         self.heartbeat.update(averaging_round=round, wait=False)  # tells the others this round is ready to average
-        if not self.membership.members():  # nobody else in the run: the average of one, at once (and deterministic)
-            future: Future[Average] = Future()
-            future.set_result(alone(tensors, round=round))
-            return future
+        # a worker alone in the run goes through the exchange too: it holds its average of one, which a
+        # member that shows up during the round (a restarted peer) borrows to stay in agreement
         return self.exchanges.submit(round, list(tensors))

@@ -19,9 +19,11 @@ from dilocox_p2p.swarm.membership import config_diff
 pytestmark = pytest.mark.unit
 
 
-def test_the_majority_is_the_most_held_hash_and_a_tie_goes_to_the_smallest():
+def test_the_majority_is_the_most_held_hash_and_a_tie_goes_to_the_smallest_peer_ids_hash():
     assert majority_hash({"a": "h2", "b": "h1", "c": "h2"}) == "h2"
-    assert majority_hash({"a": "h2", "b": "h1"}) == "h1"  # every peer breaks the tie the same way
+    assert majority_hash({"a": "h2", "b": "h1"}) == "h2"  # a tie goes to the smallest peer id's hash
+    assert majority_hash({"a": "h9", "b": "h1"}) == "h9"  # whatever the hashes: one worker wins every tie
+    assert majority_hash({"z": "h1", "a": "h2", "b": "h2", "c": "h1"}) == "h2"
     assert majority_hash({"a": "", "b": "h3"}) == "h3"  # an empty hash (not known yet) does not vote
     assert majority_hash({}) is None and majority_hash({"a": ""}) is None
 
