@@ -35,6 +35,7 @@ STRATEGIES = {
     "fp16": {"kind": "fp16"},
     "int8": {"kind": "int8"},
     "topk (64 of 4096, 2-bit)": {"kind": "topk"},
+    "lowrank (default: adaptive rank, int4)": {"kind": "lowrank"},
     "lowrank r=8 int4": {"kind": "lowrank", "rank": 8, "energy_target": 0.0},
     "lowrank r=32 int4": {"kind": "lowrank", "rank": 32, "energy_target": 0.0},
 }
@@ -146,7 +147,7 @@ def main() -> int:
             out = subprocess.run(cmd, check=True, capture_output=True, text=True)
             results[label] = {"settings": settings, **json.loads(out.stdout.strip().splitlines()[-1])}
             r = results[label]
-            print(f"{label:28s} {r['message_bytes']:>10,d} B/message  x{r['ratio_vs_fp32_ring']:7.1f} vs fp32 ring  "
+            print(f"{label:40s} {r['message_bytes']:>10,d} B/message  x{r['ratio_vs_fp32_ring']:7.1f} vs fp32 ring  "
                   f"err {r['relative_error_first_round']:.3f}  codec {r['total_s']:.2f}s/round  "
                   f"peak +{r['peak_extra_fp32_copies']:.1f} copies", flush=True)
     path = write_result(args.name, {

@@ -29,13 +29,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
 
-# configuration -> (settings, outer learning rates swept)
-CONFIGS: dict[str, tuple[dict, list[float]]] = {
-    "sync fp32": ({"outer.mode": "sync"}, [0.35, 0.7, 1.0]),
-    "delayed fp32": ({"outer.mode": "delayed"}, [0.1, 0.2, 0.35]),
-    "delayed lowrank": ({"outer.mode": "delayed", "compression.kind": "lowrank"}, [0.1, 0.2, 0.35]),
-    "delayed topk": ({"outer.mode": "delayed", "compression.kind": "topk"}, [0.35, 0.7, 1.0]),
-    "sync topk": ({"outer.mode": "sync", "compression.kind": "topk"}, [0.7, 1.0, 1.5]),
+# configuration -> (settings, (outer lr, outer momentum) pairs swept). The grids start where
+# notes/outer-loop-variants.md found each mode best (fp32 sync: lr 0.35 / momentum 0.7; the
+# one-step delay: low lr; top-k: no momentum, its error feedback stands in, lr 1.5 still improving).
+CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
+    "sync fp32": ({"outer.mode": "sync"}, [(0.35, 0.7), (0.35, 0.9), (0.7, 0.9)]),
+    "delayed fp32": ({"outer.mode": "delayed"}, [(0.1, 0.9), (0.2, 0.7), (0.2, 0.9)]),
+    "delayed lowrank": ({"outer.mode": "delayed", "compression.kind": "lowrank"}, [(0.1, 0.9), (0.2, 0.7), (0.2, 0.9)]),
+    "delayed topk": ({"outer.mode": "delayed", "compression.kind": "topk"}, [(0.35, 0.0), (0.7, 0.0), (1.0, 0.0)]),
+    "sync topk": ({"outer.mode": "sync", "compression.kind": "topk"}, [(1.0, 0.0), (1.5, 0.0), (2.0, 0.0)]),
 }
 PEERS = 3
 
@@ -97,7 +99,7 @@ class Member:
         pass
 
 
-def run(label: str, settings: dict, lr: float, args: argparse.Namespace) -> dict:
+def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.Namespace) -> dict:
     import torch
 
     from dilocox_p2p.compression.codec import StageCodec
@@ -109,7 +111,7 @@ def run(label: str, settings: dict, lr: float, args: argparse.Namespace) -> dict
     overrides = {
         "model.preset": args.preset, "model.stages": 1, "run.rounds": args.rounds, "inner.steps": args.inner_steps,
         "inner.batch_size": args.batch_size, "inner.microbatches": 1, "inner.warmup_steps": args.warmup,
-        "outer.lr": lr, **settings,
+        "outer.lr": lr, "outer.momentum": momentum, **settings,
     }  # fmt: skip
     cfg = load_config(overrides=overrides)
     shape = cfg.model.shape
@@ -142,7 +144,7 @@ def run(label: str, settings: dict, lr: float, args: argparse.Namespace) -> dict
         assert all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0].theta_g, o.theta_g)), "theta_g split"
         outers[0].load_into_model()
         curve.append(trainers[0].evaluate(val))
-        print(f"  {label} lr {lr}: round {t} val {curve[-1]:.4f}", flush=True)
+        print(f"  {label} lr {lr} momentum {momentum}: round {t} val {curve[-1]:.4f}", flush=True)
     params = trainers[0].n_params()
     ring = 2 * (PEERS - 1) / PEERS * 4 * params * cfg.run.rounds
     return {
@@ -166,7 +168,7 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, r in results.items():
         best = r["best"]
-        ax.plot(best["val_curve"], label=f"{label} (lr {best['outer_lr']}, {best['ratio_vs_fp32_ring']:.0f}x)")
+        ax.plot(best["val_curve"], label=f"{label} (lr {best['outer_lr']}, m {best['outer_momentum']}, {best['ratio_vs_fp32_ring']:.0f}x)")
     ax.set_xlabel("round")
     ax.set_ylabel("val loss of theta_g")
     ax.set_title(f"{PEERS} peers, equal tokens")
@@ -197,11 +199,11 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)  # PipelineStage's group
     results = {}
     for label in args.configs:
-        settings, lrs = CONFIGS[label]
-        runs = [run(label, settings, lr, args) for lr in lrs]
+        settings, grid = CONFIGS[label]
+        runs = [run(label, settings, lr, momentum, args) for lr, momentum in grid]
         best = min(runs, key=lambda r: r["final_val"])
         results[label] = {"settings": settings, "runs": runs, "best": best}
-        print(f"{label}: best outer lr {best['outer_lr']}, final val {best['final_val']:.4f}, "
+        print(f"{label}: best outer lr {best['outer_lr']} momentum {best['outer_momentum']}, final val {best['final_val']:.4f}, "
               f"{best['ratio_vs_fp32_ring']:.1f}x fewer bytes than an fp32 ring", flush=True)
     baseline = results.get("sync fp32", {}).get("best", {}).get("final_val")
     verdicts = {}
