@@ -14,7 +14,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def environment() -> dict[str, Any]:
-    import hivemind
     import numpy
     import torch
 
@@ -40,11 +39,21 @@ def environment() -> dict[str, Any]:
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "hivemind": hivemind.__version__,
+            "hivemind": _version("hivemind"),
             "numpy": numpy.__version__,
             "dilocox_p2p": dilocox_p2p.__version__,
         },
     }
+
+
+def _version(package: str) -> str | None:
+    """A package's version, or None where it is not installed (an in-process benchmark needs no swarm)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:

@@ -9,18 +9,19 @@ of H inner steps, and delayed mode keeps that round's delta (the pending average
 alone) in the round-1 checkpoint. Each strategy then runs in its own process (so that its
 peak memory is its own) as one member of a group of three whose members hold this delta:
 encode it (error feedback on), decode the three messages (low-rank: both phases), for
---repeats rounds. Reported per strategy: bytes per message and per round in the group
+--repeats rounds; the three messages are distinct copies, as the gather holds them. Reported per strategy: bytes per message and per round in the group
 (all-gather: N-1 messages out), the ratio to an fp32 ring all-reduce (2 (N-1)/N x 4 bytes x
 params per member), the relative L2 error of the first round's decoded mean (no error
 feedback yet), encode / low-rank phase 2 / decode seconds (medians), and the peak memory
-above the delta itself, in fp32 copies of the stage shard. Writes benchmarks/results/<name>.json.
+above the delta itself, in fp32 copies of the stage shard: in all, and the codec's own part
+(all, less the group's messages: what an all-gather must hold whatever the codec does; the
+error-feedback buffer and the decoded mean are the codec's). Writes benchmarks/results/<name>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -80,18 +81,18 @@ def measure(delta_path: str, settings: dict, repeats: int) -> dict:
     saved = torch.load(delta_path)
     names, delta = saved["names"], saved["tensors"]
     params = sum(t.numel() for t in delta)
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base_rss = _reset_peak_rss()
     codec = StageCodec(CompressionConfig(**settings), names, [t.shape for t in delta], run_id="bench")
     times: dict[str, list[float]] = {"encode_s": [], "phase2_s": [], "decode_s": []}
     for round in range(repeats):
         started = time.perf_counter()
         round_codec = codec.begin(round, delta)
-        gathered = [round_codec.message(1)] * GROUP
+        gathered = _group(round_codec.message(1))
         times["encode_s"].append(time.perf_counter() - started)
         sizes = [len(gathered[0])]
         if codec.phases == 2:  # decode the group's P, its exact basis, encode Q
             started = time.perf_counter()
-            gathered = [round_codec.message(2, gathered)] * GROUP
+            gathered = _group(round_codec.message(2, gathered))
             times["phase2_s"].append(time.perf_counter() - started)
             sizes.append(len(gathered[0]))
         started = time.perf_counter()
@@ -100,7 +101,7 @@ def measure(delta_path: str, settings: dict, repeats: int) -> dict:
         if round == 0:
             num = sum(float(torch.sum((a.double() - d.double()) ** 2)) for a, d in zip(average.tensors, delta))
             den = sum(float(torch.sum(d.double() ** 2)) for d in delta)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = _status_bytes("VmHWM")
     message = sum(sizes)
     medians = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
     return {
@@ -113,8 +114,30 @@ def measure(delta_path: str, settings: dict, repeats: int) -> dict:
         **medians,
         "total_s": sum(medians.values()),
         "peak_extra_fp32_copies": (peak_rss - base_rss) / (4 * params),
+        "messages_fp32_copies": GROUP * max(sizes) / (4 * params),
+        "codec_peak_fp32_copies": (peak_rss - base_rss - GROUP * max(sizes)) / (4 * params),
         "codec_metrics": codec.metrics(),
     }
+
+
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak resident memory to what it holds now (so that loading the delta does not
+    count), and return that."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_bytes("VmRSS")
+
+
+def _group(message: bytes) -> list[bytes]:
+    """The group's messages of a phase: this member's and two copies standing for the others'."""
+    return [message] + [bytes(bytearray(message)) for _ in range(GROUP - 1)]
 
 
 def step_seconds(args: argparse.Namespace, tmp: Path) -> float:
@@ -149,7 +172,7 @@ def main() -> int:
             r = results[label]
             print(f"{label:40s} {r['message_bytes']:>10,d} B/message  x{r['ratio_vs_fp32_ring']:7.1f} vs fp32 ring  "
                   f"err {r['relative_error_first_round']:.3f}  codec {r['total_s']:.2f}s/round  "
-                  f"peak +{r['peak_extra_fp32_copies']:.1f} copies", flush=True)
+                  f"peak +{r['peak_extra_fp32_copies']:.1f} copies (codec +{r['codec_peak_fp32_copies']:.1f})", flush=True)
     path = write_result(args.name, {
         "preset": args.preset, "stage": 0, "stages": args.stages, "inner_steps": args.inner_steps,
         "group_size": GROUP, "inner_step_s": step_s, "strategies": results,

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Quality at equal tokens: fp32 DiLoCo against compressed pseudo-gradients, side by side.
 
-    python benchmarks/convergence.py                        # 3 peers, tiny, 60 rounds x H=20, lr sweeps
+    python benchmarks/convergence.py                        # 3 peers, tiny, 50 rounds x H=20, lr sweeps
     python benchmarks/convergence.py --rounds 10 --name convergence_smoke --configs "sync fp32"
+    python benchmarks/convergence.py --jobs 15 --threads 1           # every run of the sweep at once
 
 Three peers train the same model in one process, with the project's own parts: the model,
 data sampler and inner trainer (inner.py), the outer loop and its Nesterov step (outer.py)
@@ -12,7 +13,10 @@ group order, exactly as the swarm's gather delivers them (its bytes are the mess
 bytes, N-1 out per member). Every configuration sees the same tokens (rounds x H x batch x
 seq per peer) and the same data order per peer; each is swept over a few outer learning
 rates (outer lr and momentum must be tuned per mode and compression: notes/outer-loop-
-variants.md) and reported at its best. Writes benchmarks/results/<name>.json and .png.
+variants.md) and reported at its best. With --jobs, the sweep's runs go to that many worker
+processes at once (each with --threads torch threads); every run is still one whole
+configuration at one setting, so the results are the same as one after another. Writes
+benchmarks/results/<name>.json and .png.
 """
 
 from __future__ import annotations
@@ -30,15 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
 
 # configuration -> (settings, (outer lr, outer momentum) pairs swept). The grids start where
-# notes/outer-loop-variants.md found each mode best (fp32 sync: lr 0.35 / momentum 0.7; the
-# one-step delay: low lr; top-k: no momentum, its error feedback stands in, lr 1.5 still improving).
+# notes/outer-loop-variants.md found each mode best and reach past where a first 50-round run of
+# this benchmark found it (fp32 sync: lr 0.7 / momentum 0.9; the one-step delay: lr 0.2 / 0.7;
+# top-k, which has no outer momentum (its error feedback stands in): lr 1.0 delayed, 2.0 sync).
 CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
-    "sync fp32": ({"outer.mode": "sync"}, [(0.35, 0.7), (0.35, 0.9), (0.7, 0.9)]),
-    "delayed fp32": ({"outer.mode": "delayed"}, [(0.1, 0.9), (0.2, 0.7), (0.2, 0.9)]),
-    "delayed lowrank": ({"outer.mode": "delayed", "compression.kind": "lowrank"}, [(0.1, 0.9), (0.2, 0.7), (0.2, 0.9)]),
-    "delayed topk": ({"outer.mode": "delayed", "compression.kind": "topk"}, [(0.35, 0.0), (0.7, 0.0), (1.0, 0.0)]),
-    "sync topk": ({"outer.mode": "sync", "compression.kind": "topk"}, [(1.0, 0.0), (1.5, 0.0), (2.0, 0.0)]),
-}
+    "sync fp32": ({"outer.mode": "sync"}, [(0.35, 0.7), (0.7, 0.7), (0.7, 0.9), (1.0, 0.9)]),
+    "delayed fp32": ({"outer.mode": "delayed"}, [(0.1, 0.9), (0.2, 0.7), (0.35, 0.7), (0.35, 0.5)]),
+    "delayed lowrank": ({"outer.mode": "delayed", "compression.kind": "lowrank"},
+                        [(0.1, 0.9), (0.2, 0.7), (0.35, 0.7), (0.35, 0.5)]),
+    "delayed topk": ({"outer.mode": "delayed", "compression.kind": "topk"}, [(0.7, 0.0), (1.0, 0.0), (1.5, 0.0), (2.0, 0.0)]),
+    "sync topk": ({"outer.mode": "sync", "compression.kind": "topk"}, [(1.5, 0.0), (2.0, 0.0), (3.0, 0.0), (4.0, 0.0)]),
+}  # fmt: skip
 PEERS = 3
 
 
@@ -111,7 +117,7 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     overrides = {
         "model.preset": args.preset, "model.stages": 1, "run.rounds": args.rounds, "inner.steps": args.inner_steps,
         "inner.batch_size": args.batch_size, "inner.microbatches": 1, "inner.warmup_steps": args.warmup,
-        "outer.lr": lr, "outer.momentum": momentum, **settings,
+        "outer.lr": lr, "outer.momentum": momentum, "swarm.enabled": False, **settings,
     }  # fmt: skip
     cfg = load_config(overrides=overrides)
     shape = cfg.model.shape
@@ -159,6 +165,53 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     }
 
 
+def run_in_worker(label: str, settings: dict, lr: float, momentum: float, args: argparse.Namespace) -> dict:
+    """`run` in a worker process: its own torch threads and its own one-process gloo group."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with _pipeline_group():
+        return run(label, settings, lr, momentum, args)
+
+
+class _pipeline_group:
+    """A gloo group of one (PipelineStage wants a process group), for the duration of a `with`."""
+
+    def __enter__(self) -> None:
+        import torch.distributed as dist
+
+        store = Path(tempfile.mkdtemp()) / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def sweep(args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Every (configuration, outer lr, momentum) run, by configuration, in grid order."""
+    jobs = [(label, CONFIGS[label][0], lr, m) for label in args.configs for lr, m in CONFIGS[label][1]]
+    if args.jobs <= 1:
+        import torch
+
+        torch.set_num_threads(args.threads or os.cpu_count() or 1)
+        with _pipeline_group():
+            done = [run(label, settings, lr, m, args) for label, settings, lr, m in jobs]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        args.threads = args.threads or 1
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(run_in_worker, label, settings, lr, m, args) for label, settings, lr, m in jobs]
+            done = [f.result() for f in futures]
+    out: dict[str, list[dict]] = {label: [] for label in args.configs}
+    for (label, *_), result in zip(jobs, done):
+        out[label].append(result)
+    return out
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -180,27 +233,23 @@ def plot(results: dict, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--name", default="convergence")
+    parser.add_argument("--jobs", type=int, default=1, help="runs of the sweep at once, each in its own process")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: all cores, or 1 with --jobs)")
     args = parser.parse_args()
-
-    import torch
-    import torch.distributed as dist
 
     from dilocox_p2p.config import PRESETS
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    store = Path(tempfile.mkdtemp()) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)  # PipelineStage's group
     results = {}
-    for label in args.configs:
-        settings, grid = CONFIGS[label]
-        runs = [run(label, settings, lr, momentum, args) for lr, momentum in grid]
+    started = time.perf_counter()
+    for label, runs in sweep(args).items():
+        settings = CONFIGS[label][0]
         best = min(runs, key=lambda r: r["final_val"])
         results[label] = {"settings": settings, "runs": runs, "best": best}
         print(f"{label}: best outer lr {best['outer_lr']} momentum {best['outer_momentum']}, final val {best['final_val']:.4f}, "
@@ -222,6 +271,7 @@ def main() -> int:
         "peers": PEERS, "preset": args.preset, "rounds": args.rounds, "inner_steps": args.inner_steps,
         "batch_size": args.batch_size,
         "tokens_per_peer": args.rounds * args.inner_steps * args.batch_size * PRESETS[args.preset].seq_len,
+        "jobs": args.jobs, "threads_per_run": args.threads, "seconds": time.perf_counter() - started,
         "results": results, "summary": verdicts, "plot": png.name,
     }  # fmt: skip
     path = write_result(args.name, payload)
@@ -230,7 +280,6 @@ def main() -> int:
               f"vs sync fp32 {100 * (v['vs_sync_fp32'] or 0):+.1f}%  "
               f"target {'met' if v['meets_target'] else 'not met'}")
     print(f"wrote {path} and {png}")
-    dist.destroy_process_group()
     return 0
 
 

@@ -10,6 +10,8 @@ Every member decodes the same set of messages (the gather relays what a member m
 same order (the group's), sums them in float64 in that order and casts once, so every member
 holds the same bits on any CPU (outer.py's rule). A message that does not decode (malformed,
 wrong shapes, non-finite) is left out, by every member alike, and named in `Decoded.rejected`.
+Encoding and the mean run a slice at a time (payload.py): the codec's memory is the
+error-feedback buffer, the output and the messages, never a whole flat copy of the stage.
 
 Per kind, what travels: one vector per message, the stage's pieces flattened and concatenated
 (one protobuf field, so a stage of many small tensors pays no framing per tensor):
@@ -35,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..average import ordered_mean
@@ -43,10 +44,9 @@ from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
 from .lowrank import Basis, adapt_rank, basis, initial_q, local_basis, reconstruct
-from .quantize import Quantized, dequantize, quantize
-from .topk import SparseChunks, TopKLayout, decode_topk, encode_topk
+from .payload import SLICE, FlatLayout, PayloadReader, encode_payload, slice_step, streamed_mean
 
-__all__ = ["Decoded", "MessageRejected", "RoundCodec", "StageCodec", "is_finite"]
+__all__ = ["Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
 
 
 
@@ -77,7 +77,7 @@ class StageCodec:
         self.cfg, self.run_id = cfg, run_id
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         decay = cfg.effective_feedback_decay
-        self.feedback = ErrorFeedback([torch.zeros(s) for s in self.shapes], decay=decay) if decay > 0 else None
+        self.feedback = ErrorFeedback([torch.empty(s, device="meta") for s in self.shapes], decay=decay) if decay > 0 else None
         self.lowrank = [cfg.kind == "lowrank" and _factorable(s, cfg) for s in self.shapes]
         self.factored = [i for i, f in enumerate(self.lowrank) if f]
         self.ranks = {i: max(1, min(cfg.rank, self.rank_cap(i))) for i in self.factored}
@@ -106,9 +106,9 @@ class StageCodec:
     def begin(self, round: int, delta: Sequence[torch.Tensor]) -> RoundCodec:
         with self.lock:
             if self.feedback is not None:
-                target = [b.clone() for b in self.feedback.absorb(delta)]
+                target = self.feedback.absorb(delta)  # the buffers themselves: encoding reads them first
             else:
-                target = [d.detach().to(torch.float32).clone() for d in delta]
+                target = [d.detach().to(torch.float32) for d in delta]  # the delta is the averager's now
         return RoundCodec(self, round, target)
 
     def reset(self) -> None:
@@ -157,23 +157,17 @@ class StageCodec:
         """Pieces start on a quantization block (int8, low-rank), so that a block never mixes two."""
         return self.cfg.block if self.cfg.kind in ("int8", "lowrank") else 1
 
-    def encode(self, pieces: Sequence[torch.Tensor]) -> tuple[pb.EncodedTensor, list[torch.Tensor]]:
-        """(the payload, what each piece decodes to)."""
-        cfg, flat = self.cfg, _concat(pieces, self.pad)
-        out = pb.EncodedTensor(shape=[flat.numel()])
-        if cfg.kind == "fp16":
-            half = flat.to(torch.float16)
-            out.fp16 = half.numpy().tobytes()
-            decoded = half.to(torch.float32)
-        elif cfg.kind == "topk":
-            sparse = encode_topk(flat, chunk=cfg.topk_chunk, density=cfg.topk_density, bits=cfg.topk_bits)
-            out.sparse.CopyFrom(_sparse_pb(sparse))
-            decoded = decode_topk(sparse, flat.shape)
-        else:
-            q = quantize(flat, bits=cfg.factor_bits if cfg.kind == "lowrank" else 8, block=cfg.block)
-            out.quantized.CopyFrom(pb.QuantizedTensor(codes=q.codes, scales=q.scales, bits=q.bits, block=q.block))
-            decoded = dequantize(q)
-        return out, _split(decoded, [p.shape for p in pieces], self.pad)
+    def encode(
+        self,
+        message: pb.CompressedMessage,
+        pieces: Sequence[torch.Tensor],
+        *,
+        feedback: Sequence[torch.Tensor | None] | None = None,
+        keep: bool = False,
+    ) -> list[torch.Tensor] | None:
+        """Fill `message`'s payload with `pieces` (in place: no copy of it is made); what they decode to
+        is subtracted from `feedback` (per piece a buffer or None) a slice at a time, and returned if `keep`."""
+        return encode_payload(self.cfg, pieces, pad=self.pad, out=message.payload, feedback=feedback, keep=keep)
 
     def _q_for(self, index: int, round: int) -> torch.Tensor:
         rank, shape = self.ranks[index], self.shapes[index]
@@ -186,8 +180,8 @@ class StageCodec:
         return q[:, :rank]
 
     # ----- decoding ------------------------------------------------------------------------
-    def decode_message(self, blob: bytes, *, round: int, phase: int) -> tuple[pb.CompressedMessage, list[torch.Tensor]]:
-        """Parse and decode one member's message into its pieces. Raises MessageRejected."""
+    def receive(self, blob: bytes, *, round: int, phase: int) -> Received:
+        """Parse and check one member's message (its payload whole). Raises MessageRejected."""
         if len(blob) > self.max_message_bytes:
             raise MessageRejected(f"{len(blob)} bytes, more than this stage's messages can take")
         message = pb.CompressedMessage()
@@ -202,21 +196,36 @@ class StageCodec:
             not 1 <= r <= min(self.shapes[i]) for r, i in zip(ranks, self.factored)
         ):
             raise MessageRejected(f"ranks {ranks} do not fit this stage's {len(self.factored)} factored matrices")
-        shapes = self.pieces(phase, ranks)
-        total = sum(_padded(s.numel(), self.pad) for s in shapes)
-        if list(message.payload.shape) != [total]:
-            raise MessageRejected(f"payload of shape {list(message.payload.shape)}, expected [{total}]")
+        layout = FlatLayout(self.pieces(phase, ranks), self.pad)
+        if list(message.payload.shape) != [layout.numel]:
+            raise MessageRejected(f"payload of shape {list(message.payload.shape)}, expected [{layout.numel}]")
+        energy_total, energy_kept = list(message.energy_total), list(message.energy_kept)
+        if phase == 2 and (len(energy_total) != len(ranks) or len(energy_kept) != len(ranks)):
+            raise MessageRejected("energies missing")
+        if not all(math.isfinite(e) and e >= 0 for e in [*energy_total, *energy_kept]):
+            raise MessageRejected("energies not finite")
         try:
-            flat = _decode_payload(message.payload, total)
+            reader = PayloadReader.of(message.payload, layout.numel)
         except (ValueError, RuntimeError) as e:
             raise MessageRejected(str(e)) from None
-        if not bool(torch.isfinite(flat).all()):
-            raise MessageRejected("it holds NaN or Inf")
-        if phase == 2 and (len(message.energy_total) != len(ranks) or len(message.energy_kept) != len(ranks)):
-            raise MessageRejected("energies missing")
-        if not all(math.isfinite(e) and e >= 0 for e in [*message.energy_total, *message.energy_kept]):
-            raise MessageRejected("energies not finite")
-        return message, _split(flat, shapes, self.pad)
+        return Received(layout, reader, ranks, energy_total, energy_kept)
+
+
+@dataclass
+class Received:
+    """One member's message, checked: its payload readable a slice at a time (the parsed protobuf is
+    not kept, so a message costs its payload once)."""
+
+    layout: FlatLayout
+    reader: PayloadReader
+    ranks: list[int]
+    energy_total: list[float]
+    energy_kept: list[float]
+
+    def pieces(self) -> list[torch.Tensor]:
+        """The payload decoded whole, as the pieces it concatenates (low-rank's small messages)."""
+        flat = self.reader.read_all()
+        return [flat[o : o + s.numel()].reshape(s) for o, s in zip(self.layout.offsets, self.layout.shapes)]
 
 
 class RoundCodec:
@@ -248,18 +257,27 @@ class RoundCodec:
     def _first(self) -> bytes:
         codec = self.codec
         ranks = [codec.ranks[i] for i in codec.factored]
-        pieces = [(x @ codec._q_for(i, self.round)).T if codec.lowrank[i] else x for i, x in enumerate(self.target)]
-        payload, decoded = codec.encode(pieces)
-        sent = [None if codec.lowrank[i] else d for i, d in enumerate(decoded)]
-        self._feed_back(sent)
-        message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, payload=payload, ranks=ranks)
+        pieces = [
+            (x @ codec._q_for(i, self.round)).T.contiguous() if codec.lowrank[i] else x
+            for i, x in enumerate(self.target)
+        ]  # fmt: skip
+        buffers = codec.feedback.buffers if codec.feedback is not None else [None] * len(pieces)
+        feedback = [None if codec.lowrank[i] else b for i, b in enumerate(buffers)]  # P is not what M sends
+        message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, ranks=ranks)
+        codec.encode(message, pieces, feedback=feedback)
         return message.SerializeToString()
 
     def _mean_of_first(self, gathered: Sequence[bytes | None]) -> Decoded:
         """The mean of the phase-1 messages: whole tensors, and for low-rank the mean P of each matrix
         (at the rank most members used, ties to the larger; other ranks cut or zero-padded)."""
         codec = self.codec
-        decoded, _, rejected = self._decode_all(gathered, phase=1)
+        received, rejected = self._receive_all(gathered, phase=1)
+        if not codec.factored:  # whole tensors only: the mean a slice at a time
+            readers = [r.reader for r in received.values()]
+            layout = FlatLayout(codec.shapes, codec.pad)
+            out = streamed_mean(readers, layout, slice_step(codec.cfg, layout.numel))
+            return Decoded(out, used=sorted(received), rejected=rejected)
+        decoded = {index: r.pieces() for index, r in received.items()}
         ranks = {i: _group_rank([d[i].shape[0] for d in decoded.values()]) for i in codec.factored}
         for i, r in ranks.items():
             if r is not None:
@@ -282,33 +300,35 @@ class RoundCodec:
         for i in codec.factored:
             self.bases[i] = basis(self.phase1.tensors[i])
             bs.append(local_basis(self.bases[i]))
-            energy_total.append(float(torch.sum(self.target[i].double() ** 2)))
-        qts = [(self.target[i].T @ b).T for i, b in zip(codec.factored, bs)]
-        payload, decoded = codec.encode(qts)
-        sent: list[torch.Tensor | None] = [None] * len(self.target)
+            energy_total.append(_energy(self.target[i]))
+        qts = [(self.target[i].T @ b).T.contiguous() for i, b in zip(codec.factored, bs)]
+        message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=2, energy_total=energy_total,
+                                       ranks=[self.bases[i].rank for i in codec.factored])  # fmt: skip
+        decoded = codec.encode(message, qts, keep=True)
+        assert decoded is not None
         energy_kept = []
         for i, b, qt in zip(codec.factored, bs, decoded):
-            sent[i] = b @ qt  # this peer's part of the approximation: B B^T M_i
-            energy_kept.append(float(torch.sum(qt.double() ** 2)))
-        self._feed_back(sent)
-        message = pb.CompressedMessage(
-            codec=codec.cfg.kind, round=self.round, phase=2, payload=payload,
-            ranks=[self.bases[i].rank for i in codec.factored], energy_total=energy_total, energy_kept=energy_kept,
-        )  # fmt: skip
+            if codec.feedback is not None:  # this peer's part of the approximation, B B^T M_i, leaves the buffer
+                buffer = codec.feedback.buffers[i]
+                for lo in range(0, buffer.shape[0], _rows(buffer)):
+                    buffer[lo : lo + _rows(buffer)].sub_(b[lo : lo + _rows(buffer)] @ qt)
+            energy_kept.append(_energy(qt))
+        message.energy_kept.extend(energy_kept)
         return message.SerializeToString()
 
     def _low_rank_average(self, gathered: Sequence[bytes | None]) -> Decoded:
         codec, cfg = self.codec, self.codec.cfg
         assert self.phase1 is not None, "phase 2 needs the phase-1 messages first"
-        decoded, messages, rejected = self._decode_all(gathered, phase=2)
+        received, rejected = self._receive_all(gathered, phase=2)
+        decoded = {index: r.pieces() for index, r in received.items()}
         out = list(self.phase1.tensors)
         for j, i in enumerate(codec.factored):
             rank, cols = self.bases[i].rank, codec.shapes[i][1]
             q_mean = ordered_mean([_fit_rank(d[j].T, rank) for d in decoded.values()], torch.Size((cols, rank)))
             out[i] = reconstruct(self.bases[i], q_mean)
             codec.qs[i] = q_mean
-            total = math.fsum(m.energy_total[j] for m in messages.values())  # exactly rounded: any order
-            kept = math.fsum(m.energy_kept[j] for m in messages.values())
+            total = math.fsum(m.energy_total[j] for m in received.values())  # exactly rounded: any order
+            kept = math.fsum(m.energy_kept[j] for m in received.values())
             codec.last_energy[i] = energy = min(kept / total, 1.0) if total > 0 else 1.0
             if cfg.energy_target > 0:
                 high = codec.rank_cap(i)
@@ -317,55 +337,34 @@ class RoundCodec:
         return Decoded(out, used=sorted(decoded), rejected={**self.phase1.rejected, **rejected})
 
     # ----- helpers -------------------------------------------------------------------------
-    def _feed_back(self, sent: Sequence[torch.Tensor | None]) -> None:
-        """e <- e - what this worker's message carried, for the tensors it carried."""
-        feedback = self.codec.feedback
-        if feedback is not None:
-            feedback.sent([s if s is not None else torch.zeros_like(e) for s, e in zip(sent, feedback.buffers)])
-
-    def _decode_all(
-        self, gathered: Sequence[bytes | None], *, phase: int
-    ) -> tuple[dict[int, list[torch.Tensor]], dict[int, pb.CompressedMessage], dict[int, str]]:
-        """Decode every message, in order: (pieces by index, messages by index, rejected index -> reason)."""
-        decoded: dict[int, list[torch.Tensor]] = {}
-        messages: dict[int, pb.CompressedMessage] = {}
+    def _receive_all(self, gathered: Sequence[bytes | None], *, phase: int) -> tuple[dict[int, Received], dict[int, str]]:
+        """Check every message, in order: (received by index, rejected index -> reason)."""
+        received: dict[int, Received] = {}
         rejected: dict[int, str] = {}
         for index, blob in enumerate(gathered):
             if blob is None:
                 rejected[index] = "not received"
                 continue
             try:
-                messages[index], decoded[index] = self.codec.decode_message(blob, round=self.round, phase=phase)
+                received[index] = self.codec.receive(blob, round=self.round, phase=phase)
             except MessageRejected as e:
                 rejected[index] = str(e)
-        return decoded, messages, rejected
+        return received, rejected
+
+
+def _energy(matrix: torch.Tensor) -> float:
+    """Sum of squares in float64, a slice of rows at a time (this peer's own number: any rounding will do)."""
+    return math.fsum(float(torch.sum(rows.double() ** 2)) for rows in matrix.split(_rows(matrix)))
+
+
+def _rows(matrix: torch.Tensor) -> int:
+    """Rows of `matrix` worth a slice of values (payload.SLICE): the unit of work on whole matrices."""
+    return max(1, SLICE // max(matrix.shape[1], 1))
 
 
 def _factorable(shape: torch.Size, cfg: CompressionConfig) -> bool:
     """A matrix worth factoring: its factors at the lowest rank are well below its size."""
     return len(shape) == 2 and min(shape) > 1 and cfg.rank_min * (shape[0] + shape[1]) * 4 <= shape[0] * shape[1]
-
-
-def _padded(n: int, pad: int) -> int:
-    return -(-n // pad) * pad
-
-
-def _concat(pieces: Sequence[torch.Tensor], pad: int) -> torch.Tensor:
-    flat = torch.zeros(sum(_padded(p.numel(), pad) for p in pieces), dtype=torch.float32)
-    offset = 0
-    for p in pieces:
-        flat[offset : offset + p.numel()] = p.reshape(-1)
-        offset += _padded(p.numel(), pad)
-    return flat
-
-
-def _split(flat: torch.Tensor, shapes: Sequence[torch.Size], pad: int) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        n = shape.numel()
-        out.append(flat[offset : offset + n].reshape(shape))
-        offset += _padded(n, pad)
-    return out
 
 
 def _group_rank(ranks: Sequence[int]) -> int | None:
@@ -383,31 +382,3 @@ def _fit_rank(factor: torch.Tensor, rank: int) -> torch.Tensor:
     if factor.shape[1] > rank:
         return factor[:, :rank]
     return torch.cat([factor, torch.zeros(factor.shape[0], rank - factor.shape[1])], dim=1)
-
-
-def _sparse_pb(s: SparseChunks) -> pb.SparseTensor:
-    return pb.SparseTensor(chunk=s.layout.chunk, k=s.layout.k, bits=s.bits, signs=s.signs, levels=s.levels,
-                           magnitudes=s.magnitudes, low=s.low, high=s.high)  # fmt: skip
-
-
-def _decode_payload(encoded: pb.EncodedTensor, numel: int) -> torch.Tensor:
-    which = encoded.WhichOneof("encoding")
-    if which == "fp16":
-        raw = np.frombuffer(encoded.fp16, dtype=np.float16)
-        if raw.size != numel:
-            raise ValueError(f"{raw.size} fp16 values, expected {numel}")
-        return torch.from_numpy(raw.astype(np.float32))
-    if which == "quantized":
-        q = encoded.quantized
-        if q.bits not in (4, 8) or q.block < 1:
-            raise ValueError(f"bits {q.bits}, block {q.block}")
-        if len(q.scales) != 2 * -(-numel // q.block):
-            raise ValueError(f"{len(q.scales) // 2} scales for {numel} values in blocks of {q.block}")
-        return dequantize(Quantized(q.codes, q.scales, (numel,), q.bits, q.block))
-    if which == "sparse":
-        s = encoded.sparse
-        if not (1 <= s.k <= s.chunk <= max(numel, 1) and s.bits in (2, 3, 4)):
-            raise ValueError(f"chunk {s.chunk}, k {s.k}, bits {s.bits}")
-        message = SparseChunks(TopKLayout(numel, s.chunk, s.k), s.bits, s.signs, s.levels, s.magnitudes, s.low, s.high)
-        return decode_topk(message, (numel,))
-    raise ValueError("no encoding")

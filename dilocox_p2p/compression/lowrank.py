@@ -46,6 +46,7 @@ from ..model import portable_normal
 __all__ = ["Basis", "adapt_rank", "basis", "initial_q", "local_basis", "reconstruct"]
 
 _EXACT_BITS = 52  # integer sums below 2^53 are exact in float64
+_ROWS_VALUES = 1 << 20  # reconstruct this many values at a time
 _DEAD_PIVOT = 1e-12  # a pivot below this share of its column's squared norm: the column adds nothing new
 
 
@@ -151,8 +152,12 @@ def reconstruct(b: Basis, q: torch.Tensor) -> torch.Tensor:
     w *= b.scales[:, None]  # P = p_int S: fold S into W (powers of two: exact)
     w_bits = _EXACT_BITS - _int_bits(b.p_int.shape[0]) - max(1, math.ceil(math.log2(max(r, 2))))
     w_int, w_scale = _to_int(torch.from_numpy(w), w_bits)
-    product = b.p_int @ w_int  # exact: integer sums below 2^53
-    return (product * w_scale).to(torch.float32)
+    out = torch.empty(b.p_int.shape[0], w_int.shape[1], dtype=torch.float32)
+    rows = max(1, _ROWS_VALUES // max(w_int.shape[1], 1))  # a few MB of float64 at a time
+    for lo in range(0, out.shape[0], rows):
+        product = b.p_int[lo : lo + rows] @ w_int  # exact: integer sums below 2^53
+        out[lo : lo + rows] = product.mul_(w_scale)
+    return out
 
 
 def adapt_rank(rank: int, energy: float, *, target: float, low: int, high: int) -> int:

@@ -15,12 +15,13 @@ the same bits on every machine (outer.py's rule). Encoding runs on the sender on
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["SparseChunks", "TopKLayout", "decode_topk", "encode_topk"]
+__all__ = ["Kept", "SparseChunks", "TopKLayout", "decode_topk", "encode_topk", "pack_topk", "select_topk", "unpack_topk"]
 
 
 @dataclass(frozen=True)
@@ -72,29 +73,66 @@ class SparseChunks:
         return len(self.signs) + len(self.levels) + len(self.magnitudes) + len(self.low) + len(self.high)
 
 
-def encode_topk(x: torch.Tensor, *, chunk: int = 4096, density: float = 1 / 64, bits: int = 2) -> SparseChunks:
-    """The top-k message of `x`: in each chunk its k largest-magnitude values, quantized."""
+@dataclass(frozen=True)
+class Kept:
+    """What a run of consecutive chunks keeps, unpacked: per chunk its k sorted indices, each value's
+    level and sign, and the chunk's levels (bf16 numbers, held as fp32)."""
+
+    index: torch.Tensor
+    """(chunks, k) int64, ascending within each chunk."""
+    levels: torch.Tensor
+    """(chunks, k) int64: which of its chunk's magnitudes each value takes."""
+    negative: torch.Tensor
+    """(chunks, k) bool."""
+    magnitudes: torch.Tensor
+    """(chunks, 2^(bits-1)) fp32, each exactly a bf16 number, ascending."""
+
+    def values(self) -> torch.Tensor:
+        """The kept values: sign times magnitude, exact copies of bf16 numbers."""
+        values = self.magnitudes.gather(1, self.levels)
+        return torch.where(self.negative, -values, values)
+
+    def dense(self, first: int, stop: int, chunk: int) -> torch.Tensor:
+        """Chunks [first, stop) of these (numbered from 0 here) as dense fp32, zeros where nothing was kept."""
+        out = torch.zeros(stop - first, chunk, dtype=torch.float32)
+        out.scatter_(1, self.index[first:stop], self.values()[first:stop])
+        return out.reshape(-1)
+
+
+def select_topk(x: torch.Tensor, layout: TopKLayout, bits: int) -> Kept:
+    """Top-k of the consecutive chunks `x` covers (its length a multiple of the chunk, except at the end
+    of the tensor, where it is padded with zeros)."""
     if bits not in (2, 3, 4):
         raise ValueError(f"bits must be 2, 3 or 4, got {bits}")
-    layout = TopKLayout.of(x.numel(), chunk=chunk, density=density)
-    chunks = _chunks(x.detach().reshape(-1).to(torch.float32), layout)
+    chunks = _chunks(x.detach().reshape(-1).to(torch.float32), layout.chunk)
     index = torch.topk(chunks.abs(), layout.k, dim=1, sorted=False).indices.sort(dim=1).values
     values = chunks.gather(1, index)
     magnitudes, levels = _levels(values.abs(), 2 ** (bits - 1))
-    idx = index.numpy().astype(np.int64)
+    magnitudes = magnitudes.to(torch.bfloat16).to(torch.float32)
+    return Kept(index, levels, values < 0, magnitudes)
+
+
+def pack_topk(parts: Sequence[Kept], layout: TopKLayout, bits: int) -> SparseChunks:
+    """The message of a tensor whose chunks, in order, `parts` kept."""
+    index = torch.cat([p.index for p in parts]).numpy()
+    levels = torch.cat([p.levels for p in parts]).numpy()
+    negative = torch.cat([p.negative for p in parts]).numpy()
+    magnitudes = torch.cat([p.magnitudes for p in parts])
+    if index.shape != (layout.n_chunks, layout.k):
+        raise ValueError(f"top-k parts hold {index.shape[0]} chunks, the tensor has {layout.n_chunks}")
     return SparseChunks(
         layout=layout,
         bits=bits,
-        signs=np.packbits((values < 0).numpy().reshape(-1), bitorder="little").tobytes(),
-        levels=_pack_uint(levels.numpy().reshape(-1), bits - 1),
+        signs=np.packbits(negative.reshape(-1), bitorder="little").tobytes(),
+        levels=_pack_uint(levels.reshape(-1), bits - 1),
         magnitudes=magnitudes.to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
-        low=_pack_uint((idx & ((1 << layout.low_bits) - 1)).reshape(-1), layout.low_bits),
-        high=_unary_high(idx >> layout.low_bits, layout),
+        low=_pack_uint((index & ((1 << layout.low_bits) - 1)).reshape(-1), layout.low_bits),
+        high=_unary_high(index >> layout.low_bits, layout),
     )
 
 
-def decode_topk(message: SparseChunks, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-    """The dense fp32 tensor a message stands for (zeros where nothing was kept)."""
+def unpack_topk(message: SparseChunks) -> Kept:
+    """The kept values of a message, checked (raises ValueError for a malformed or non-finite one)."""
     layout, k = message.layout, message.layout.k
     n_kept = layout.n_chunks * k
     index = _decode_indices(message, n_kept).reshape(layout.n_chunks, k)
@@ -104,20 +142,38 @@ def decode_topk(message: SparseChunks, shape: torch.Size | tuple[int, ...]) -> t
     if mags.size != layout.n_chunks * n_levels:
         raise ValueError(f"top-k message: {mags.size} magnitudes for {layout.n_chunks} chunks")
     magnitudes = torch.from_numpy(mags.copy()).view(torch.bfloat16).to(torch.float32).reshape(-1, n_levels)
-    values = magnitudes.gather(1, torch.from_numpy(levels.reshape(layout.n_chunks, k)))
+    if not bool(torch.isfinite(magnitudes).all()):
+        raise ValueError("top-k message: a magnitude is NaN or Inf")
     if len(message.signs) != -(-n_kept // 8):
         raise ValueError(f"top-k message: {len(message.signs)} sign bytes for {n_kept} values")
     negative = np.unpackbits(np.frombuffer(message.signs, dtype=np.uint8), count=n_kept, bitorder="little")
-    values = torch.where(torch.from_numpy(negative.astype(bool)).reshape(values.shape), -values, values)
-    dense = torch.zeros(layout.n_chunks, layout.chunk, dtype=torch.float32)
-    dense.scatter_(1, torch.from_numpy(index), values)
-    return dense.reshape(-1)[: layout.numel].reshape(shape)
+    return Kept(
+        torch.from_numpy(index),
+        torch.from_numpy(levels.reshape(layout.n_chunks, k)),
+        torch.from_numpy(negative.astype(bool)).reshape(layout.n_chunks, k),
+        magnitudes,
+    )
 
 
-def _chunks(flat: torch.Tensor, layout: TopKLayout) -> torch.Tensor:
-    padded = torch.zeros(layout.n_chunks * layout.chunk, dtype=torch.float32)
+def encode_topk(x: torch.Tensor, *, chunk: int = 4096, density: float = 1 / 64, bits: int = 2) -> SparseChunks:
+    """The top-k message of `x`: in each chunk its k largest-magnitude values, quantized."""
+    layout = TopKLayout.of(x.numel(), chunk=chunk, density=density)
+    return pack_topk([select_topk(x, layout, bits)], layout, bits)
+
+
+def decode_topk(message: SparseChunks, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The dense fp32 tensor a message stands for (zeros where nothing was kept)."""
+    layout = message.layout
+    dense = unpack_topk(message).dense(0, layout.n_chunks, layout.chunk)
+    return dense[: layout.numel].reshape(shape)
+
+
+def _chunks(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+    if flat.numel() % chunk == 0:
+        return flat.view(-1, chunk)
+    padded = torch.zeros(-(-flat.numel() // chunk) * chunk, dtype=torch.float32)
     padded[: flat.numel()] = flat
-    return padded.view(layout.n_chunks, layout.chunk)
+    return padded.view(-1, chunk)
 
 
 def _levels(magnitude: torch.Tensor, n_levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +224,10 @@ def _pack_uint(values: np.ndarray, bits: int) -> bytes:
     """Unsigned integers of `bits` bits each, packed tightly (little-endian bit order)."""
     if bits == 0:
         return b""
-    planes = (values.astype(np.int64)[:, None] >> np.arange(bits)[None, :]) & 1
-    return np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+    planes = np.empty((values.size, bits), dtype=np.uint8)  # one byte per bit: 1/8 of an int64 plane
+    for b in range(bits):
+        planes[:, b] = (values >> b) & 1
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
 
 
 def _unpack_uint(blob: bytes, bits: int, n: int) -> np.ndarray:
@@ -177,6 +235,8 @@ def _unpack_uint(blob: bytes, bits: int, n: int) -> np.ndarray:
         return np.zeros(n, dtype=np.int64)
     if len(blob) != -(-n * bits // 8):
         raise ValueError(f"top-k message: {len(blob)} bytes for {n} values of {bits} bits")
-    planes = np.unpackbits(np.frombuffer(blob, dtype=np.uint8), count=n * bits, bitorder="little")
-    weights = (1 << np.arange(bits)).astype(np.int64)
-    return planes.reshape(n, bits).astype(np.int64) @ weights
+    planes = np.unpackbits(np.frombuffer(blob, dtype=np.uint8), count=n * bits, bitorder="little").reshape(n, bits)
+    out = np.zeros(n, dtype=np.int64)
+    for b in range(bits):
+        out |= planes[:, b].astype(np.int64) << b
+    return out

@@ -1,6 +1,7 @@
 """Run under one ATEN_CPU_CAPABILITY; print the SHA-256 of every result peers must agree on, as JSON:
 the model init (theta_g at round 0), the outer step, the reducer's mean, decoding and mending, and
-the compression codecs (quantization, top-k, the exact low-rank basis and reconstruction).
+the compression codecs (quantization, top-k, the exact low-rank basis and reconstruction, and a
+whole stage's codec: its messages and the group's mean, built a slice at a time).
 
     ATEN_CPU_CAPABILITY=default python -m tests.helpers.determinism_probe --seed 0 --cases 20
 
@@ -21,10 +22,11 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 
 from dilocox_p2p.average import fill_missing
+from dilocox_p2p.compression.codec import StageCodec
 from dilocox_p2p.compression.lowrank import basis, reconstruct
 from dilocox_p2p.compression.quantize import dequantize, quantize
 from dilocox_p2p.compression.topk import decode_topk, encode_topk
-from dilocox_p2p.config import PRESETS
+from dilocox_p2p.config import PRESETS, CompressionConfig
 from dilocox_p2p.model import build_stage
 from dilocox_p2p.outer import OuterNesterov
 from dilocox_p2p.average import ordered_mean
@@ -48,7 +50,7 @@ def probe(seed: int, cases: int) -> dict[str, str]:
     def rand(shape, scale=1.0):
         return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32))
 
-    names = ["outer_step", "ordered_mean", "decode", "fill_missing", "quantize", "topk", "lowrank", "fused_control"]
+    names = ["outer_step", "ordered_mean", "decode", "fill_missing", "quantize", "topk", "lowrank", "stage_codec", "fused_control"]
     out: dict[str, list] = {name: [] for name in names}
     model = build_stage(PRESETS["tiny"], 2, 1, seed)  # theta_g(0): the model init
     out["init"] = [_digest([p.detach() for p in model.parameters()])]
@@ -82,6 +84,13 @@ def probe(seed: int, cases: int) -> dict[str, str]:
         r = int(rng.integers(1, 33))
         base = basis(rand((n, r), 1e-3))
         out["lowrank"].append(_digest([base.p_int, torch.from_numpy(base.scales), torch.from_numpy(base.chol), reconstruct(base, rand((m, r), 1e-3))]))
+
+        for kind in ("fp16", "int8", "topk"):  # a whole stage's codec: encode, then the group's mean
+            cfg = CompressionConfig(kind=kind, topk_chunk=int(rng.integers(1, 300)), block=int(rng.integers(1, 100)))
+            codecs = [StageCodec(cfg, [str(i) for i in range(len(shapes))], shapes, run_id="p") for _ in range(3)]
+            rounds = [c.begin(0, [rand(s, 1e-2) for s in shapes]) for c in codecs]
+            gathered = [r.message(1) for r in rounds]
+            out["stage_codec"].append(_digest(rounds[0].average(gathered).tensors) + hashlib.sha256(b"".join(gathered)).hexdigest())
 
         a, b = rand((4099,)), rand((4099,))
         out["fused_control"].append(_digest([a.add(b, alpha=0.3)]))

@@ -274,3 +274,42 @@ def test_the_automatic_rank_cap_keeps_every_factored_matrix_100x_below_fp32(shap
     assert len(first) + len(second) <= 4 * shape[0] * shape[1] / 100 + 64  # + the message's own framing
     if min(shape) >= 512:
         assert cap >= 16  # and the cap is not needlessly low on real widths
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int8", "topk", "lowrank"])
+def test_encoding_and_averaging_a_slice_at_a_time_gives_the_bytes_of_the_whole_stage_at_once(kind, monkeypatch):
+    """Slices are a memory bound only: messages, averages and error-feedback buffers are the same bits
+    whatever the slice length (here 100 values: slices cross tensors, blocks and chunks start them)."""
+    import dilocox_p2p.compression.payload as payload
+
+    cfg = CompressionConfig(kind=kind, rank=4, rank_max=8, energy_target=0.0, topk_chunk=64, topk_density=0.25,
+                            block=16, factor_bits=4)  # fmt: skip
+
+    def run():
+        codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+        deltas = [_deltas(seed) for seed in range(3)]
+        rounds = [c.begin(0, d) for c, d in zip(codecs, deltas)]
+        gathered = [r.message(1) for r in rounds]
+        if codecs[0].phases == 2:
+            gathered = [r.message(2, gathered) for r in rounds]
+        average = rounds[0].average(gathered)
+        return gathered, average.tensors, codecs[0].feedback.buffers
+
+    whole = run()
+    monkeypatch.setattr(payload, "SLICE", 100)
+    sliced = run()
+    assert sliced[0] == whole[0]
+    for a, b in zip(sliced[1] + sliced[2], whole[1] + whole[2]):
+        assert torch.equal(a, b)
+
+
+def test_a_quantized_message_whose_scales_would_overflow_is_refused():
+    from dilocox_p2p.compression.codec import MessageRejected
+    from dilocox_p2p.proto_gen import compression_pb2 as pb
+
+    codec = StageCodec(CompressionConfig(kind="int8", block=64), ["w"], [torch.Size((64,))], run_id="r")
+    huge = torch.tensor([3e38], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    payload = pb.EncodedTensor(shape=[64], quantized=pb.QuantizedTensor(codes=bytes(64), scales=huge, bits=8, block=64))
+    blob = pb.CompressedMessage(codec="int8", round=0, phase=1, payload=payload).SerializeToString()
+    with pytest.raises(MessageRejected, match="NaN or Inf"):
+        codec.receive(blob, round=0, phase=1)

@@ -23,7 +23,7 @@ from tests.helpers.cpu import capabilities
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
-GUARDED = ("init", "outer_step", "ordered_mean", "decode", "fill_missing", "quantize", "topk", "lowrank")
+GUARDED = ("init", "outer_step", "ordered_mean", "decode", "fill_missing", "quantize", "topk", "lowrank", "stage_codec")
 
 
 def _probe(capability: str, seed: int) -> dict[str, str]:

@@ -1,0 +1,259 @@
+"""One message's payload: a stage's pieces laid end to end, encoded and decoded a slice at a time.
+
+    layout = FlatLayout(shapes, pad)                 # pieces end to end, each on a multiple of pad
+    kept = encode_payload(cfg, pieces, pad=pad, out=message.payload, feedback=buffers)
+    reader = PayloadReader.of(encoded, layout.numel)  # checks the payload whole (sizes, finiteness)
+    reader.read(lo, hi)                               # fp32 values [lo, hi) of the flat vector
+
+No whole flat copy of a stage is ever made: encoding reads `SLICE` values of the pieces at a
+time, encodes them, and subtracts what they decode to from the error-feedback buffers in
+place; the mean of a group's messages (`streamed_mean`) is built slice by slice into the
+output tensors. So the codec's memory beyond the messages themselves is the output and a few
+slices of temporaries, whatever the stage's size (the goal: at most 3 extra fp32 copies of a
+stage's shard, error-feedback buffer included).
+
+Slices start on a quantization block (int4: on two, so that a byte never holds two slices'
+codes) or a top-k chunk, so encoding slice by slice gives exactly the bytes of encoding the
+whole vector at once, and decoding a slice is one block's or one chunk's business.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..average import ordered_mean
+from ..config import CompressionConfig
+from ..proto_gen import compression_pb2 as pb
+from .quantize import Quantized, dequantize, quantize
+from .topk import Kept, SparseChunks, TopKLayout, pack_topk, select_topk, unpack_topk
+
+__all__ = ["FlatLayout", "PayloadReader", "encode_payload", "streamed_mean"]
+
+SLICE = 1 << 20
+"""Values encoded or decoded at a time (4 MB of fp32): temporaries stay a few slices big."""
+
+
+class FlatLayout:
+    """Tensors of given shapes laid end to end as one flat vector, each starting on a multiple of
+    `pad` (zeros between): the vector a message's payload encodes."""
+
+    def __init__(self, shapes: Sequence[torch.Size], pad: int):
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.offsets: list[int] = []
+        offset = 0
+        for shape in self.shapes:
+            self.offsets.append(offset)
+            offset += -(-shape.numel() // pad) * pad
+        self.numel = offset
+
+    def slices(self, step: int) -> Iterator[tuple[int, int]]:
+        for lo in range(0, self.numel, step):
+            yield lo, min(lo + step, self.numel)
+
+    def overlaps(self, lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
+        """(piece, start, end within the piece's flat view, where that starts within [lo, hi))."""
+        for index, (offset, shape) in enumerate(zip(self.offsets, self.shapes)):
+            a, b = max(lo, offset), min(hi, offset + shape.numel())
+            if a < b:
+                yield index, a - offset, b - offset, a - lo
+
+    def read(self, pieces: Sequence[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """Values [lo, hi) of the flat vector, as a new fp32 tensor (zeros in the padding)."""
+        out = torch.zeros(hi - lo, dtype=torch.float32)
+        for index, a, b, at in self.overlaps(lo, hi):
+            out[at : at + b - a] = pieces[index].reshape(-1)[a:b]
+        return out
+
+    def write(self, pieces: Sequence[torch.Tensor], lo: int, hi: int, values: torch.Tensor) -> None:
+        """pieces[lo:hi] <- values (contiguous pieces)."""
+        for index, a, b, at in self.overlaps(lo, hi):
+            pieces[index].view(-1)[a:b] = values[at : at + b - a]
+
+    def subtract(self, pieces: Sequence[torch.Tensor | None], lo: int, hi: int, values: torch.Tensor) -> None:
+        """pieces[lo:hi] -= values, for the pieces given (contiguous; None: left alone)."""
+        for index, a, b, at in self.overlaps(lo, hi):
+            piece = pieces[index]
+            if piece is not None:
+                piece.view(-1)[a:b].sub_(values[at : at + b - a])
+
+
+def slice_step(cfg: CompressionConfig, numel: int) -> int:
+    """Slice length for `cfg.kind` over a vector of `numel` values (aligned: module docstring)."""
+    if cfg.kind == "topk":
+        unit = TopKLayout.of(max(numel, 1), chunk=cfg.topk_chunk, density=cfg.topk_density).chunk
+    elif cfg.kind in ("int8", "lowrank"):
+        unit = 2 * cfg.block
+    else:
+        unit = 1
+    return unit * max(1, SLICE // unit)
+
+
+def encode_payload(
+    cfg: CompressionConfig,
+    pieces: Sequence[torch.Tensor],
+    *,
+    pad: int,
+    out: pb.EncodedTensor,
+    feedback: Sequence[torch.Tensor | None] | None = None,
+    keep: bool = False,
+) -> list[torch.Tensor] | None:
+    """Encode `pieces` as one payload into `out` (in place: the message's own field, so the payload is
+    not copied once more). What they decode to is subtracted from `feedback` (per piece a buffer, or
+    None) and, if `keep`, returned as tensors shaped like the pieces."""
+    layout = FlatLayout([p.shape for p in pieces], pad)
+    kept = [torch.empty(p.shape, dtype=torch.float32) for p in pieces] if keep else None
+    encoder = _Encoder(cfg, layout.numel)
+    for lo, hi in layout.slices(slice_step(cfg, layout.numel)):
+        decoded = encoder.add(layout.read(pieces, lo, hi))
+        if feedback is not None:
+            layout.subtract(feedback, lo, hi, decoded)
+        if kept is not None:
+            layout.write(kept, lo, hi, decoded)
+    encoder.finish(out)
+    return kept
+
+
+class _Encoder:
+    """Encodes consecutive slices of one vector; `finish` gives the payload of them all."""
+
+    def __init__(self, cfg: CompressionConfig, numel: int):
+        self.cfg, self.numel = cfg, numel
+        self.bits = cfg.factor_bits if cfg.kind == "lowrank" else 8
+        self.topk = TopKLayout.of(max(numel, 1), chunk=cfg.topk_chunk, density=cfg.topk_density)
+        self.parts: list = []
+        self.scales: list[bytes] = []
+        self.half = np.empty(numel if cfg.kind == "fp16" else 0, dtype=np.float16)
+        self.filled = 0
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode the next slice; returns what it decodes to."""
+        kind = self.cfg.kind
+        if kind == "fp16":
+            half = x.to(torch.float16)
+            self.half[self.filled : self.filled + half.numel()] = half.numpy()
+            self.filled += half.numel()
+            return half.to(torch.float32)
+        if kind == "topk":
+            kept = select_topk(x, self.topk, self.cfg.topk_bits)
+            self.parts.append(kept)
+            return kept.dense(0, kept.index.shape[0], self.topk.chunk)[: x.numel()]
+        q = quantize(x, bits=self.bits, block=self.cfg.block)
+        self.parts.append(q.codes)
+        self.scales.append(q.scales)
+        return dequantize(q)
+
+    def finish(self, out: pb.EncodedTensor) -> None:
+        out.shape[:] = [self.numel]
+        if self.cfg.kind == "fp16":
+            data, self.half = self.half.tobytes(), np.empty(0, dtype=np.float16)
+            out.fp16 = data
+        elif self.cfg.kind == "topk":
+            sparse = pack_topk(self.parts, self.topk, self.cfg.topk_bits) if self.numel else None
+            if sparse is not None:
+                out.sparse.CopyFrom(_sparse_pb(sparse))
+        else:
+            out.quantized.CopyFrom(pb.QuantizedTensor(
+                codes=b"".join(self.parts), scales=b"".join(self.scales), bits=self.bits, block=self.cfg.block,
+            ))  # fmt: skip
+        self.parts.clear()
+
+
+class PayloadReader(ABC):
+    """A received payload, checked whole, whose values are decoded a slice at a time: the same bits
+    on every machine (outer.py's rule: decoding copies bf16/fp16 numbers or makes one rounded multiply)."""
+
+    def __init__(self, numel: int):
+        self.numel = numel
+
+    @staticmethod
+    def of(encoded: pb.EncodedTensor, numel: int) -> PayloadReader:
+        """Raises ValueError for a payload that is malformed, of another size, or not finite."""
+        which = encoded.WhichOneof("encoding")
+        if which == "fp16":
+            return _Fp16Reader(encoded.fp16, numel)
+        if which == "quantized":
+            return _QuantizedReader(encoded.quantized, numel)
+        if which == "sparse":
+            return _SparseReader(encoded.sparse, numel)
+        raise ValueError("no encoding")
+
+    @abstractmethod
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """Values [lo, hi) as fp32 (lo on a slice boundary)."""
+
+    def read_all(self) -> torch.Tensor:
+        return self.read(0, self.numel)
+
+
+class _Fp16Reader(PayloadReader):
+    def __init__(self, data: bytes, numel: int):
+        super().__init__(numel)
+        self.values = np.frombuffer(data, dtype=np.float16)
+        if self.values.size != numel:
+            raise ValueError(f"{self.values.size} fp16 values, expected {numel}")
+        for lo in range(0, numel, SLICE):
+            if not np.isfinite(self.values[lo : lo + SLICE]).all():
+                raise ValueError("it holds NaN or Inf")
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        return torch.from_numpy(self.values[lo:hi].astype(np.float32))
+
+
+class _QuantizedReader(PayloadReader):
+    def __init__(self, q: pb.QuantizedTensor, numel: int):
+        super().__init__(numel)
+        if q.bits not in (4, 8) or q.block < 1:
+            raise ValueError(f"bits {q.bits}, block {q.block}")
+        if len(q.scales) != 2 * -(-numel // q.block):
+            raise ValueError(f"{len(q.scales) // 2} scales for {numel} values in blocks of {q.block}")
+        expected = numel if q.bits == 8 else -(-numel // 2)
+        if len(q.codes) != expected:
+            raise ValueError(f"{q.bits}-bit codes: {len(q.codes)} bytes for {numel} values (expected {expected})")
+        self.codes, self.scales, self.bits, self.block = q.codes, q.scales, q.bits, q.block
+        widest = torch.from_numpy(np.frombuffer(self.scales, dtype=np.int16).copy()).view(torch.bfloat16)
+        if not bool(torch.isfinite(widest.to(torch.float32) * 128).all()):  # |code| <= 128
+            raise ValueError("it holds NaN or Inf")
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """lo must start a block (and, for int4, an even value): slices do (module docstring)."""
+        per_byte = 2 if self.bits == 4 else 1
+        codes = self.codes[lo // per_byte : -(-hi // per_byte)]
+        scales = self.scales[2 * (lo // self.block) : 2 * -(-hi // self.block)]
+        return dequantize(Quantized(codes, scales, (hi - lo,), self.bits, self.block))
+
+
+class _SparseReader(PayloadReader):
+    def __init__(self, s: pb.SparseTensor, numel: int):
+        super().__init__(numel)
+        if not (1 <= s.k <= s.chunk <= max(numel, 1) and s.bits in (2, 3, 4)):
+            raise ValueError(f"chunk {s.chunk}, k {s.k}, bits {s.bits}")
+        self.layout = TopKLayout(numel, s.chunk, s.k)
+        message = SparseChunks(self.layout, s.bits, s.signs, s.levels, s.magnitudes, s.low, s.high)
+        self.kept: Kept = unpack_topk(message)
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """lo must start a chunk: slices do (module docstring)."""
+        chunk = self.layout.chunk
+        first, stop = lo // chunk, -(-hi // chunk)
+        return self.kept.dense(first, stop, chunk)[: hi - lo]
+
+
+def streamed_mean(
+    readers: Sequence[PayloadReader], layout: FlatLayout, step: int
+) -> list[torch.Tensor]:
+    """The mean of the readers' payloads, in the given order, as tensors shaped like the layout's
+    pieces: `ordered_mean` slice by slice (the same bits as over whole tensors)."""
+    out = [torch.empty(s, dtype=torch.float32) for s in layout.shapes]
+    for lo, hi in layout.slices(step):
+        mean = ordered_mean([r.read(lo, hi) for r in readers], torch.Size((hi - lo,)))
+        layout.write(out, lo, hi, mean)
+    return out
+
+
+def _sparse_pb(s: SparseChunks) -> pb.SparseTensor:
+    return pb.SparseTensor(chunk=s.layout.chunk, k=s.layout.k, bits=s.bits, signs=s.signs, levels=s.levels,
+                           magnitudes=s.magnitudes, low=s.low, high=s.high)  # fmt: skip
