@@ -15,13 +15,16 @@ params per member), the relative L2 error of the first round's decoded mean (no 
 feedback yet), encode / low-rank phase 2 / decode seconds (medians), and the peak memory
 above the delta itself, in fp32 copies of the stage shard: in all, and the codec's own part
 (all, less the group's messages: what an all-gather must hold whatever the codec does; the
-error-feedback buffer and the decoded mean are the codec's). Writes benchmarks/results/<name>.json.
+error-feedback buffer and the decoded mean are the codec's). Each measuring process runs with
+glibc's mmap threshold fixed at 128 KiB, so that freed tensors leave the resident set at once
+and its peak is the peak of live memory. Writes benchmarks/results/<name>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,6 +44,7 @@ STRATEGIES = {
     "lowrank r=32 int4": {"kind": "lowrank", "rank": 32, "energy_target": 0.0},
 }
 GROUP = 3
+MMAP_THRESHOLD = 128 * 1024
 
 
 def make_delta(args: argparse.Namespace, tmp: Path) -> Path:
@@ -99,8 +103,9 @@ def measure(delta_path: str, settings: dict, repeats: int) -> dict:
         average = round_codec.average(gathered)
         times["decode_s"].append(time.perf_counter() - started)
         if round == 0:
-            num = sum(float(torch.sum((a.double() - d.double()) ** 2)) for a, d in zip(average.tensors, delta))
-            den = sum(float(torch.sum(d.double() ** 2)) for d in delta)
+            num = sum(_squares(a, d) for a, d in zip(average.tensors, delta))
+            den = sum(_squares(d) for d in delta)
+        del average, gathered, round_codec  # the outer loop's business from here (it applies the mean)
     peak_rss = _status_bytes("VmHWM")
     message = sum(sizes)
     medians = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
@@ -118,6 +123,12 @@ def measure(delta_path: str, settings: dict, repeats: int) -> dict:
         "codec_peak_fp32_copies": (peak_rss - base_rss - GROUP * max(sizes)) / (4 * params),
         "codec_metrics": codec.metrics(),
     }
+
+
+def _squares(a, b=None) -> float:
+    """sum((a - b)^2) (or of a) in float64, a small piece at a time (the measure must not raise the peak)."""
+    pieces = zip(a.reshape(-1).split(1 << 16), b.reshape(-1).split(1 << 16) if b is not None else iter(lambda: 0.0, 1))
+    return sum(float(((x.double() - y) ** 2).sum()) for x, y in pieces)
 
 
 def _status_bytes(field: str) -> int:
@@ -167,7 +178,10 @@ def main() -> int:
         for label, settings in STRATEGIES.items():
             cmd = [sys.executable, __file__, "--measure", str(delta_path), json.dumps(settings),
                    "--repeats", str(args.repeats)]  # fmt: skip
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            # a fixed mmap threshold: every large block goes back to the OS when freed, so the peak
+            # resident memory is the peak of live memory, not of what glibc's heap kept around
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             results[label] = {"settings": settings, **json.loads(out.stdout.strip().splitlines()[-1])}
             r = results[label]
             print(f"{label:40s} {r['message_bytes']:>10,d} B/message  x{r['ratio_vs_fp32_ring']:7.1f} vs fp32 ring  "

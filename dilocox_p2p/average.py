@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -131,14 +131,16 @@ class LocalAverager:
         pass
 
 
-def ordered_mean(parts: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """The mean of `parts` summed in the given order in float64, cast to float32 once."""
-    if not parts:
+def ordered_mean(parts: Iterable[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """The mean of `parts` summed in the given order in float64, cast to float32 once. Parts may come
+    from a generator: only the running sum and the part at hand are held."""
+    total, count = None, 0
+    for part in parts:
+        total = part.to(torch.float64, copy=True) if total is None else total.add_(part)
+        count += 1
+    if total is None:
         return torch.zeros(shape)
-    total = parts[0].to(torch.float64, copy=True)
-    for part in parts[1:]:
-        total.add_(part)
-    return total.div_(len(parts)).to(torch.float32)
+    return total.div_(count).to(torch.float32)
 
 
 def alone(tensors: Sequence[torch.Tensor], *, round: int) -> Average:

@@ -76,6 +76,8 @@ TOPK_OUTER_LR_BY_MODE = {"sync": 1.5, "delayed": 0.7}
 """With topk the outer step has no momentum (error feedback stands in for it), so it needs a larger
 lr: sync 1.5 was the best measured (notes/outer-loop-variants.md); delayed 0.7 is provisional
 until benchmarks/convergence.py has swept it."""
+TOPK_MAX_CHUNK = 1 << 20
+"""The largest top-k chunk: indices within a chunk travel and are held as 32-bit integers."""
 
 
 def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
@@ -281,8 +283,8 @@ class CompressionConfig:
             _fail("compression.energy_target", self.energy_target, "must be in [0, 1)")
         if not 0.0 < self.topk_density <= 1.0:
             _fail("compression.topk_density", self.topk_density, "must be in (0, 1]")
-        if self.topk_chunk < 1:
-            _fail("compression.topk_chunk", self.topk_chunk, "must be at least 1")
+        if not 1 <= self.topk_chunk <= TOPK_MAX_CHUNK:
+            _fail("compression.topk_chunk", self.topk_chunk, f"must be in [1, {TOPK_MAX_CHUNK}]")
         if self.feedback_decay != -1.0 and not 0.0 <= self.feedback_decay <= 1.0:
             _fail("compression.feedback_decay", self.feedback_decay, "must be in [0, 1], or -1 for the kind's default")
 

@@ -44,7 +44,17 @@ from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
 from .lowrank import Basis, adapt_rank, basis, initial_q, local_basis, reconstruct
-from .payload import SLICE, FlatLayout, PayloadReader, encode_payload, slice_step, streamed_mean
+from .payload import (
+    SLICE,
+    FlatLayout,
+    PayloadReader,
+    Section,
+    encode_payload,
+    frame,
+    slice_step,
+    streamed_mean,
+    unframe,
+)
 
 __all__ = ["Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
 
@@ -164,9 +174,9 @@ class StageCodec:
         *,
         feedback: Sequence[torch.Tensor | None] | None = None,
         keep: bool = False,
-    ) -> list[torch.Tensor] | None:
-        """Fill `message`'s payload with `pieces` (in place: no copy of it is made); what they decode to
-        is subtracted from `feedback` (per piece a buffer or None) a slice at a time, and returned if `keep`."""
+    ) -> tuple[list[Section], list[torch.Tensor] | None]:
+        """`pieces` as `message`'s payload: its raw sections, for `frame`. What the pieces decode to is
+        subtracted from `feedback` (per piece a buffer or None) a slice at a time, and returned if `keep`."""
         return encode_payload(self.cfg, pieces, pad=self.pad, out=message.payload, feedback=feedback, keep=keep)
 
     def _q_for(self, index: int, round: int) -> torch.Tensor:
@@ -184,9 +194,8 @@ class StageCodec:
         """Parse and check one member's message (its payload whole). Raises MessageRejected."""
         if len(blob) > self.max_message_bytes:
             raise MessageRejected(f"{len(blob)} bytes, more than this stage's messages can take")
-        message = pb.CompressedMessage()
         try:
-            message.ParseFromString(blob)
+            message, sections = unframe(blob)
         except Exception as e:
             raise MessageRejected(f"malformed ({e})") from None
         if (message.codec, message.round, message.phase) != (self.cfg.kind, round, phase):
@@ -205,7 +214,7 @@ class StageCodec:
         if not all(math.isfinite(e) and e >= 0 for e in [*energy_total, *energy_kept]):
             raise MessageRejected("energies not finite")
         try:
-            reader = PayloadReader.of(message.payload, layout.numel)
+            reader = PayloadReader.of(message.payload, sections, layout.numel)
         except (ValueError, RuntimeError) as e:
             raise MessageRejected(str(e)) from None
         return Received(layout, reader, ranks, energy_total, energy_kept)
@@ -264,8 +273,8 @@ class RoundCodec:
         buffers = codec.feedback.buffers if codec.feedback is not None else [None] * len(pieces)
         feedback = [None if codec.lowrank[i] else b for i, b in enumerate(buffers)]  # P is not what M sends
         message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, ranks=ranks)
-        codec.encode(message, pieces, feedback=feedback)
-        return message.SerializeToString()
+        sections, _ = codec.encode(message, pieces, feedback=feedback)
+        return frame(message, sections)
 
     def _mean_of_first(self, gathered: Sequence[bytes | None]) -> Decoded:
         """The mean of the phase-1 messages: whole tensors, and for low-rank the mean P of each matrix
@@ -304,17 +313,15 @@ class RoundCodec:
         qts = [(self.target[i].T @ b).T.contiguous() for i, b in zip(codec.factored, bs)]
         message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=2, energy_total=energy_total,
                                        ranks=[self.bases[i].rank for i in codec.factored])  # fmt: skip
-        decoded = codec.encode(message, qts, keep=True)
+        sections, decoded = codec.encode(message, qts, keep=True)
         assert decoded is not None
-        energy_kept = []
         for i, b, qt in zip(codec.factored, bs, decoded):
             if codec.feedback is not None:  # this peer's part of the approximation, B B^T M_i, leaves the buffer
                 buffer = codec.feedback.buffers[i]
                 for lo in range(0, buffer.shape[0], _rows(buffer)):
                     buffer[lo : lo + _rows(buffer)].sub_(b[lo : lo + _rows(buffer)] @ qt)
-            energy_kept.append(_energy(qt))
-        message.energy_kept.extend(energy_kept)
-        return message.SerializeToString()
+            message.energy_kept.append(_energy(qt))
+        return frame(message, sections)
 
     def _low_rank_average(self, gathered: Sequence[bytes | None]) -> Decoded:
         codec, cfg = self.codec, self.codec.cfg

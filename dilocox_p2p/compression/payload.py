@@ -1,8 +1,10 @@
 """One message's payload: a stage's pieces laid end to end, encoded and decoded a slice at a time.
 
     layout = FlatLayout(shapes, pad)                 # pieces end to end, each on a multiple of pad
-    kept = encode_payload(cfg, pieces, pad=pad, out=message.payload, feedback=buffers)
-    reader = PayloadReader.of(encoded, layout.numel)  # checks the payload whole (sizes, finiteness)
+    sections, kept = encode_payload(cfg, pieces, pad=pad, out=message.payload, feedback=buffers)
+    blob = frame(message, sections)                  # header, then the raw sections
+    message, sections = unframe(blob)                # on the receiver: views into blob, no copy
+    reader = PayloadReader.of(message.payload, sections, layout.numel)  # checks it whole
     reader.read(lo, hi)                               # fp32 values [lo, hi) of the flat vector
 
 No whole flat copy of a stage is ever made: encoding reads `SLICE` values of the pieces at a
@@ -11,6 +13,11 @@ place; the mean of a group's messages (`streamed_mean`) is built slice by slice 
 output tensors. So the codec's memory beyond the messages themselves is the output and a few
 slices of temporaries, whatever the stage's size (the goal: at most 3 extra fp32 copies of a
 stage's shard, error-feedback buffer included).
+
+A message travels framed: a 4-byte length, its protobuf header (compression.proto), then the
+payload's raw sections (fp16 values; int8 codes and scales; top-k signs, levels, magnitudes
+and index bits). A receiver reads the sections in place (memoryviews of the received bytes),
+so a message costs its own size once, not once more for every protobuf field read out of it.
 
 Slices start on a quantization block (int4: on two, so that a byte never holds two slices'
 codes) or a top-k chunk, so encoding slice by slice gives exactly the bytes of encoding the
@@ -22,19 +29,27 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
+import struct
+
 import numpy as np
 import torch
 
 from ..average import ordered_mean
-from ..config import CompressionConfig
+from ..config import TOPK_MAX_CHUNK, CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .quantize import Quantized, dequantize, quantize
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, select_topk, unpack_topk
 
-__all__ = ["FlatLayout", "PayloadReader", "encode_payload", "streamed_mean"]
+__all__ = ["FlatLayout", "PayloadReader", "encode_payload", "frame", "streamed_mean", "unframe"]
 
 SLICE = 1 << 20
 """Values encoded or decoded at a time (4 MB of fp32): temporaries stay a few slices big."""
+MAX_HEADER_BYTES = 1 << 20
+"""A header is a few numbers per factored matrix; anything longer is not an honest message."""
+_LENGTH = struct.Struct("<I")
+
+Section = Sequence[object]
+"""One raw section of a payload, as buffers (bytes, numpy arrays) laid end to end."""
 
 
 class FlatLayout:
@@ -100,9 +115,9 @@ def encode_payload(
     out: pb.EncodedTensor,
     feedback: Sequence[torch.Tensor | None] | None = None,
     keep: bool = False,
-) -> list[torch.Tensor] | None:
-    """Encode `pieces` as one payload into `out` (in place: the message's own field, so the payload is
-    not copied once more). What they decode to is subtracted from `feedback` (per piece a buffer, or
+) -> tuple[list[Section], list[torch.Tensor] | None]:
+    """Encode `pieces` as one payload: its description goes into `out`, its bytes come back as raw
+    sections (for `frame`). What they decode to is subtracted from `feedback` (per piece a buffer, or
     None) and, if `keep`, returned as tensors shaped like the pieces."""
     layout = FlatLayout([p.shape for p in pieces], pad)
     kept = [torch.empty(p.shape, dtype=torch.float32) for p in pieces] if keep else None
@@ -113,8 +128,37 @@ def encode_payload(
             layout.subtract(feedback, lo, hi, decoded)
         if kept is not None:
             layout.write(kept, lo, hi, decoded)
-    encoder.finish(out)
-    return kept
+    return encoder.finish(out), kept
+
+
+def frame(message: pb.CompressedMessage, sections: Sequence[Section]) -> bytes:
+    """The bytes of a message: its header's length, the header (which records the sections' lengths),
+    then the sections. The payload is copied once, into the result."""
+    buffers = [[memoryview(b).cast("B") for b in section] for section in sections]
+    message.payload.sections[:] = [sum(b.nbytes for b in section) for section in buffers]
+    head = message.SerializeToString()
+    return b"".join([_LENGTH.pack(len(head)), head, *(b for section in buffers for b in section)])
+
+
+def unframe(blob: bytes) -> tuple[pb.CompressedMessage, list[memoryview]]:
+    """The header of a framed message and views of its raw sections (into `blob`: nothing is copied).
+    Raises ValueError for a message that is not framed as `frame` makes them."""
+    if len(blob) < _LENGTH.size:
+        raise ValueError(f"{len(blob)} bytes: shorter than a header length")
+    (n,) = _LENGTH.unpack_from(blob)
+    if n > min(MAX_HEADER_BYTES, len(blob) - _LENGTH.size):
+        raise ValueError(f"a header of {n} bytes in a message of {len(blob)}")
+    message = pb.CompressedMessage()
+    message.ParseFromString(blob[_LENGTH.size : _LENGTH.size + n])
+    view, offset = memoryview(blob), _LENGTH.size + n
+    lengths = list(message.payload.sections)
+    if any(length < 0 for length in lengths) or offset + sum(lengths) != len(blob):
+        raise ValueError(f"sections of {lengths} bytes after a {n}-byte header in a message of {len(blob)}")
+    sections = []
+    for length in lengths:
+        sections.append(view[offset : offset + length])
+        offset += length
+    return message, sections
 
 
 class _Encoder:
@@ -146,20 +190,20 @@ class _Encoder:
         self.scales.append(q.scales)
         return dequantize(q)
 
-    def finish(self, out: pb.EncodedTensor) -> None:
+    def finish(self, out: pb.EncodedTensor) -> list[Section]:
+        """Describe the payload in `out`; return its raw sections."""
         out.shape[:] = [self.numel]
         if self.cfg.kind == "fp16":
-            data, self.half = self.half.tobytes(), np.empty(0, dtype=np.float16)
-            out.fp16 = data
-        elif self.cfg.kind == "topk":
+            out.fp16.SetInParent()
+            return [[self.half]]
+        if self.cfg.kind == "topk":
             sparse = pack_topk(self.parts, self.topk, self.cfg.topk_bits) if self.numel else None
-            if sparse is not None:
-                out.sparse.CopyFrom(_sparse_pb(sparse))
-        else:
-            out.quantized.CopyFrom(pb.QuantizedTensor(
-                codes=b"".join(self.parts), scales=b"".join(self.scales), bits=self.bits, block=self.cfg.block,
-            ))  # fmt: skip
-        self.parts.clear()
+            out.sparse.CopyFrom(pb.SparseTensor(chunk=self.topk.chunk, k=self.topk.k, bits=self.cfg.topk_bits))
+            if sparse is None:
+                return []
+            return [[sparse.signs], [sparse.levels], [sparse.magnitudes], [sparse.low], [sparse.high]]
+        out.quantized.CopyFrom(pb.QuantizedTensor(bits=self.bits, block=self.cfg.block))
+        return [self.parts, self.scales]
 
 
 class PayloadReader(ABC):
@@ -170,16 +214,19 @@ class PayloadReader(ABC):
         self.numel = numel
 
     @staticmethod
-    def of(encoded: pb.EncodedTensor, numel: int) -> PayloadReader:
+    def of(encoded: pb.EncodedTensor, sections: Sequence[memoryview], numel: int) -> PayloadReader:
         """Raises ValueError for a payload that is malformed, of another size, or not finite."""
         which = encoded.WhichOneof("encoding")
+        expected = {"fp16": 1, "quantized": 2, "sparse": 5 if numel else 0}.get(which or "")
+        if expected is None:
+            raise ValueError("no encoding")
+        if len(sections) != expected:
+            raise ValueError(f"{len(sections)} sections for a {which} payload, expected {expected}")
         if which == "fp16":
-            return _Fp16Reader(encoded.fp16, numel)
+            return _Fp16Reader(sections[0], numel)
         if which == "quantized":
-            return _QuantizedReader(encoded.quantized, numel)
-        if which == "sparse":
-            return _SparseReader(encoded.sparse, numel)
-        raise ValueError("no encoding")
+            return _QuantizedReader(encoded.quantized, *sections, numel=numel)
+        return _SparseReader(encoded.sparse, sections, numel)
 
     @abstractmethod
     def read(self, lo: int, hi: int) -> torch.Tensor:
@@ -190,7 +237,7 @@ class PayloadReader(ABC):
 
 
 class _Fp16Reader(PayloadReader):
-    def __init__(self, data: bytes, numel: int):
+    def __init__(self, data: memoryview, numel: int):
         super().__init__(numel)
         self.values = np.frombuffer(data, dtype=np.float16)
         if self.values.size != numel:
@@ -204,16 +251,16 @@ class _Fp16Reader(PayloadReader):
 
 
 class _QuantizedReader(PayloadReader):
-    def __init__(self, q: pb.QuantizedTensor, numel: int):
+    def __init__(self, q: pb.QuantizedTensor, codes: memoryview, scales: memoryview, *, numel: int):
         super().__init__(numel)
         if q.bits not in (4, 8) or q.block < 1:
             raise ValueError(f"bits {q.bits}, block {q.block}")
-        if len(q.scales) != 2 * -(-numel // q.block):
-            raise ValueError(f"{len(q.scales) // 2} scales for {numel} values in blocks of {q.block}")
+        if len(scales) != 2 * -(-numel // q.block):
+            raise ValueError(f"{len(scales)} scale bytes for {numel} values in blocks of {q.block}")
         expected = numel if q.bits == 8 else -(-numel // 2)
-        if len(q.codes) != expected:
-            raise ValueError(f"{q.bits}-bit codes: {len(q.codes)} bytes for {numel} values (expected {expected})")
-        self.codes, self.scales, self.bits, self.block = q.codes, q.scales, q.bits, q.block
+        if len(codes) != expected:
+            raise ValueError(f"{q.bits}-bit codes: {len(codes)} bytes for {numel} values (expected {expected})")
+        self.codes, self.scales, self.bits, self.block = codes, scales, q.bits, q.block
         widest = torch.from_numpy(np.frombuffer(self.scales, dtype=np.int16).copy()).view(torch.bfloat16)
         if not bool(torch.isfinite(widest.to(torch.float32) * 128).all()):  # |code| <= 128
             raise ValueError("it holds NaN or Inf")
@@ -227,18 +274,20 @@ class _QuantizedReader(PayloadReader):
 
 
 class _SparseReader(PayloadReader):
-    def __init__(self, s: pb.SparseTensor, numel: int):
+    def __init__(self, s: pb.SparseTensor, sections: Sequence[memoryview], numel: int):
         super().__init__(numel)
-        if not (1 <= s.k <= s.chunk <= max(numel, 1) and s.bits in (2, 3, 4)):
+        if not (1 <= s.k <= s.chunk <= min(max(numel, 1), TOPK_MAX_CHUNK) and s.bits in (2, 3, 4)):
             raise ValueError(f"chunk {s.chunk}, k {s.k}, bits {s.bits}")
         self.layout = TopKLayout(numel, s.chunk, s.k)
-        message = SparseChunks(self.layout, s.bits, s.signs, s.levels, s.magnitudes, s.low, s.high)
-        self.kept: Kept = unpack_topk(message)
+        self.kept: Kept | None = None
+        if numel:
+            self.kept = unpack_topk(SparseChunks(self.layout, s.bits, *sections))
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
         """lo must start a chunk: slices do (module docstring)."""
         chunk = self.layout.chunk
         first, stop = lo // chunk, -(-hi // chunk)
+        assert self.kept is not None, "an empty payload has no values to read"
         return self.kept.dense(first, stop, chunk)[: hi - lo]
 
 
@@ -249,11 +298,6 @@ def streamed_mean(
     pieces: `ordered_mean` slice by slice (the same bits as over whole tensors)."""
     out = [torch.empty(s, dtype=torch.float32) for s in layout.shapes]
     for lo, hi in layout.slices(step):
-        mean = ordered_mean([r.read(lo, hi) for r in readers], torch.Size((hi - lo,)))
+        mean = ordered_mean((r.read(lo, hi) for r in readers), torch.Size((hi - lo,)))
         layout.write(out, lo, hi, mean)
     return out
-
-
-def _sparse_pb(s: SparseChunks) -> pb.SparseTensor:
-    return pb.SparseTensor(chunk=s.layout.chunk, k=s.layout.k, bits=s.bits, signs=s.signs, levels=s.levels,
-                           magnitudes=s.magnitudes, low=s.low, high=s.high)  # fmt: skip

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+Buffer = bytes | memoryview
+"""Bytes, or a view into a received message (read in place)."""
+
 __all__ = ["Kept", "SparseChunks", "TopKLayout", "decode_topk", "encode_topk", "pack_topk", "select_topk", "unpack_topk"]
 
 
@@ -59,14 +62,14 @@ class SparseChunks:
 
     layout: TopKLayout
     bits: int
-    signs: bytes
+    signs: Buffer
     """One bit per kept value, set for negative values."""
-    levels: bytes
+    levels: Buffer
     """(bits - 1) bits per kept value: which of its chunk's magnitudes it takes."""
-    magnitudes: bytes
+    magnitudes: Buffer
     """2^(bits-1) bf16 magnitudes per chunk, ascending."""
-    low: bytes
-    high: bytes
+    low: Buffer
+    high: Buffer
 
     @property
     def nbytes(self) -> int:
@@ -79,23 +82,23 @@ class Kept:
     level and sign, and the chunk's levels (bf16 numbers, held as fp32)."""
 
     index: torch.Tensor
-    """(chunks, k) int64, ascending within each chunk."""
+    """(chunks, k) int32, ascending within each chunk (widened a slice at a time: memory)."""
     levels: torch.Tensor
-    """(chunks, k) int64: which of its chunk's magnitudes each value takes."""
+    """(chunks, k) uint8: which of its chunk's magnitudes each value takes."""
     negative: torch.Tensor
     """(chunks, k) bool."""
     magnitudes: torch.Tensor
     """(chunks, 2^(bits-1)) fp32, each exactly a bf16 number, ascending."""
 
-    def values(self) -> torch.Tensor:
-        """The kept values: sign times magnitude, exact copies of bf16 numbers."""
-        values = self.magnitudes.gather(1, self.levels)
-        return torch.where(self.negative, -values, values)
+    def values(self, first: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The kept values of chunks [first, stop): sign times magnitude, exact copies of bf16 numbers."""
+        values = self.magnitudes[first:stop].gather(1, self.levels[first:stop].long())
+        return torch.where(self.negative[first:stop], -values, values)
 
     def dense(self, first: int, stop: int, chunk: int) -> torch.Tensor:
         """Chunks [first, stop) of these (numbered from 0 here) as dense fp32, zeros where nothing was kept."""
         out = torch.zeros(stop - first, chunk, dtype=torch.float32)
-        out.scatter_(1, self.index[first:stop], self.values()[first:stop])
+        out.scatter_(1, self.index[first:stop].long(), self.values(first, stop))
         return out.reshape(-1)
 
 
@@ -109,7 +112,7 @@ def select_topk(x: torch.Tensor, layout: TopKLayout, bits: int) -> Kept:
     values = chunks.gather(1, index)
     magnitudes, levels = _levels(values.abs(), 2 ** (bits - 1))
     magnitudes = magnitudes.to(torch.bfloat16).to(torch.float32)
-    return Kept(index, levels, values < 0, magnitudes)
+    return Kept(index.to(torch.int32), levels.to(torch.uint8), values < 0, magnitudes)
 
 
 def pack_topk(parts: Sequence[Kept], layout: TopKLayout, bits: int) -> SparseChunks:
@@ -148,8 +151,8 @@ def unpack_topk(message: SparseChunks) -> Kept:
         raise ValueError(f"top-k message: {len(message.signs)} sign bytes for {n_kept} values")
     negative = np.unpackbits(np.frombuffer(message.signs, dtype=np.uint8), count=n_kept, bitorder="little")
     return Kept(
-        torch.from_numpy(index),
-        torch.from_numpy(levels.reshape(layout.n_chunks, k)),
+        torch.from_numpy(index.astype(np.int32)),
+        torch.from_numpy(levels.astype(np.uint8).reshape(layout.n_chunks, k)),
         torch.from_numpy(negative.astype(bool)).reshape(layout.n_chunks, k),
         magnitudes,
     )
@@ -217,6 +220,8 @@ def _decode_indices(message: SparseChunks, n_kept: int) -> np.ndarray:
     index = (high.astype(np.int64) << layout.low_bits) | low
     if np.any(index >= layout.chunk):
         raise ValueError("top-k message: index outside its chunk")
+    if layout.k > 1 and np.any(np.diff(index, axis=1) <= 0):  # a repeated index would decode differently by scatter order
+        raise ValueError("top-k message: indices not strictly ascending within a chunk")
     return index
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64ilocox/v1/compression.proto\x12\ndilocox.v1\"M\n\x0fQuantizedTensor\x12\r\n\x05\x63odes\x18\x01 \x01(\x0c\x12\x0e\n\x06scales\x18\x02 \x01(\x0c\x12\x0c\n\x04\x62its\x18\x03 \x01(\x05\x12\r\n\x05\x62lock\x18\x04 \x01(\x05\"\x84\x01\n\x0cSparseTensor\x12\r\n\x05\x63hunk\x18\x01 \x01(\x05\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x0c\n\x04\x62its\x18\x03 \x01(\x05\x12\r\n\x05signs\x18\x04 \x01(\x0c\x12\x0e\n\x06levels\x18\x05 \x01(\x0c\x12\x12\n\nmagnitudes\x18\x06 \x01(\x0c\x12\x0b\n\x03low\x18\x07 \x01(\x0c\x12\x0c\n\x04high\x18\x08 \x01(\x0c\"\x98\x01\n\rEncodedTensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0e\n\x04\x66p16\x18\x02 \x01(\x0cH\x00\x12\x30\n\tquantized\x18\x03 \x01(\x0b\x32\x1b.dilocox.v1.QuantizedTensorH\x00\x12*\n\x06sparse\x18\x04 \x01(\x0b\x32\x18.dilocox.v1.SparseTensorH\x00\x42\n\n\x08\x65ncoding\"\xa6\x01\n\x11\x43ompressedMessage\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\x05\x12*\n\x07payload\x18\x04 \x01(\x0b\x32\x19.dilocox.v1.EncodedTensor\x12\r\n\x05ranks\x18\x05 \x03(\x05\x12\x14\n\x0c\x65nergy_total\x18\x06 \x03(\x01\x12\x13\n\x0b\x65nergy_kept\x18\x07 \x03(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64ilocox/v1/compression.proto\x12\ndilocox.v1\".\n\x0fQuantizedTensor\x12\x0c\n\x04\x62its\x18\x03 \x01(\x05\x12\r\n\x05\x62lock\x18\x04 \x01(\x05\"6\n\x0cSparseTensor\x12\r\n\x05\x63hunk\x18\x01 \x01(\x05\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x0c\n\x04\x62its\x18\x03 \x01(\x05\"\x0c\n\nHalfTensor\"\xc2\x01\n\rEncodedTensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12&\n\x04\x66p16\x18\x02 \x01(\x0b\x32\x16.dilocox.v1.HalfTensorH\x00\x12\x30\n\tquantized\x18\x03 \x01(\x0b\x32\x1b.dilocox.v1.QuantizedTensorH\x00\x12*\n\x06sparse\x18\x04 \x01(\x0b\x32\x18.dilocox.v1.SparseTensorH\x00\x12\x10\n\x08sections\x18\x05 \x03(\x03\x42\n\n\x08\x65ncoding\"\xa6\x01\n\x11\x43ompressedMessage\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\x05\x12*\n\x07payload\x18\x04 \x01(\x0b\x32\x19.dilocox.v1.EncodedTensor\x12\r\n\x05ranks\x18\x05 \x03(\x05\x12\x14\n\x0c\x65nergy_total\x18\x06 \x03(\x01\x12\x13\n\x0b\x65nergy_kept\x18\x07 \x03(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dilocox.v1.compression_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_QUANTIZEDTENSOR']._serialized_start=44
-  _globals['_QUANTIZEDTENSOR']._serialized_end=121
-  _globals['_SPARSETENSOR']._serialized_start=124
-  _globals['_SPARSETENSOR']._serialized_end=256
-  _globals['_ENCODEDTENSOR']._serialized_start=259
-  _globals['_ENCODEDTENSOR']._serialized_end=411
-  _globals['_COMPRESSEDMESSAGE']._serialized_start=414
-  _globals['_COMPRESSEDMESSAGE']._serialized_end=580
+  _globals['_QUANTIZEDTENSOR']._serialized_end=90
+  _globals['_SPARSETENSOR']._serialized_start=92
+  _globals['_SPARSETENSOR']._serialized_end=146
+  _globals['_HALFTENSOR']._serialized_start=148
+  _globals['_HALFTENSOR']._serialized_end=160
+  _globals['_ENCODEDTENSOR']._serialized_start=163
+  _globals['_ENCODEDTENSOR']._serialized_end=357
+  _globals['_COMPRESSEDMESSAGE']._serialized_start=360
+  _globals['_COMPRESSEDMESSAGE']._serialized_end=526
 # @@protoc_insertion_point(module_scope)

@@ -305,11 +305,82 @@ def test_encoding_and_averaging_a_slice_at_a_time_gives_the_bytes_of_the_whole_s
 
 def test_a_quantized_message_whose_scales_would_overflow_is_refused():
     from dilocox_p2p.compression.codec import MessageRejected
+    from dilocox_p2p.compression.payload import frame
     from dilocox_p2p.proto_gen import compression_pb2 as pb
 
     codec = StageCodec(CompressionConfig(kind="int8", block=64), ["w"], [torch.Size((64,))], run_id="r")
     huge = torch.tensor([3e38], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
-    payload = pb.EncodedTensor(shape=[64], quantized=pb.QuantizedTensor(codes=bytes(64), scales=huge, bits=8, block=64))
-    blob = pb.CompressedMessage(codec="int8", round=0, phase=1, payload=payload).SerializeToString()
+    payload = pb.EncodedTensor(shape=[64], quantized=pb.QuantizedTensor(bits=8, block=64))
+    blob = frame(pb.CompressedMessage(codec="int8", round=0, phase=1, payload=payload), [[bytes(64)], [huge]])
     with pytest.raises(MessageRejected, match="NaN or Inf"):
         codec.receive(blob, round=0, phase=1)
+
+
+def test_a_top_k_message_with_a_repeated_index_is_refused():
+    """Two kept values at one index would decode by scatter order, which may differ between machines."""
+    from dilocox_p2p.compression.topk import SparseChunks, TopKLayout, _pack_uint, _unary_high
+
+    layout = TopKLayout.of(8, chunk=8, density=0.5)  # k = 4, low bits 1
+    index = np.array([[2, 2, 5, 7]])
+    message = encode_topk(torch.arange(8.0), chunk=8, density=0.5)
+    forged = SparseChunks(layout, message.bits, message.signs, message.levels, message.magnitudes,
+                          _pack_uint((index & 1).reshape(-1), 1), _unary_high(index >> 1, layout))  # fmt: skip
+    with pytest.raises(ValueError, match="strictly ascending"):
+        decode_topk(forged, (8,))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int8", "topk", "lowrank"])
+def test_a_received_message_is_read_in_place_without_copying_its_payload(kind):
+    """The payload's sections are views of the received bytes (a message costs its size once)."""
+    from dilocox_p2p.compression.payload import unframe
+
+    cfg = CompressionConfig(kind=kind, rank=2, energy_target=0.0)
+    blob = StageCodec(cfg, NAMES, SHAPES, run_id="r").begin(0, _deltas(0)).message(1)
+    header, sections = unframe(blob)
+    assert sections and all(s.obj is blob for s in sections)
+    assert sum(s.nbytes for s in sections) + len(header.SerializeToString()) + 4 == len(blob)
+
+
+@pytest.mark.parametrize("cut", ["header length", "header", "section", "extra byte"])
+def test_a_message_framed_wrongly_is_refused_with_the_reason(cut):
+    from dilocox_p2p.compression.codec import MessageRejected
+
+    codec = StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r")
+    blob = codec.begin(0, _deltas(0)).message(1)
+    broken = {
+        "header length": blob[:3],
+        "header": (2**31).to_bytes(4, "little") + blob[4:],
+        "section": blob[:-1],
+        "extra byte": blob + b"\0",
+    }[cut]
+    with pytest.raises(MessageRejected, match="malformed"):
+        codec.receive(broken, round=0, phase=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(kind=st.sampled_from(["fp16", "int8", "topk", "lowrank"]), data=st.data())
+def test_no_corruption_of_a_message_makes_receiving_it_fail_other_than_by_refusal(kind, data):
+    """Flipped, cut or spliced bytes: `receive` either refuses (MessageRejected) or returns a message whose
+    values are finite and of the stage's shapes; nothing else escapes."""
+    from dilocox_p2p.compression.codec import MessageRejected
+
+    cfg = CompressionConfig(kind=kind, rank=2, energy_target=0.0, topk_chunk=64, topk_density=0.25)
+    codec = StageCodec(cfg, NAMES, SHAPES, run_id="r")
+    blob = bytearray(codec.begin(0, _deltas(0)).message(1))
+    for _ in range(data.draw(st.integers(1, 4))):
+        how = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = data.draw(st.integers(0, len(blob) - 1))
+        if how == "flip":
+            blob[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif how == "cut":
+            del blob[at : at + data.draw(st.integers(1, 16))]
+        else:
+            blob[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+        if not blob:
+            blob = bytearray(b"\0")
+    try:
+        received = codec.receive(bytes(blob), round=0, phase=1)
+    except MessageRejected:
+        return
+    values = received.reader.read_all()
+    assert values.numel() == received.layout.numel and bool(torch.isfinite(values).all())
