@@ -72,10 +72,10 @@ PRESETS: dict[str, ModelShape] = {
 OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1}
 """Outer lr defaults per mode: lr 0.7 + Nesterov 0.9 diverges with the one-step delay
 (measured in shared/notes/outer-loop-variants.md), so `delayed` uses 0.1."""
-TOPK_OUTER_LR_BY_MODE = {"sync": 1.5, "delayed": 0.7}
-"""With topk the outer step has no momentum (error feedback stands in for it), so it needs a larger
-lr: sync 1.5 was the best measured (notes/outer-loop-variants.md); delayed 0.7 is provisional
-until benchmarks/convergence.py has swept it."""
+TOPK_OUTER_LR_BY_MODE = {"sync": 4.0, "delayed": 2.0}
+"""With topk the outer step has no momentum (error feedback stands in for it), so it needs a larger lr:
+the best of benchmarks/convergence.py's sweep (3 peers, tiny, 50 rounds x H=20; lr 5 and above did
+worse, lr 6 and 8 diverged early)."""
 TOPK_MAX_CHUNK = 1 << 20
 """The largest top-k chunk: indices within a chunk travel and are held as 32-bit integers."""
 
@@ -222,7 +222,7 @@ class OuterConfig:
     """When round t's average is applied: sync = at once (DiLoCo); delayed = end of round t+1 (DiLoCoX)."""
     lr: float = 0.0
     """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1; with
-    compression topk, which has no outer momentum: sync 1.5, delayed 0.7)."""
+    compression topk, which has no outer momentum: sync 4.0, delayed 2.0)."""
     momentum: float = -1.0
     """Outer Nesterov momentum; -1 means the default: 0.9, or 0 with compression.kind = topk, whose
     error feedback stands in for momentum (SparseLoCo; notes: keeping 0.9 on top costs 11 points)."""

@@ -357,8 +357,8 @@ def test_outer_momentum_defaults_to_0_9_and_to_0_with_top_k_whose_error_feedback
     assert load_config().outer.effective_momentum == 0.9
     topk = load_config(overrides={"compression.kind": "topk"})
     assert topk.outer.effective_momentum == 0.0 and topk.compression.effective_feedback_decay == 0.95
-    assert topk.outer.effective_lr == 0.7  # delayed; without momentum the step needs a larger lr
-    assert load_config(overrides={"compression.kind": "topk", "outer.mode": "sync"}).outer.effective_lr == 1.5
+    assert topk.outer.effective_lr == 2.0  # delayed; without momentum the step needs a larger lr
+    assert load_config(overrides={"compression.kind": "topk", "outer.mode": "sync"}).outer.effective_lr == 4.0
     assert load_config(overrides={"compression.kind": "topk", "outer.lr": 0.2}).outer.effective_lr == 0.2
     assert load_config(overrides={"compression.kind": "topk", "outer.momentum": 0.5}).outer.effective_momentum == 0.5
     assert load_config(overrides={"compression.kind": "lowrank"}).compression.effective_feedback_decay == 1.0
