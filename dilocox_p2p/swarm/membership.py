@@ -106,6 +106,12 @@ class Membership:
             for peer_id in peer_ids:
                 self._suspects[peer_id] = now
 
+    def forgive(self) -> None:
+        """Drop every suspicion: this worker was the one behind (frozen, or on a stale state), so the
+        failures it saw in the rounds it dropped say nothing about the others."""
+        with self._lock:
+            self._suspects.clear()
+
     def donors(self, boundary: int | None = None) -> list[Member]:
         """Training members that hold (or will soon hold) `boundary`, most advanced first."""
         members = [m for m in self.members(training_only=True) if boundary is None or m.record.boundary <= boundary]

@@ -214,6 +214,7 @@ class SwarmStageWorker(StageWorker):
         assert download.state is not None
         self.swarm.exchanges.abandon_before(download.boundary)
         self.swarm.agreement.forget()
+        self.swarm.membership.forgive()  # its own failures, not the others' (a frozen peer suspects everyone)
         self.outer.load_state(download.state)
         if self.swarm.codec is not None:
             self.swarm.codec.reset()  # its error feedback was measured against a state it left
