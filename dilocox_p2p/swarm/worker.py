@@ -262,11 +262,12 @@ class SwarmStageWorker(StageWorker):
             self.outer.theta_g[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1)
 
     def on_finish(self, boundary: int) -> None:
-        """Keep serving the final state until the stage's other workers hold it too (or left)."""
+        """Keep serving the final state until the stage's other workers hold it too (or left), those still
+        resyncing included: they need a donor most."""
         ours = self.outer.hash()
         deadline = time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
         while time.monotonic() < deadline:
-            others = {m.peer_id for m in self.swarm.membership.members(training_only=True)}
+            others = {m.peer_id for m in self.swarm.membership.members()}
             try:
                 hashes = {p: r.state_hash for p, r in self.swarm.records.round_records(boundary).items()}
             except Exception as e:
