@@ -425,6 +425,11 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             self._hold(out.average)  # what this worker applies is what it serves from now on
         return out
 
+    def _reply_limits(self, wait_s: float, total_s: float) -> dict[str, float]:
+        """How long a reply may take: the server's wait plus one chunk timeout for its header, one chunk
+        timeout between chunks, `total_s` in all."""
+        return dict(first_within=wait_s + self.next_chunk_timeout, each_within=self.next_chunk_timeout, total_within=total_s)
+
     async def _fetch_average(
         self, peer: str, round: int, wait_s: float, timeout: float
     ) -> tuple[HeldAverage | None, str, int]:
@@ -433,8 +438,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         )
         try:
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_average(request), timeout)
-            head, tensors, size = await asyncio.wait_for(_read_stream(stream), timeout)
+            stream = await asyncio.wait_for(stub.rpc_download_average(request), min(timeout, self.next_chunk_timeout))
+            head, tensors, size = await _read_stream(stream, **self._reply_limits(wait_s, timeout))
         except Exception as e:
             return None, repr(e)[:200], 0
         header = head.average if head is not None and head.HasField("average") else None
@@ -553,8 +558,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
                 at_least=at_least,
             )
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_round(request), timeout)
-            head, tensors, _ = await asyncio.wait_for(_read_stream(stream), timeout + wait_s)
+            stream = await asyncio.wait_for(stub.rpc_download_round(request), min(timeout, self.next_chunk_timeout))
+            head, tensors, _ = await _read_stream(stream, **self._reply_limits(wait_s, timeout + wait_s))
             future.set_result(self._state_from(head, tensors, peer_id))
         except Exception as e:
             if not future.done():
@@ -600,11 +605,26 @@ def _tensor_chunks(tensors: Sequence[torch.Tensor]) -> Any:
             yield swarm_pb2.Chunk(tensor_part=part.SerializeToString())
 
 
-async def _read_stream(stream: AsyncIterator[swarm_pb2.Chunk]) -> tuple[swarm_pb2.Chunk | None, list[torch.Tensor], int]:
+async def _read_stream(
+    stream: AsyncIterator[swarm_pb2.Chunk], *, first_within: float, each_within: float, total_within: float
+) -> tuple[swarm_pb2.Chunk | None, list[torch.Tensor], int]:
     """Collect the header chunk, the tensors that follow it (a part with a dtype starts a new tensor),
-    and the bytes received."""
+    and the bytes received. The header must come within `first_within` s (the server may wait for
+    what is asked) and every later chunk within `each_within` s of the one before, all within
+    `total_within` s: a frozen sender costs one chunk timeout, not the whole budget."""
     head, parts, tensors, size = None, [], [], 0
-    async for chunk in stream:
+    deadline = time.monotonic() + total_within
+    chunks = aiter(stream)
+    while True:
+        within = min(first_within if head is None else each_within, deadline - time.monotonic())
+        if within <= 0:
+            raise TimeoutError(f"the reply took longer than {total_within:.1f}s")
+        try:
+            chunk = await asyncio.wait_for(anext(chunks), within)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no {'header' if head is None else 'next chunk'} within {within:.1f}s") from None
         size += chunk.ByteSize()
         if head is None:
             head = chunk

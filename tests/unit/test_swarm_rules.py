@@ -6,7 +6,9 @@ how a config difference is named, how faults are armed.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import logging
 
 import pytest
@@ -70,3 +72,31 @@ def test_faults_are_armed_by_name_and_conditions_and_an_unknown_name_is_refused(
     monkeypatch.setenv(injection.ENV, "kill_peer_inallreduce:round=2")
     with pytest.raises(ValueError, match="unknown fault 'kill_peer_inallreduce'"):
         injection.armed("kill_peer_in_allreduce", round=2)
+
+
+def _stalling_reply(chunks: int, stall_after: int, stall_s: float):
+    from dilocox_p2p.proto_gen import swarm_pb2
+
+    async def reply():
+        for i in range(chunks):
+            if i == stall_after:
+                await asyncio.sleep(stall_s)
+            yield swarm_pb2.Chunk(average=swarm_pb2.AverageHeader(n_tensors=0)) if i == 0 else swarm_pb2.Chunk()
+
+    return reply()
+
+
+def test_a_reply_that_stalls_costs_one_chunk_timeout_not_the_whole_budget():
+    from dilocox_p2p.swarm.averager import _read_stream
+
+    limits = dict(first_within=0.5, each_within=0.2, total_within=30.0)
+    head, tensors, _ = asyncio.run(_read_stream(_stalling_reply(1, 1, 0.0), **limits))
+    assert head.HasField("average") and tensors == []
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no next chunk within 0.2s"):
+        asyncio.run(_read_stream(_stalling_reply(3, 1, 20.0), **limits))
+    with pytest.raises(TimeoutError, match="no header within 0.5s"):
+        asyncio.run(_read_stream(_stalling_reply(3, 0, 20.0), **limits))
+    assert time.monotonic() - started < 3.0
+    with pytest.raises(TimeoutError, match="no header within 0.1s"):  # never past the whole budget
+        asyncio.run(_read_stream(_stalling_reply(3, 0, 0.3), first_within=1.0, each_within=1.0, total_within=0.1))
