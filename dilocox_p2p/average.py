@@ -20,7 +20,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,7 +39,9 @@ __all__ = [
     "covered_share",
     "fill_missing",
     "intersect_spans",
+    "norm",
     "ordered_mean",
+    "screen",
     "spans_by_tensor",
 ]
 
@@ -141,6 +144,30 @@ def ordered_mean(parts: Iterable[torch.Tensor], shape: torch.Size) -> torch.Tens
     if total is None:
         return torch.zeros(shape)
     return total.div_(count).to(torch.float32)
+
+
+def screen(norms: Mapping[int, float], max_ratio: float) -> dict[int, str]:
+    """Robust aggregation: the contributions to leave out of a mean, by index, with the reason. A
+    contribution is left out if its norm is not finite, or if it exceeds `max_ratio` times the group's
+    (lower) median norm: with two members the smaller one is the median, so one outsized sender
+    cannot drag the bar up with it. Norms are float64 sums of squares' roots (any rounding will do:
+    one reducer decides for every member)."""
+    out = {i: "not finite (NaN or Inf)" for i, n in norms.items() if not math.isfinite(n)}
+    finite = sorted(n for i, n in norms.items() if i not in out)
+    if len(finite) < 2:
+        return out
+    median = finite[(len(finite) - 1) // 2]
+    if median <= 0:
+        return out
+    for i, n in norms.items():
+        if i not in out and n > max_ratio * median:
+            out[i] = f"norm {n:.3g} is {n / median:.0f}x the group's median {median:.3g} (limit {max_ratio:g}x)"
+    return out
+
+
+def norm(tensor: torch.Tensor) -> float:
+    """The L2 norm in float64 (inf or nan for a tensor holding them)."""
+    return float(torch.linalg.vector_norm(tensor.to(torch.float64)))
 
 
 def alone(tensors: Sequence[torch.Tensor], *, round: int) -> Average:

@@ -28,6 +28,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 import tomli_w
 
 from .errors import ConfigError
+from .wire import protocol_version
 
 __all__ = [
     "CompressionConfig",
@@ -327,6 +328,21 @@ class SwarmConfig:
     leaves idle (about as fast where cores are to spare; on a CPU-bound machine starved helpers can miss the
     all-reduce timeouts). Negative: training runs below the helpers (measured slower: helper wake-ups
     preempt pipeline stages)."""
+    identity: str = ""
+    """This peer's Ed25519 key file (`dilocox-peer keygen`); empty: a key made in the run directory and kept."""
+    admission: Literal["open", "closed"] = "open"
+    """open: any peer with a signed identity and this config; closed: only keys on `allowlist` or holding a
+    certificate from the run key (`dilocox-peer certify`)."""
+    allowlist: tuple[str, ...] = ()
+    """Closed runs: peer public keys (hex, as `dilocox-peer keygen` prints them) admitted without a certificate."""
+    run_key: str = ""
+    """Closed runs: the run key's public key (hex); peers holding a certificate it signed are admitted."""
+    certificate: str = ""
+    """Closed runs: this peer's certificate file from `dilocox-peer certify`."""
+    max_norm_ratio: float = 10.0
+    """A contribution whose norm exceeds this many times the group's median is left out of the average."""
+    ban_after: int = 3
+    """Strikes (refused contributions or messages) after which a peer is banned for the rest of the run."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "swarm")
@@ -341,6 +357,16 @@ class SwarmConfig:
                 _fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")
         if not self.host_maddrs:
             _fail("swarm.host_maddrs", self.host_maddrs, "needs at least one listen address")
+        for key in (*self.allowlist, *([self.run_key] if self.run_key else [])):
+            if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+                _fail("swarm.allowlist" if key in self.allowlist else "swarm.run_key", key,
+                      "must be an Ed25519 public key in 64 lowercase hex digits (as `dilocox-peer keygen` prints it)")
+        if self.admission == "closed" and not (self.allowlist or self.run_key):
+            _fail("swarm.admission", self.admission, "a closed run needs swarm.allowlist or swarm.run_key")
+        if self.max_norm_ratio <= 1:
+            _fail("swarm.max_norm_ratio", self.max_norm_ratio, "must be above 1 (times the group's median norm)")
+        if self.ban_after < 1:
+            _fail("swarm.ban_after", self.ban_after, "must be at least 1 strike")
         for name in ("initial_peers", "host_maddrs", "announce_maddrs") if self.enabled else ():  # unused alone
             for text in getattr(self, name):
                 _check_maddr(f"swarm.{name}", text, need_peer_id=name == "initial_peers")
@@ -383,7 +409,10 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 _LOCAL_FIELDS = {
     "run": {"run_dir", "checkpoint_every", "device"},
     "data": {"paths", "seed"},
-    "swarm": {"enabled", "initial_peers", "host_maddrs", "announce_maddrs", "min_peers", "peer_wait", "helper_nice"},
+    "swarm": {
+        "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "min_peers", "peer_wait", "helper_nice",
+        "identity", "certificate",
+    },  # fmt: skip
     "control": {"progress", "log_level"},
     "inner": {"threads"},
 }
@@ -414,6 +443,7 @@ def shared_fields(cfg: Config) -> dict[str, dict[str, Any]]:
     shared["outer"]["lr"] = cfg.outer.effective_lr
     shared["outer"]["momentum"] = cfg.outer.effective_momentum
     shared["model"]["seq_len"] = cfg.model.shape.seq_len
+    shared["wire"] = {"protocol": protocol_version()}  # peers running other code are other runs
     return shared
 
 

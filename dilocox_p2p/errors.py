@@ -5,7 +5,9 @@
     +-- DataError            the corpus is missing, empty or too small for the sequence length
     +-- CheckpointError      nothing to resume from, or a checkpoint that does not fit this run
     +-- SwarmError           the swarm could not be joined or refused this peer
-    |   +-- AdmissionError   another peer of the run has a different config hash
+    |   +-- AdmissionError   another peer of the run has a different config hash, or a closed run's
+    |                        allowlist and certificate do not admit this peer's key
+    +-- IdentityError        a key or certificate file is missing, unsafe (readable by others) or malformed
     +-- WireRejected         bytes from another peer were refused (malformed, oversized...)
 
 The CLI maps every DilocoxError to a one-line message and exit code 2.
@@ -19,6 +21,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DilocoxError",
+    "IdentityError",
     "SwarmError",
     "WireRejected",
 ]
@@ -46,6 +49,10 @@ class SwarmError(DilocoxError):
 
 class AdmissionError(SwarmError):
     """This peer was refused by the run (or refused another peer): config hashes differ."""
+
+
+class IdentityError(DilocoxError):
+    """A key or certificate file cannot be used; the message says why and how to fix it."""
 
 
 class WireRejected(DilocoxError):

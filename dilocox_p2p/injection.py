@@ -15,6 +15,14 @@ Armed through the environment of the peer's processes, several separated by `;`:
 - `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,
   as a diverged or broken peer would produce.
 
+Hostile peers (docs/security.md), which skip this peer's own checks:
+- `send_nan_pseudo_gradient:round=R:stage=S` sends a pseudo-gradient full of NaN in round R.
+- `send_huge_pseudo_gradient:round=R:stage=S` sends 1000x its pseudo-gradient in round R.
+- `flip_served_bit:stage=S` flips one bit of every compressed message and average stage S
+  serves to another member (after signing it, as a faulty relay or link would).
+- `speak_other_protocol` signs with the next protocol version (a peer running other code).
+- `ignore_admission` joins a closed run without the key or certificate it asks for.
+
 Unset in normal runs; nothing here runs unless a fault is armed.
 """
 
@@ -24,11 +32,15 @@ import logging
 import os
 import signal
 
-__all__ = ["KNOWN", "armed", "kill_peer"]
+__all__ = ["KNOWN", "armed", "flip_last_bit", "kill_peer"]
 
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
-KNOWN = ("kill_peer_in_allreduce", "withhold_average", "corrupt_state", "nan_pseudo_gradient")
+KNOWN = (
+    "kill_peer_in_allreduce", "withhold_average", "corrupt_state", "nan_pseudo_gradient",
+    "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "flip_served_bit", "speak_other_protocol",
+    "ignore_admission",
+)  # fmt: skip
 
 
 def _parse(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -41,15 +53,20 @@ def _parse(text: str) -> list[tuple[str, dict[str, str]]]:
     return plans
 
 
-def armed(name: str, **context: object) -> bool:
-    """True if a fault `name` is armed whose conditions all match `context`."""
+def armed(name: str, *, quiet: bool = False, **context: object) -> bool:
+    """True if a fault `name` is armed whose conditions all match `context` (logged unless `quiet`)."""
     text = os.environ.get(ENV, "")
     if not text:
         return False
     hit = any(n == name and all(str(context.get(k)) == v for k, v in cond.items()) for n, cond in _parse(text))
-    if hit:
+    if hit and not quiet:
         logger.warning("fault injection: %s (%s)", name, ", ".join(f"{k}={v}" for k, v in context.items()))
     return hit
+
+
+def flip_last_bit(blob: bytes) -> bytes:
+    """`flip_served_bit`: the bytes with the lowest bit of the last one flipped."""
+    return blob[:-1] + bytes([blob[-1] ^ 1])
 
 
 def kill_peer(reason: str) -> None:

@@ -140,6 +140,10 @@ def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg, resume=resume, factory=factory)
     data_seed = prepare_run_dir(cfg, resume=resume)
+    if cfg.swarm.enabled:  # an unsafe key or a closed run's refusal: one clear error before any stage starts
+        from .swarm.credentials import Credentials
+
+        logger.info("peer key %s", Credentials.load(cfg).public_hex)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = _stage_context()
     procs = []

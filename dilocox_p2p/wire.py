@@ -1,9 +1,8 @@
-"""Bytes on the wire: encoding and checked decoding of the protobuf messages in proto/.
+"""Bytes on the wire: the protocol version, and checked decoding of the protobuf messages in proto/.
 
-Every message a worker accepts from another peer is decoded here, with a size limit
+Every payload a worker accepts from another peer is decoded here, with a size limit
 checked before parsing; what is refused raises `WireRejected` with the reason, which the
-caller logs and counts. (Signing and replay protection will wrap these bytes in a
-SignedEnvelope here, without changing the callers.)
+caller logs and counts. Payloads travel inside signed envelopes (envelope.py).
 """
 
 from __future__ import annotations
@@ -13,13 +12,22 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from . import injection
 from .errors import WireRejected
 from .proto_gen import swarm_pb2
 
-__all__ = ["MAX_RECORD_BYTES", "decode", "encode", "swarm_pb2"]
+__all__ = ["MAX_RECORD_BYTES", "PROTOCOL_VERSION", "decode", "encode", "protocol_version", "swarm_pb2"]
 
 MAX_RECORD_BYTES = 64 * 1024
+PROTOCOL_VERSION = 1
+"""Bumped whenever a message changes meaning; peers speaking another version are refused
+(the config hash covers it too, so such a peer is told at once that it belongs to another run)."""
 M = TypeVar("M", bound=Message)
+
+
+def protocol_version() -> int:
+    """The version this process speaks (tests arm `speak_other_protocol` to play a peer running other code)."""
+    return PROTOCOL_VERSION + 1 if injection.armed("speak_other_protocol", quiet=True) else PROTOCOL_VERSION
 
 
 def encode(message: Message) -> bytes:

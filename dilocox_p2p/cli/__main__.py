@@ -8,7 +8,7 @@ import sys
 from .. import __version__
 from ..errors import DilocoxError
 from ..logs import init_logging
-from . import config_cmd, demo, join, plot
+from . import config_cmd, demo, join, keys, plot
 from .options import OneLineParser as _Parser
 
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     config_cmd.add_parser(sub)
     plot.add_parser(sub)
+    keys.add_parsers(sub)
     return parser
 
 

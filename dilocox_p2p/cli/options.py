@@ -41,6 +41,8 @@ _FLAG_KEYS = {
     "announce_maddrs": "swarm.announce_maddrs",
     "min_peers": "swarm.min_peers",
     "round_wait": "swarm.round_wait",
+    "identity": "swarm.identity",
+    "certificate": "swarm.certificate",
     "progress": "control.progress",
     "log_level": "control.log_level",
 }
@@ -96,6 +98,10 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
         )
         s.add_argument("--min-peers", type=int, metavar="N", help="wait for N peers (this one included) before training")
         s.add_argument("--round-wait", type=float, metavar="S", help="most seconds a fast peer waits for slow ones per round")
+        s.add_argument(
+            "--identity", metavar="FILE", help="this peer's key from `dilocox-peer keygen` (default: one kept in RUN_DIR)"
+        )
+        s.add_argument("--certificate", metavar="FILE", help="closed runs: this peer's certificate (`dilocox-peer certify`)")
         s.add_argument(
             "--no-swarm", dest="swarm_enabled", action="store_false", default=None, help="train alone, without a DHT"
         )

@@ -9,7 +9,8 @@
 Every member decodes the same set of messages (the gather relays what a member missed) in the
 same order (the group's), sums them in float64 in that order and casts once, so every member
 holds the same bits on any CPU (outer.py's rule). A message that does not decode (malformed,
-wrong shapes, non-finite) is left out, by every member alike, and named in `Decoded.rejected`.
+wrong shapes, non-finite, or a norm far above the group's median: average.screen) is left out,
+by every member alike, and named in `Decoded.rejected`.
 Encoding and the mean run a slice at a time (payload.py): the codec's memory is the
 error-feedback buffer, the output and the messages, never a whole flat copy of the stage.
 
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..average import ordered_mean
+from ..average import ordered_mean, screen
 from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
@@ -81,10 +82,18 @@ class Decoded:
 class StageCodec:
     """Compression state and rules of one stage worker."""
 
-    def __init__(self, cfg: CompressionConfig, names: Sequence[str], shapes: Sequence[torch.Size], *, run_id: str):
+    def __init__(
+        self,
+        cfg: CompressionConfig,
+        names: Sequence[str],
+        shapes: Sequence[torch.Size],
+        *,
+        run_id: str,
+        max_norm_ratio: float = 10.0,
+    ):
         if cfg.kind == "none":
             raise ValueError("compression.kind none needs no codec: the butterfly averages fp32")
-        self.cfg, self.run_id = cfg, run_id
+        self.cfg, self.run_id, self.max_norm_ratio = cfg, run_id, max_norm_ratio
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         decay = cfg.effective_feedback_decay
         self.feedback = ErrorFeedback([torch.empty(s, device="meta") for s in self.shapes], decay=decay) if decay > 0 else None
@@ -231,6 +240,13 @@ class Received:
     energy_total: list[float]
     energy_kept: list[float]
 
+    def norm(self, step: int) -> float:
+        """The payload's L2 norm (float64), decoded a slice at a time; inf or nan if it holds them."""
+        total = 0.0
+        for lo in range(0, self.layout.numel, step):
+            total += float(torch.sum(self.reader.read(lo, min(lo + step, self.layout.numel)).double() ** 2))
+        return math.sqrt(total) if math.isfinite(total) else total
+
     def pieces(self) -> list[torch.Tensor]:
         """The payload decoded whole, as the pieces it concatenates (low-rank's small messages)."""
         flat = self.reader.read_all()
@@ -356,6 +372,11 @@ class RoundCodec:
                 received[index] = self.codec.receive(blob, round=self.round, phase=phase)
             except MessageRejected as e:
                 rejected[index] = str(e)
+        # robust aggregation: every member screens the same messages alike (average.screen)
+        step = slice_step(self.codec.cfg, max((r.layout.numel for r in received.values()), default=1))
+        for index, reason in screen({i: r.norm(step) for i, r in received.items()}, self.codec.max_norm_ratio).items():
+            rejected[index] = reason
+            del received[index]
         return received, rejected
 
 

@@ -8,7 +8,8 @@ check whose lookup fails is counted (`hash_checks_skipped`) and retried at the n
 
 A downloaded state is accepted only if its state hash AND the hash of its pending average
 equal what most of the stage group announced for that boundary, not only what the donor
-says of itself.
+says of itself. Round records are signed (dht.py) and only members vote: a third party can
+neither write under a member's name nor add votes of its own.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ class Agreement:
         except Exception as e:
             self.faults.count("hash_checks_skipped", "hash check of round %d skipped: lookup failed (%r)", check.boundary, e)
             return False
-        hashes = {peer: r.state_hash for peer, r in records.items()}
+        voters = self.membership.voters()
+        hashes = {peer: r.state_hash for peer, r in records.items() if peer in voters}
         if not any(peer != self.peer_id for peer in hashes) and self._others_held(check.boundary):
             self.faults.count(
                 "hash_checks_skipped", "hash check of round %d skipped: no other worker's record was found",
@@ -211,6 +213,8 @@ class Agreement:
         except Exception as e:
             self.faults.count("lookups_failed", "round records of %d could not be read: %r", state.boundary, e)
             return "the stage group's round records could not be read"
+        voters = self.membership.voters()
+        records = {p: r for p, r in records.items() if p in voters}
         ours = state.hash()
         winner = majority_hash({p: r.state_hash for p, r in records.items()})
         if winner is None:

@@ -14,7 +14,11 @@ hivemind_patches.py with the versions checked):
 3. A reducer that fails leaves the parts it had not delivered *missing*: `failed_spans()`
    names them (zeros in the output), and the outer step leaves those coordinates unchanged.
 4. Bytes sent and received are counted.
-5. Fault injection for tests (injection.py): `withhold_average`, `kill_peer_in_allreduce`.
+5. Robust aggregation (average.screen): a reducer leaves out of each part the contributions
+   that are not finite or whose norm is far above the part's median; a member refuses averaged
+   parts that are not finite (that reducer counts as failed). Both name the offender in
+   `offenders`, and the stage strikes it.
+6. Fault injection for tests (injection.py): `withhold_average`, `kill_peer_in_allreduce`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from .. import injection
-from ..average import Spans, ordered_mean
+from ..average import Spans, norm, ordered_mean, screen
 
 __all__ = ["ExactAllReduceRunner"]
 
@@ -49,6 +53,11 @@ class _OrderedMeanReducer(TensorPartReducer):
       rejects that part, so part k waits until the all-reduce times out; here it is counted;
     - a part finished twice raised InvalidStateError and broke the reducer's streams.
     """
+
+    def __init__(self, *args: Any, max_norm_ratio: float, **kwargs: Any):
+        self.max_norm_ratio = max_norm_ratio
+        self.offenses: dict[int, str] = {}  # sender index -> why a part of it was left out (the first such)
+        super().__init__(*args, **kwargs)
 
     def reset_accumulators(self) -> None:
         assert self.current_part_accumulated_from == self.num_current_senders or self.current_part_index == -1
@@ -87,7 +96,10 @@ class _OrderedMeanReducer(TensorPartReducer):
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders and not self.current_part_future.done():
-            parts = [self.contributions[i] for i in sorted(self.contributions)]
+            refused = screen({i: norm(t) for i, t in self.contributions.items()}, self.max_norm_ratio)
+            for i, reason in refused.items():
+                self.offenses.setdefault(i, f"its part {self.current_part_index} {reason}")
+            parts = [self.contributions[i] for i in sorted(self.contributions) if i not in refused]
             self.current_part_future.set_result(ordered_mean(parts, self.part_shapes[self.current_part_index]))
             self.reset_accumulators()
 
@@ -95,24 +107,34 @@ class _OrderedMeanReducer(TensorPartReducer):
 class _CountingStub:
     """Wraps a peer stub so that averaged parts received from that reducer are counted."""
 
-    def __init__(self, stub: Any, runner: ExactAllReduceRunner):
-        self._stub, self._runner = stub, runner
+    def __init__(self, stub: Any, runner: ExactAllReduceRunner, peer: PeerID):
+        self._stub, self._runner, self._peer = stub, runner, peer
 
     async def rpc_aggregate_part(self, inputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
         stream = await self._stub.rpc_aggregate_part(inputs)
-        return self._runner._count_received(stream)
+        return self._runner._count_received(stream, check_from=self._peer)
 
 
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce that hands members the averaged parts, in a fixed summation order."""
 
-    def __init__(self, *, kill_on_first_part: bool = False, withhold: bool = False, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        kill_on_first_part: bool = False,
+        withhold: bool = False,
+        max_norm_ratio: float = 10.0,
+        **kwargs: Any,
+    ):
         kwargs["weight"] = 1.0  # every member counts once (module docstring, point 2)
         super().__init__(**kwargs)
         self.tensor_part_reducer.finished.set()  # hivemind's reducer is replaced unused: no "received 0.0%" warning
         self.tensor_part_reducer = _OrderedMeanReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            max_norm_ratio=max_norm_ratio,
         )
+        self.reducer_offenses: dict[PeerID, str] = {}  # reducers whose averaged parts this member refused
         container = self.tensor_part_container
         # reducer i owns a contiguous block of the flattened tensors: remember its part sizes
         self.part_sizes_by_peer = [[part.numel() for part, _ in parts] for parts in container._input_parts_by_peer]
@@ -141,13 +163,26 @@ class ExactAllReduceRunner(AllReduceRunner):
             start += sum(sizes)
         return tuple(spans)
 
-    async def _count_received(self, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    def offenders(self) -> dict[str, str]:
+        """Members whose contributions (as senders) or averages (as reducers) were refused here, and why."""
+        out = {self.sender_peer_ids[i].to_base58(): r for i, r in self.tensor_part_reducer.offenses.items()}
+        out.update({p.to_base58(): r for p, r in self.reducer_offenses.items()})
+        return out
+
+    async def _count_received(self, stream: AsyncIterator[Any], check_from: PeerID | None = None) -> AsyncIterator[Any]:
+        """Count the bytes of `stream`; with `check_from`, refuse (as that reducer's failure) an averaged
+        part that is not finite."""
         async for message in stream:
             self.bytes_received += message.ByteSize()
+            if check_from is not None and message.code == averaging_pb2.AVERAGED_PART:
+                if not bool(torch.isfinite(deserialize_torch_tensor(message.tensor_part)).all()):
+                    self.reducer_offenses[check_from] = "sent an averaged part holding NaN or Inf"
+                    logger.warning("refused an averaged part from %s: it holds NaN or Inf", check_from)
+                    raise AllreduceException(f"{check_from} sent a non-finite averaged part")
             yield message
 
     def _get_peer_stub(self, peer: PeerID) -> Any:
-        return _CountingStub(super()._get_peer_stub(peer), self)
+        return _CountingStub(super()._get_peer_stub(peer), self, peer)
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         if peer_id != self.peer_id:

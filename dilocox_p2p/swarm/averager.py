@@ -13,6 +13,13 @@ Runs in its own process (hivemind's), beside the stage worker. What it adds:
    round boundary (theta_g, momentum, pending average) from a live worker.
 4. With compression, the round's group all-gathers compressed messages instead of running
    the butterfly (gather.py); later phases (low-rank) gather again in the same group.
+5. Trust (envelope.py, docs/security.md): every request is a SignedEnvelope from the libp2p
+   peer that sends it, addressed to this worker, fresh and never seen before; every reply
+   header is signed and answers the request's nonce, with the SHA-256 of the tensor bytes that
+   follow, read within a size limit. Matchmaking carries a signed GroupTicket in hivemind's
+   JoinRequest.gather: a leader takes only members with a valid ticket that this round admits
+   (live, not banned), a follower asks only such leaders, and a member whose group holds any
+   other leaves it.
 
 The private hivemind methods overridden here are listed in hivemind_patches.py.
 """
@@ -20,7 +27,9 @@ The private hivemind methods overridden here are listed in hivemind_patches.py.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
+import hashlib
 import logging
 import multiprocessing as mp
 import time
@@ -31,16 +40,19 @@ from typing import Any, AsyncIterator
 import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import runtime_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from .. import injection
 from ..average import Average, AverageKind, Spans, fill_missing
+from ..envelope import Gate, Signer
+from ..errors import WireRejected
+from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
 from .allreduce import ExactAllReduceRunner
@@ -98,6 +110,8 @@ class RoundResult:
     bytes_received: int = 0
     failed_reducers: list[str] = field(default_factory=list)
     banned_senders: list[str] = field(default_factory=list)
+    offenders: dict[str, str] = field(default_factory=dict)
+    """Members whose contribution (as sender) or average (as reducer) was refused here, and why."""
     messages: list[bytes | None] | None = None
     """With compression: the group's phase-1 messages, in group order (None: never received)."""
     failures: list[str] = field(default_factory=list)
@@ -153,9 +167,15 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         stage: int,
         nice: int = 0,
         max_message_bytes: int = 0,
+        signer: Signer,
+        gate: Gate,
+        max_norm_ratio: float = 10.0,
         **kwargs: Any,
     ):
         self.run_id, self.config_hash, self.stage, self.nice = run_id, config_hash, stage, nice
+        self.signer, self.gate, self.max_norm_ratio = signer, gate, max_norm_ratio
+        self._admitted: frozenset[str] = frozenset()  # this round's admissible group members (prepare_round)
+        self._refusals: collections.Counter[str] = collections.Counter()
         self._boundary = mp.Value(ctypes.c_int64, -1)
         self._state_ready = mp.Value(ctypes.c_bool, False)
         self._kept_boundary = mp.Value(ctypes.c_int64, -1)  # a complete earlier state kept for a joiner
@@ -221,11 +241,23 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._outer_pipe.send((method, [], dict(kwargs, future=future)))
         return future.result(timeout=result_within)
 
-    def prepare_round(self, round: int, target_group_size: int, payload: bytes | None = None) -> None:
-        """Set up the next step: its round, target group size, and with compression this worker's
-        phase-1 message (the step then all-gathers messages instead of running the butterfly)."""
+    def prepare_round(
+        self,
+        round: int,
+        target_group_size: int,
+        payload: bytes | None = None,
+        *,
+        admitted: Sequence[str] = (),
+        banned: Sequence[str] = (),
+    ) -> bytes:
+        """Set up the next step: its round, target group size, the workers it may group with (`admitted`,
+        besides this one) and those banned, and with compression this worker's phase-1 message (the step
+        then all-gathers messages instead of running the butterfly). Returns the signed GroupTicket
+        to pass to `step(gather=...)`."""
         size = self._stage(payload) if payload is not None else -1
-        self._call("_prepare_round", 30.0, round=round, target=target_group_size, payload_size=size)
+        kwargs = dict(round=round, target=target_group_size, payload_size=size, admitted=list(admitted), banned=list(banned))
+        self._call("_prepare_round", 30.0, **kwargs)
+        return self.signer.seal(envelope_pb2.GroupTicket(schema=self.schema_hash), round=round)
 
     def gather_phase(
         self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float
@@ -265,10 +297,16 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         return self._call("_download_round", timeout + wait_s + 30.0, **kwargs)
 
     # ----- averager process: the all-reduce -------------------------------------------------
-    async def _prepare_round(self, round: int, target: int, payload_size: int, future: MPFuture) -> None:
+    async def _prepare_round(
+        self, round: int, target: int, payload_size: int, admitted: list[str], banned: list[str], future: MPFuture
+    ) -> None:
         try:
             self._payload = self._unstage(payload_size) if payload_size >= 0 else None
+            self._admitted = frozenset(admitted) - frozenset(banned)
+            self.gate.ban(banned)
             mm = self._matchmaking
+            if not getattr(mm.potential_leaders, "_dilocox_filtered", False):
+                _ask_only_admitted_leaders(mm.potential_leaders, self)
             mm.group_key_manager.group_bits = round_group_bits(round)
             # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
             # size); the bits here are set per round, so that update is switched off
@@ -280,7 +318,49 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
 
+    # ----- averager process: who may group with whom -----------------------------------------
+    def _ticket_refusal(self, peer: str, gathered: bytes) -> str:
+        """Why `peer`'s JoinRequest.gather (hivemind's (bandwidth, mode, user data)) does not admit it to this
+        round's group ("" if it does)."""
+        if peer not in self._admitted:
+            return "not a live, admitted, unbanned member of this stage"
+        try:
+            _, _, user = self.serializer.loads(gathered)
+            self.gate.open(self.serializer.loads(user), envelope_pb2.GroupTicket, sender=peer, round=self._current_round)
+        except WireRejected as e:
+            return str(e)
+        except Exception as e:
+            return f"unreadable group ticket ({type(e).__name__})"
+        return ""
+
+    def _refused(self, what: str, reason: str) -> None:
+        """Log a refusal at its 1st, 10th, 100th... time (a flood of bad requests is not a flood of logs)."""
+        kind = reason.split(" (")[0][:80]
+        self._refusals[kind] += 1
+        n = self._refusals[kind]
+        if n in (1, 10, 100, 1000) or n % 10000 == 0:
+            logger.warning("refused %s: %s [%d such so far]", what, reason, n)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        peer = context.remote_id.to_base58()
+        refusal = self._ticket_refusal(peer, request.gather)
+        if refusal:
+            self._refused(f"{peer}'s request to join round {self._current_round}'s group", refusal)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        me = self.peer_id.to_base58()
+        for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
+            peer = peer_id.to_base58()
+            refusal = "" if peer == me else self._ticket_refusal(peer, gathered)
+            if refusal:  # a leader let in a member this worker does not admit: leave the group
+                self._refused(f"a group of round {self._current_round} holding {peer}", refusal)
+                raise AllreduceException(f"the group holds {peer}, which this worker does not admit: {refusal}")
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return self._last_result
 
@@ -302,6 +382,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             kill_on_first_part=injection.armed("kill_peer_in_allreduce", round=round, stage=self.stage),
             withhold=injection.armed("withhold_average", round=round, stage=self.stage),
+            max_norm_ratio=self.max_norm_ratio,
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
@@ -326,6 +407,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             bytes_received=runner.bytes_received,
             failed_reducers=[peers[i] for i in sorted(runner.failed_from)],
             banned_senders=[p.to_base58() for p in runner.banned_senders],
+            offenders=runner.offenders(),
         )
 
     async def _gather_first_phase(self, round: int, group_info: GroupInfo, group_id: bytes) -> None:
@@ -344,6 +426,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             bytes_received=gathered.bytes_received,
             messages=gathered.messages,
             failures=gathered.failures,
+            offenders=gathered.offenders,
         )
 
     async def _gather_phase(
@@ -436,31 +519,42 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         request = swarm_pb2.AverageRequest(
             run_id=self.run_id, config_hash=self.config_hash, stage=self.stage, round=round, wait_s=wait_s
         )
+        sealed = self.signer.seal_message(request, topic=peer, round=round)
         try:
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_average(request), min(timeout, self.next_chunk_timeout))
-            head, tensors, size = await _read_stream(stream, **self._reply_limits(wait_s, timeout))
+            stream = await asyncio.wait_for(stub.rpc_download_average(sealed), min(timeout, self.next_chunk_timeout))
+            reply = await _read_stream(stream, max_bytes=self._tensor_bytes(1), **self._reply_limits(wait_s, timeout))
+            header = self._open_head(reply, swarm_pb2.AverageHeader, peer, sealed)
+        except (WireRejected, _Oversized) as e:
+            return None, f"refused: {e}", 0
         except Exception as e:
             return None, repr(e)[:200], 0
-        header = head.average if head is not None and head.HasField("average") else None
-        if header is None:
-            return None, "reply without an average header", size
+        tensors, size = reply.tensors, reply.size
         if header.status != swarm_pb2.STATE_OK:
             return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
+        if reply.sha256 != header.sha256:
+            return None, "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)", size
         if len(tensors) != header.n_tensors or not _same_shapes(tensors, self._averaged_tensors):
             return None, "the tensors do not fit this stage", size
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            return None, "refused: the average holds NaN or Inf", size
         info = header.average
         missing = tuple((s.start, s.end) for s in info.missing)
         return HeldAverage(round, AverageKind(info.kind), tensors, missing, tuple(info.group), info.group_id), "", size
 
     async def rpc_download_average(
-        self, request: swarm_pb2.AverageRequest, context: P2PContext
+        self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
     ) -> AsyncIterator[swarm_pb2.Chunk]:
         """Stream this worker's copy of round `request.round`'s average (waiting up to `wait_s` for it)."""
         header = swarm_pb2.AverageHeader(status=swarm_pb2.STATE_REFUSED)
+        opened, header.reason = self._open_request(sealed, swarm_pb2.AverageRequest, context)
+        if opened is None:
+            yield self._head(header, sealed)
+            return
+        request, nonce = opened.message, opened.envelope.nonce
         if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
             header.reason = "another run, config or stage"
-            yield swarm_pb2.Chunk(average=header)
+            yield self._head(header, nonce=nonce)
             return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
         def lacking() -> bool:
@@ -471,23 +565,68 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         held = self._held.get(request.round)
         if held is None:
             header.status = swarm_pb2.STATE_LACKING if lacking() else swarm_pb2.STATE_NOT_READY
-            yield swarm_pb2.Chunk(average=header)
+            yield self._head(header, nonce=nonce)
             return
-        header = swarm_pb2.AverageHeader(status=swarm_pb2.STATE_OK, average=held.info(), n_tensors=len(held.tensors))
-        yield swarm_pb2.Chunk(average=header)
-        for chunk in _tensor_chunks(held.tensors):
+        chunks, digest = self._tensor_chunks(held.tensors)
+        header = swarm_pb2.AverageHeader(
+            status=swarm_pb2.STATE_OK, average=held.info(), n_tensors=len(held.tensors), sha256=digest
+        )
+        yield self._head(header, nonce=nonce)
+        for chunk in chunks:
             yield chunk
+
+    # ----- averager process: signed requests and replies ------------------------------------
+    def _open_request(
+        self, sealed: envelope_pb2.SignedEnvelope, cls: type, context: P2PContext
+    ) -> tuple[Any, str]:
+        """The verified request (fresh, addressed to this worker, from the peer on the stream), or why not."""
+        sender = context.remote_id.to_base58()
+        try:
+            return self.gate.open(sealed, cls, sender=sender, topic=self.signer.worker_id, fresh=True), ""
+        except WireRejected as e:
+            self._refused(f"a {cls.DESCRIPTOR.name} from {sender}", str(e))
+            return None, f"refused: {e}"[:300]
+
+    def _head(self, header: Any, sealed: envelope_pb2.SignedEnvelope | None = None, *, nonce: bytes = b"") -> swarm_pb2.Chunk:
+        """A signed reply header answering `nonce` (or, for a request that was refused, the nonce it claims)."""
+        if sealed is not None:
+            nonce = _claimed_nonce(sealed)
+        return swarm_pb2.Chunk(head=self.signer.seal(header, in_reply_to=nonce))
+
+    def _open_head(self, reply: _Reply, cls: type, peer: str, request: envelope_pb2.SignedEnvelope) -> Any:
+        """The reply's header, signed by `peer` in answer to `request`; raises WireRejected."""
+        if not reply.head:
+            raise WireRejected("reply without a header")
+        return self.gate.open(reply.head, cls, sender=peer, in_reply_to=_claimed_nonce(request)).message
+
+    def _tensor_chunks(self, tensors: Sequence[torch.Tensor]) -> tuple[list[swarm_pb2.Chunk], bytes]:
+        """Tensor parts to stream, and the SHA-256 of their bytes (for the signed header)."""
+        parts = [p.SerializeToString() for t in tensors for p in split_for_streaming(serialize_torch_tensor(t))]
+        digest = hashlib.sha256(b"".join(parts)).digest()
+        if parts and injection.armed("flip_served_bit", stage=self.stage):
+            parts[0] = injection.flip_last_bit(parts[0])
+        return [swarm_pb2.Chunk(tensor_part=p) for p in parts], digest
+
+    def _tensor_bytes(self, copies: int) -> int:
+        """The most bytes a reply of `copies` copies of this stage's tensors (plus framing) can take."""
+        total = sum(t.numel() * t.element_size() for t in self._averaged_tensors)
+        return int(copies * total * 1.02) + (1 << 20)
 
     # ----- averager process: state download --------------------------------------------------
     async def rpc_download_round(
-        self, request: swarm_pb2.StateRequest, context: P2PContext
+        self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
     ) -> AsyncIterator[swarm_pb2.Chunk]:
         """Stream this worker's state at `request.boundary` (or later, with `at_least`),
         waiting up to `wait_s` for it to be complete."""
         header = swarm_pb2.StateHeader(status=swarm_pb2.STATE_REFUSED)
+        opened, header.reason = self._open_request(sealed, swarm_pb2.StateRequest, context)
+        if opened is None:
+            yield self._head(header, sealed)
+            return
+        request, nonce = opened.message, opened.envelope.nonce
         if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
             header.reason = "another run, config or stage"
-            yield swarm_pb2.Chunk(state=header)
+            yield self._head(header, nonce=nonce)
             return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
         with self._state_wanted.get_lock():
@@ -499,14 +638,16 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
                 self._state_wanted.value -= 1
         if status != swarm_pb2.STATE_OK:
             header.status, header.boundary = status, self._boundary.value
-            yield swarm_pb2.Chunk(state=header)
+            yield self._head(header, nonce=nonce)
             return
+        chunks, digest = self._tensor_chunks(tensors)
         header = swarm_pb2.StateHeader(
             status=swarm_pb2.STATE_OK,
             boundary=metadata["boundary"],
             state_hash=metadata["state_hash"],
             n_tensors=len(tensors),
             has_pending=metadata["pending"] is not None,
+            sha256=digest,
         )
         if metadata["pending"] is not None:
             p = metadata["pending"]
@@ -518,8 +659,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
                     group=p["group"],
                 )
             )
-        yield swarm_pb2.Chunk(state=header)
-        for chunk in _tensor_chunks(tensors):
+        yield self._head(header, nonce=nonce)
+        for chunk in chunks:
             yield chunk
 
     async def _wait_for_state(self, request: swarm_pb2.StateRequest, deadline: float) -> tuple[Any, Any, int]:
@@ -557,20 +698,27 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
                 wait_s=wait_s,
                 at_least=at_least,
             )
+            sealed = self.signer.seal_message(request, topic=peer_id, round=boundary)
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_round(request), min(timeout, self.next_chunk_timeout))
-            head, tensors, _ = await _read_stream(stream, **self._reply_limits(wait_s, timeout + wait_s))
-            future.set_result(self._state_from(head, tensors, peer_id))
+            stream = await asyncio.wait_for(stub.rpc_download_round(sealed), min(timeout, self.next_chunk_timeout))
+            limits = self._reply_limits(wait_s, timeout + wait_s)
+            reply = await _read_stream(stream, max_bytes=self._tensor_bytes(3), **limits)
+            header = self._open_head(reply, swarm_pb2.StateHeader, peer_id, sealed)
+            future.set_result(self._state_from(header, reply, peer_id))
+        except (WireRejected, _Oversized) as e:
+            if not future.done():
+                future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=f"refused: {e}"))
         except Exception as e:
             if not future.done():
                 future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=repr(e)[:200]))
 
-    def _state_from(self, head: swarm_pb2.Chunk | None, tensors: list[torch.Tensor], donor: str) -> StateDownload:
-        header = head.state if head is not None and head.HasField("state") else None
-        if header is None:
-            return StateDownload(status=-1, boundary=-1, donor=donor, reason="reply without a state header")
+    def _state_from(self, header: swarm_pb2.StateHeader, reply: _Reply, donor: str) -> StateDownload:
+        tensors = reply.tensors
         if header.status != swarm_pb2.STATE_OK:
             return StateDownload(status=header.status, boundary=header.boundary, donor=donor, reason=header.reason)
+        if reply.sha256 != header.sha256:
+            reason = "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)"
+            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason=reason)
         n = len(self._averaged_tensors)
         want = 3 * n if header.has_pending else 2 * n
         if len(tensors) != header.n_tensors or len(tensors) != want:
@@ -599,20 +747,51 @@ def _same_shapes(tensors: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) 
     )
 
 
-def _tensor_chunks(tensors: Sequence[torch.Tensor]) -> Any:
-    for tensor in tensors:
-        for part in split_for_streaming(serialize_torch_tensor(tensor)):
-            yield swarm_pb2.Chunk(tensor_part=part.SerializeToString())
+def _claimed_nonce(sealed: envelope_pb2.SignedEnvelope) -> bytes:
+    """The nonce a request says it has (unverified: only echoed back, or compared with our own)."""
+    try:
+        return envelope_pb2.Envelope.FromString(sealed.body).nonce
+    except Exception:
+        return b""
+
+
+class _Oversized(ValueError):
+    """A reply longer than what this stage's tensors can take: refused before reading more."""
+
+
+@dataclass
+class _Reply:
+    head: bytes
+    tensors: list[torch.Tensor]
+    size: int
+    sha256: bytes
+    """SHA-256 of the tensor parts, end to end, as received."""
+
+
+def _ask_only_admitted_leaders(leaders: Any, averager: DilocoxAverager) -> None:
+    """hivemind's follower asks leaders in the order of its queue: skip those this round does not admit."""
+    pop = leaders.pop_next_leader
+
+    async def pop_admitted() -> PeerID:
+        while True:
+            leader = await pop()
+            if leader.to_base58() in averager._admitted:
+                return leader
+            logger.debug("not asking %s to lead: not an admitted member of this round", leader)
+
+    leaders.pop_next_leader = pop_admitted
+    leaders._dilocox_filtered = True
 
 
 async def _read_stream(
-    stream: AsyncIterator[swarm_pb2.Chunk], *, first_within: float, each_within: float, total_within: float
-) -> tuple[swarm_pb2.Chunk | None, list[torch.Tensor], int]:
+    stream: AsyncIterator[swarm_pb2.Chunk], *, first_within: float, each_within: float, total_within: float, max_bytes: int
+) -> _Reply:
     """Collect the header chunk, the tensors that follow it (a part with a dtype starts a new tensor),
-    and the bytes received. The header must come within `first_within` s (the server may wait for
-    what is asked) and every later chunk within `each_within` s of the one before, all within
-    `total_within` s: a frozen sender costs one chunk timeout, not the whole budget."""
-    head, parts, tensors, size = None, [], [], 0
+    the bytes received and the SHA-256 of the tensor parts. The header must come within `first_within` s
+    (the server may wait for what is asked) and every later chunk within `each_within` s of the one
+    before, all within `total_within` s: a frozen sender costs one chunk timeout, not the whole budget.
+    More than `max_bytes` in all is refused as soon as it is exceeded."""
+    head, parts, tensors, size, digest = None, [], [], 0, hashlib.sha256()
     deadline = time.monotonic() + total_within
     chunks = aiter(stream)
     while True:
@@ -626,9 +805,12 @@ async def _read_stream(
         except asyncio.TimeoutError:
             raise TimeoutError(f"no {'header' if head is None else 'next chunk'} within {within:.1f}s") from None
         size += chunk.ByteSize()
+        if size > max_bytes:
+            raise _Oversized(f"the reply exceeds {max_bytes} bytes, more than this stage's tensors can take")
         if head is None:
-            head = chunk
+            head = chunk.head
             continue
+        digest.update(chunk.tensor_part)
         part = runtime_pb2.Tensor.FromString(chunk.tensor_part)
         if part.dtype and parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
@@ -636,4 +818,4 @@ async def _read_stream(
         parts.append(part)
     if parts:
         tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-    return head, tensors, size
+    return _Reply(head or b"", tensors, size, digest.digest())

@@ -1,33 +1,43 @@
 """The DHT side of a stage worker: start the node, and read/write the run's records.
 
-Keys (values are protobuf bytes from proto/dilocox/v1/swarm.proto, subkey = peer id):
+Keys (values are SignedEnvelopes (envelope.py) of protobuf messages from
+proto/dilocox/v1/swarm.proto, signed by the worker whose peer id is the subkey, for the key
+they are stored under):
     {run}:members:s{stage}        MemberRecord per live worker, refreshed by a heartbeat
     {run}:round:s{stage}:{b}      RoundRecord: the state (and pending average) hashes each worker holds at b
     {run}:config:{hash}           ConfigRecord: the shared config behind a hash
 
-A lookup that fails raises (the caller counts it); a record that cannot be decoded or
-belongs to another run or stage is skipped and counted as `records_refused`.
+Records are checked twice: by the DHT node itself (`EnvelopeValidator`, a hivemind
+RecordValidator: a record signed by another key than its subkey's, for another key, run or
+protocol, or by a key a closed run does not admit is neither stored nor returned), and when
+read (`RunRecords`: the same checks plus the payload's type, schema and round, with the
+reason logged and counted as `records_refused`). A lookup that fails raises (the caller
+counts it).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hivemind
-from hivemind.utils import get_dht_time
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from ..config import SwarmConfig
+from ..envelope import ForeignProtocol, Gate, Opened, Signer
 from ..errors import SwarmError, WireRejected
-from ..wire import decode, encode, swarm_pb2
+from ..wire import swarm_pb2
 from .faults import FaultCounter
 from .priority import lower_priority
 
-__all__ = ["Heartbeat", "RunRecords", "start_dht"]
+__all__ = ["EnvelopeValidator", "Heartbeat", "RunRecords", "run_keys", "start_dht"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +67,71 @@ class HelperDHT(hivemind.DHT):
         super().run()
 
 
+MAX_STAGES_GUARDED = 64  # member keys of stages 0..63 only take signed records (EnvelopeValidator)
+
+
+def run_keys(run_id: str, config_hash: str) -> list[str]:
+    """The run's DHT keys known in advance: nobody may store an unsigned or plain value under them."""
+    return [f"{run_id}:members:s{s}" for s in range(MAX_STAGES_GUARDED)] + [f"{run_id}:config:{config_hash}"]
+
+
+class EnvelopeValidator(RecordValidatorBase):
+    """hivemind RecordValidator for the run's records, run by the DHT node on every record it is asked
+    to store and every record a lookup returns.
+
+    A record with a string subkey is one of ours (hivemind's own matchmaking records use bytes
+    subkeys): it must be a SignedEnvelope signed by the worker its subkey names, for the key it is
+    stored under, of this run, from an admitted key (the payload and protocol version are checked when
+    read, where a peer running other code is told why it is refused). Under the run's fixed keys
+    (`run_keys`) only such records are taken. Refusals are logged at their 1st, 10th, 100th... time.
+    """
+
+    def __init__(self, gate: Gate, guarded_keys: Iterable[str]):
+        self.gate = gate
+        self.guarded = {DHTID.generate(source=k).to_bytes() for k in guarded_keys}
+        self.refusals: collections.Counter[str] = collections.Counter()
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
+            if not isinstance(subkey, str):
+                if record.key in self.guarded:
+                    raise WireRejected("a plain value (no signed subkey) under one of the run's keys")
+                return True
+            # another protocol passes here (if signed right) so that its peer is told why it is refused
+            envelope = self.gate.check(MSGPackSerializer.loads(record.value), sender=subkey, any_protocol=True)
+            if DHTID.generate(source=envelope.topic).to_bytes() != record.key:
+                raise WireRejected(f"a record of {subkey[:20]}... signed for {envelope.topic[:60]!r} stored under "
+                                   "another key (replayed)")  # fmt: skip
+            return True
+        except WireRejected as e:
+            self._log(str(e))
+        except Exception as e:  # msgpack or anything else that cannot be read
+            self._log(f"unreadable record ({type(e).__name__})")
+        return False
+
+    def _log(self, reason: str) -> None:
+        kind = reason.split(" (")[0][:80]
+        self.refusals[kind] += 1
+        n = self.refusals[kind]
+        if n & (n - 1) == 0 or n in (10, 100, 1000, 10000):
+            logger.warning("DHT refused a record: %s [%d such so far]", reason, n)
+
+    @property
+    def priority(self) -> int:
+        return 20  # checked before any other validator strips anything
+
+
 def start_dht(
-    cfg: SwarmConfig, *, stage: int, identity_path: Path | None, extra_peers: Sequence[str] = ()
+    cfg: SwarmConfig,
+    *,
+    stage: int,
+    identity_path: Path,
+    validator: RecordValidatorBase,
+    extra_peers: Sequence[str] = (),
 ) -> hivemind.DHT:
-    """Start this worker's DHT node and join the swarm; errors name the failing address.
+    """Start this worker's DHT node (libp2p key: `identity_path`, identity.worker_identity) and join the
+    swarm; errors name the failing address.
 
     `extra_peers` are this peer's own stage-0 node, so that a peer's stages share one DHT.
     """
@@ -70,10 +141,10 @@ def start_dht(
         announce_maddrs=[stage_maddr(m, stage) for m in cfg.announce_maddrs] or None,
         start=True,
         startup_timeout=30,
+        record_validators=[validator],
+        identity_path=str(identity_path),
+        check_if_identity_free=False,  # hivemind's check reads RSA keys only; the key is this worker's own file
     )
-    if identity_path is not None:
-        identity_path.parent.mkdir(parents=True, exist_ok=True)
-        kwargs["identity_path"] = str(identity_path)
     try:
         return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
@@ -98,20 +169,26 @@ class Member:
     peer_id: str
     record: swarm_pb2.MemberRecord
     expiration: float
+    peer_key: bytes = b""
+    """The peer (cluster) identity key that vouches for this worker (StageCertificate)."""
 
 
 class RunRecords:
-    """Typed access to the run's DHT records for one stage."""
+    """Typed access to the run's DHT records for one stage: sealed by `signer`, opened by `gate`."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, stage: int, faults: FaultCounter):
+    def __init__(self, dht: hivemind.DHT, run_id: str, stage: int, faults: FaultCounter, *, signer: Signer, gate: Gate):
         self.dht, self.run_id, self.stage, self.faults = dht, run_id, stage, faults
+        self.signer, self.gate = signer, gate
         self.peer_id = dht.peer_id.to_base58()
+        assert self.peer_id == signer.worker_id, "the DHT runs under another key than the signer's"
         self.members_key = f"{run_id}:members:s{stage}"
+        self.foreign: dict[str, int] = {}  # workers whose records speak another protocol version -> that version
 
-    def _store(self, key: str, message: Any, ttl: float, *, best_effort: bool = False) -> bool:
-        """Store `message` under `key`; a failure is counted, or only logged if `best_effort`."""
+    def _store(self, key: str, message: Any, ttl: float, *, round: int = 0, best_effort: bool = False) -> bool:
+        """Store `message` under `key`, signed for that key; a failure is counted, or only logged if `best_effort`."""
+        value = self.signer.seal(message, topic=key, round=round)
         try:
-            stored = self.dht.store(key, subkey=self.peer_id, value=encode(message), expiration_time=get_dht_time() + ttl)
+            stored = self.dht.store(key, subkey=self.peer_id, value=value, expiration_time=get_dht_time() + ttl)
             failure = "" if stored else "no DHT node accepted it"
         except Exception as e:
             stored, failure = False, repr(e)
@@ -121,20 +198,25 @@ class RunRecords:
             self.faults.count("publishes_failed", "could not store %s: %s", key, failure)
         return bool(stored)
 
-    def _get(self, key: str, cls: type) -> dict[str, tuple[Any, float]]:
-        """Decoded records under `key` by subkey; raises if the lookup itself fails."""
+    def _get(self, key: str, cls: type, *, round: int | None = None) -> dict[str, tuple[Opened, float]]:
+        """Verified records under `key` by subkey (signer); raises if the lookup itself fails."""
         found = self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}
         for subkey, item in found.value.items():
             try:
-                message = decode(cls, getattr(item, "value", None))
-            except WireRejected as e:
-                self.faults.count("records_refused", "refused a record under %s from %s: %s", key, subkey, e)
+                if not isinstance(subkey, str):
+                    raise WireRejected(f"subkey {str(subkey)[:30]!r} is not a peer id")
+                opened = self.gate.open(getattr(item, "value", None), cls, sender=subkey, topic=key, round=round)
+            except ForeignProtocol as e:
+                self.foreign[str(subkey)] = e.version
+                self.faults.count("records_refused", "refused a record under %s: %s", key, e)
                 continue
-            if isinstance(subkey, str):
-                out[subkey] = (message, item.expiration_time)
+            except WireRejected as e:
+                self.faults.count("records_refused", "refused a record under %s: %s", key, e)
+                continue
+            out[subkey] = (opened, item.expiration_time)
         return out
 
     def publish_member(self, record: swarm_pb2.MemberRecord, ttl: float = MEMBER_TTL_S, *, leaving: bool = False) -> bool:
@@ -144,31 +226,33 @@ class RunRecords:
     def members(self) -> list[Member]:
         now = get_dht_time()
         members = []
-        for peer_id, (record, exp) in self._get(self.members_key, swarm_pb2.MemberRecord).items():
-            if record.run_id != self.run_id or record.stage != self.stage:
+        for peer_id, (opened, exp) in self._get(self.members_key, swarm_pb2.MemberRecord).items():
+            record = opened.message
+            if record.run_id != self.run_id or record.stage != self.stage or opened.envelope.sender.stage != self.stage:
                 self.faults.count(
                     "records_refused", "refused the member record of %s: run %r stage %d under this run's key",
                     peer_id, record.run_id, record.stage,
                 )
             elif exp > now:
-                members.append(Member(peer_id, record, exp))
+                members.append(Member(peer_id, record, exp, opened.peer_key))
         return members
 
     def publish_round(self, record: swarm_pb2.RoundRecord) -> bool:
-        return self._store(f"{self.run_id}:round:s{self.stage}:{record.boundary}", record, ROUND_RECORD_TTL_S)
+        key = f"{self.run_id}:round:s{self.stage}:{record.boundary}"
+        return self._store(key, record, ROUND_RECORD_TTL_S, round=record.boundary)
 
     def round_records(self, boundary: int) -> dict[str, swarm_pb2.RoundRecord]:
-        records = self._get(f"{self.run_id}:round:s{self.stage}:{boundary}", swarm_pb2.RoundRecord)
-        return {peer: r for peer, (r, _) in records.items() if r.boundary == boundary}
+        records = self._get(f"{self.run_id}:round:s{self.stage}:{boundary}", swarm_pb2.RoundRecord, round=boundary)
+        return {peer: o.message for peer, (o, _) in records.items() if o.message.boundary == boundary}
 
     def publish_config(self, config_hash: str, shared_json: str) -> None:
         record = swarm_pb2.ConfigRecord(config_hash=config_hash, shared_json=shared_json)
         self._store(f"{self.run_id}:config:{config_hash}", record, ROUND_RECORD_TTL_S)
 
     def config(self, config_hash: str) -> str | None:
-        for record, _ in self._get(f"{self.run_id}:config:{config_hash}", swarm_pb2.ConfigRecord).values():
-            if record.config_hash == config_hash:
-                return record.shared_json
+        for opened, _ in self._get(f"{self.run_id}:config:{config_hash}", swarm_pb2.ConfigRecord).values():
+            if opened.message.config_hash == config_hash:
+                return opened.message.shared_json
         return None
 
 

@@ -10,6 +10,8 @@
 
 A pseudo-gradient holding NaN or Inf is never sent: the round is dropped from this worker's
 side (logged as an error, counted as `nonfinite_dropped`) and it takes its group's average.
+What other members send is screened (allreduce.py, codec.py): a refused contribution or
+message strikes its sender (stage.strike), and enough strikes ban it for the run.
 
 A round never raises and never blocks past its timeouts: every way it can end is an
 `AverageKind` (average.py), and STRANDED / ABANDONED apply nothing.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from hivemind.averaging.control import AveragingStage
 
+from .. import injection
 from ..average import Average, AverageKind
 from ..compression.codec import is_finite
 from .averager import Collected, HeldAverage, RoundResult
@@ -67,6 +70,7 @@ class RoundExchange:
                 self.round,
                 level=logging.ERROR,
             )
+        self._play_hostile()
         # Phase 1: wait until the stage's live members have started this round
         others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self.abandoned)
         if self.abandoned():
@@ -96,17 +100,33 @@ class RoundExchange:
         self._log(average, expected=1 + len(others))
         return average
 
+    def _play_hostile(self) -> None:
+        """Fault injection: send what this worker's own checks would have kept back (docs/security.md)."""
+        where = dict(round=self.round, stage=self.stage.stage)
+        if injection.armed("send_nan_pseudo_gradient", **where):
+            self.tensors = [torch.full_like(t, float("nan")) for t in self.tensors]
+        elif injection.armed("send_huge_pseudo_gradient", **where):
+            self.tensors = [t * 1000 for t in self.tensors]
+
     # ----- phase 2 -------------------------------------------------------------------------
     def _all_reduce(self, expected: int, payload: bytes | None = None) -> tuple[RoundResult | None, str]:
         if payload is None:
             with self.averager.get_tensors() as buffers:
                 for buf, t in zip(buffers, self.tensors):
                     buf.copy_(t)
-        self.averager.prepare_round(self.round, expected, payload=payload)
+        ticket = self.averager.prepare_round(
+            self.round, expected, payload=payload,
+            admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()),
+        )  # fmt: skip
         started = time.monotonic()
-        self._control = self.averager.step(timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False)
+        self._control = self.averager.step(
+            gather=ticket, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False
+        )
         try:
             result = self._wait_for_step(started)
+            if result is not None:
+                for peer, reason in result.offenders.items():
+                    self.stage.strike(peer, f"round {self.round}: {reason}")
             return result, "" if result is not None else "the stage group averaged without this worker"
         except BaseException as e:  # includes the CancelledError of an abandoned round
             return None, f"{type(e).__name__}: {str(e)[:200]}"
@@ -148,11 +168,15 @@ class RoundExchange:
             messages = second.messages
             sent, received = sent + second.bytes_sent, received + second.bytes_received
             failures += second.failures
+            for peer, reason in second.offenders.items():
+                self.stage.strike(peer, f"round {self.round} phase 2: {reason}")
         decoded = round_codec.average(messages)
         used = tuple(result.group[i] for i in decoded.used)
         for index, reason in decoded.rejected.items():
             self.stage.faults.count("messages_left_out", "round %d: %s's message left out: %s",
                                     self.round, result.group[index], reason)
+            if reason != "not received":  # it arrived intact (signed digest) but cannot be averaged
+                self.stage.strike(result.group[index], f"round {self.round}: its message {reason}")
         for failure in failures:
             logger.info("round %d: %s", self.round, failure)
         self.membership.suspect([result.group[i] for i in decoded.rejected if result.group[i] != self.stage.peer_id])

@@ -33,6 +33,10 @@ FAULTS = {
     "pending_dropped": "an average lost with a checkpoint could not be had from any member and was skipped",
     "nonfinite_dropped": "this worker's pseudo-gradient held NaN or Inf: not sent; the group's average was taken",
     "messages_left_out": "a member's compressed message was not received or did not decode: left out of the average",
+    "contributions_refused": "a member's contribution was not finite or its norm far above the group's median, or a "
+    "message failed its author's signed digest: left out, and the sender struck",
+    "requests_refused": "a request from another worker failed its envelope checks (signature, run, admission, replay...)",
+    "peers_banned": "a member was banned for the rest of the run after swarm.ban_after strikes",
 }
 """Every counter, with what it counts (README: metrics.jsonl)."""
 

@@ -14,6 +14,9 @@ every other member's whole message, and each decodes the same set in the same or
 
 Messages are pulled, never pushed: a worker holds only what it asked for. What a member could
 not get by the deadline is None in the result; the worker decodes what it has and says so.
+Each message travels with its author's signed MessageDigest (size and SHA-256), which relays
+pass on unchanged: a message altered anywhere on the way is refused, and the member that
+served it is named in `offenders` (the stage strikes it).
 A member returns once the others have pulled its message too (or a few seconds passed), so
 the bytes it served are counted with the round they belong to.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -30,6 +34,10 @@ from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' 
 
 from hivemind.p2p import P2PContext, PeerID
 
+from .. import injection
+from ..envelope import Gate, Signer
+from ..errors import WireRejected
+from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 
 __all__ = ["GatherResult", "MessageGather"]
@@ -49,6 +57,8 @@ class GatherResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     failures: list[str] = field(default_factory=list)
+    offenders: dict[str, str] = field(default_factory=dict)
+    """Members that served a message that failed its author's digest, and why."""
 
 
 class MessageGather:
@@ -58,16 +68,19 @@ class MessageGather:
     config_hash: str
     stage: int
     prefix: str
+    signer: Signer
+    gate: Gate
     _p2p: Any
 
     def _init_gather(self, max_message_bytes: int) -> None:
         self._my_id = ""  # this worker's peer id, known once the averager process runs
-        self._inbox: collections.OrderedDict[tuple[bytes, int], dict[str, bytes]] = collections.OrderedDict()
+        # (group, phase) -> sender -> (message, the author's signed MessageDigest)
+        self._inbox: collections.OrderedDict[tuple[bytes, int], dict[str, tuple[bytes, bytes]]] = collections.OrderedDict()
         self._max_message_bytes = max_message_bytes
         self._served: dict[tuple[bytes, int], int] = collections.defaultdict(int)  # bytes served per inbox
         self._delivered: dict[tuple[bytes, int], set[str]] = collections.defaultdict(set)  # who pulled my message
 
-    def _box(self, group_id: bytes, phase: int) -> dict[str, bytes]:
+    def _box(self, group_id: bytes, phase: int) -> dict[str, tuple[bytes, bytes]]:
         key = (group_id, phase)
         if key not in self._inbox:
             self._inbox[key] = {}
@@ -83,28 +96,35 @@ class MessageGather:
         """Every member's message of (group_id, phase), in the order of `peers`."""
         self._my_id = me
         box = self._box(group_id, phase)
-        box[me] = payload
+        digest = envelope_pb2.MessageDigest(
+            group_id=group_id, phase=phase, size=len(payload), sha256=hashlib.sha256(payload).digest()
+        )
+        box[me] = (payload, self.signer.seal(digest))
         result = GatherResult(messages=[])
         others = [p for p in peers if p != me]
         pulls = [self._pull(p, group_id, phase, p, deadline) for p in others]
         answered = []
-        for peer, (blob, reason, size) in zip(others, await asyncio.gather(*pulls)):
+        for peer, (got, reason, size) in zip(others, await asyncio.gather(*pulls)):
             result.bytes_received += size
-            if blob is None:
+            if got is None:
                 result.failures.append(f"{peer}: {reason}")
+                if reason.startswith("refused"):
+                    result.offenders[peer] = reason
             else:
-                box[peer] = blob
+                box[peer] = got
                 answered.append(peer)
         for sender in [p for p in others if p not in box]:  # relay what missed this worker
             for holder in answered:
                 until = min(deadline, time.monotonic() + 5.0)
-                blob, reason, size = await self._pull(holder, group_id, phase, sender, until)
+                got, reason, size = await self._pull(holder, group_id, phase, sender, until)
                 result.bytes_received += size
-                if blob is not None:
-                    box[sender] = blob
+                if got is not None:
+                    box[sender] = got
                     logger.info("phase %d: %s's message relayed by %s", phase, sender, holder)
                     break
-        result.messages = [box.get(p) for p in peers]
+                if reason.startswith("refused"):
+                    result.offenders[holder] = reason
+        result.messages = [box[p][0] if p in box else None for p in peers]
         key, until = (group_id, phase), min(deadline, time.monotonic() + DELIVERY_WAIT_S)
         while not set(answered) <= self._delivered[key] and time.monotonic() < until:
             await asyncio.sleep(0.02)
@@ -113,7 +133,9 @@ class MessageGather:
 
     async def _pull(
         self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float
-    ) -> tuple[bytes | None, str, int]:
+    ) -> tuple[tuple[bytes, bytes] | None, str, int]:
+        """`sender`'s message and its author's signed digest, pulled from `holder`; or why not (a reason
+        starting with "refused" blames the holder)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return None, "no time left", 0
@@ -121,53 +143,73 @@ class MessageGather:
             run_id=self.run_id, config_hash=self.config_hash, stage=self.stage,
             group_id=group_id, phase=phase, sender=sender, wait_s=remaining,
         )  # fmt: skip
-        size, parts, header = 0, [], None
+        sealed = self.signer.seal_message(request, topic=holder)
+        nonce = envelope_pb2.Envelope.FromString(sealed.body).nonce
+        size, parts, head = 0, [], None
         try:
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(holder), namespace=self.prefix)  # type: ignore[attr-defined]
-            stream = await asyncio.wait_for(stub.rpc_download_message(request), remaining)
+            stream = await asyncio.wait_for(stub.rpc_download_message(sealed), remaining)
 
             async def read() -> None:
-                nonlocal size, header
+                nonlocal size, head
                 async for chunk in stream:
                     size += chunk.ByteSize()
-                    if header is None:
-                        header = chunk.gather if chunk.HasField("gather") else swarm_pb2.GatherHeader(status=-1)
+                    if head is None:
+                        head = chunk.head
                     else:
                         parts.append(chunk.payload)
-                    if sum(map(len, parts)) > self._max_message_bytes:
-                        raise ValueError("message larger than this stage's messages can be")
+                    if size > self._max_message_bytes + 65536:
+                        raise WireRejected("message larger than this stage's messages can be")
 
             await asyncio.wait_for(read(), max(deadline - time.monotonic(), 0.1) + 5.0)
+            if head is None:
+                return None, "empty reply", size
+            header = self.gate.open(head, swarm_pb2.GatherHeader, sender=holder, in_reply_to=nonce).message
+        except WireRejected as e:
+            return None, f"refused: {e}", size
         except Exception as e:
             return None, repr(e)[:200], size
-        if header is None:
-            return None, "empty reply", size
         if header.status != swarm_pb2.STATE_OK:
             return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
         blob = b"".join(parts)
-        if len(blob) != header.size:
-            return None, f"truncated: {len(blob)} of {header.size} bytes", size
-        return blob, "", size
+        try:
+            digest = self.gate.open(header.digest, envelope_pb2.MessageDigest, sender=sender).message
+        except WireRejected as e:
+            return None, f"refused: {sender}'s message came without its author's digest ({e})", size
+        if (digest.group_id, digest.phase) != (group_id, phase):
+            return None, f"refused: {sender}'s digest is of another group or phase (replayed)", size
+        if len(blob) != digest.size or hashlib.sha256(blob).digest() != digest.sha256:
+            return None, f"refused: {sender}'s message does not match its author's signed SHA-256 (altered)", size
+        return (blob, header.digest), "", size
 
     async def rpc_download_message(
-        self, request: swarm_pb2.GatherRequest, context: P2PContext
+        self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
     ) -> AsyncIterator[swarm_pb2.Chunk]:
         """Stream the message of `request.sender` for (group, phase) once this worker holds it."""
         header = swarm_pb2.GatherHeader(status=swarm_pb2.STATE_REFUSED)
+        opened, header.reason = self._open_request(sealed, swarm_pb2.GatherRequest, context)  # type: ignore[attr-defined]
+        if opened is None:
+            yield self._head(header, sealed)  # type: ignore[attr-defined]
+            return
+        request, nonce = opened.message, opened.envelope.nonce
         if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
             header.reason = "another run, config or stage"
-            yield swarm_pb2.Chunk(gather=header)
+            yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 120.0)
         key = (request.group_id, request.phase)
         while time.monotonic() < deadline and request.sender not in self._inbox.get(key, {}):
             await asyncio.sleep(0.05)
-        blob = self._inbox.get(key, {}).get(request.sender)
-        if blob is None:
+        held = self._inbox.get(key, {}).get(request.sender)
+        if held is None:
             header.status, header.reason = swarm_pb2.STATE_NOT_READY, "not held here"
-            yield swarm_pb2.Chunk(gather=header)
+            yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
-        first = swarm_pb2.Chunk(gather=swarm_pb2.GatherHeader(status=swarm_pb2.STATE_OK, size=len(blob)))
+        blob, digest = held
+        if injection.armed("flip_served_bit", stage=self.stage):
+            blob = injection.flip_last_bit(blob)
+        ok = swarm_pb2.GatherHeader(status=swarm_pb2.STATE_OK, size=len(blob), digest=digest)
+        first = self._head(ok, nonce=nonce)  # type: ignore[attr-defined]
         self._served[key] += first.ByteSize()
         yield first
         for start in range(0, len(blob), PAYLOAD_PART):

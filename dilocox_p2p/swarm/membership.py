@@ -4,7 +4,8 @@ Each worker heartbeats a `MemberRecord` (dht.py). A round's target group size is
 number of live training members, so a group forms as soon as all of them are in, and a
 fast peer waits at most `round_wait` for a slow one. A member that failed in an
 all-reduce is *suspected*: not expected in the next groups until it heartbeats again.
-Admission: the oldest live member's config hash defines the run.
+Admission: the oldest live member's config hash defines the run; member records are signed
+(dht.py), so only admitted keys are members at all, and only members vote on hashes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from hivemind.utils import get_dht_time
 
 from ..errors import AdmissionError
+from ..wire import protocol_version
 from .dht import HEARTBEAT_S, MEMBER_TTL_S, Member, RunRecords
 from .faults import FaultCounter
 
@@ -50,6 +52,7 @@ class Membership:
         self._members: list[Member] = []
         self._suspects: dict[str, float] = {}  # peer id -> DHT time it failed in an all-reduce
         self._refused: set[str] = set()
+        self._banned: set[str] = set()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="members", daemon=True)
 
@@ -88,16 +91,33 @@ class Membership:
         """Live members of this stage with this run's config (from the last refresh), suspects left out."""
         with self._lock:
             members = list(self._members)
-            suspects = dict(self._suspects)
+            suspects, banned = dict(self._suspects), set(self._banned)
         return [
             m
             for m in members
             if m.record.config_hash == self.config_hash
             and (m.record.training or not training_only)
             and (m.peer_id != self.peer_id or not others_only)
+            and m.peer_id not in banned
             # a peer that failed in an all-reduce counts again once it heartbeats after the failure
             and not (m.peer_id in suspects and m.expiration < suspects[m.peer_id] + MEMBER_TTL_S + HEARTBEAT_S)
         ]
+
+    def ban(self, peer_ids: list[str]) -> None:
+        """Peers banned for the run (stage.strike): never members again."""
+        with self._lock:
+            self._banned.update(peer_ids)
+
+    def banned(self) -> set[str]:
+        with self._lock:
+            return set(self._banned)
+
+    def voters(self) -> set[str]:
+        """Workers whose round records count (agreement.py): live members with this run's config, this one
+        included. A validly signed record of a key that is no member (a third party) has no vote."""
+        with self._lock:
+            members = {m.peer_id for m in self._members if m.record.config_hash == self.config_hash}
+            return (members - self._banned) | {self.peer_id}
 
     def suspect(self, peer_ids: list[str]) -> None:
         """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again."""
@@ -160,6 +180,13 @@ class Membership:
         self.refresh()
         with self._lock:
             others = [m for m in self._members if m.peer_id != self.peer_id and m.record.training]
+        foreign = dict(self.records.foreign)
+        if not others and foreign:
+            versions = ", ".join(sorted({str(v) for v in foreign.values()}))
+            raise AdmissionError(
+                f"run {run_id!r} speaks wire protocol version {versions} ({len(foreign)} workers), this peer speaks "
+                f"{protocol_version()}: run the same dilocox-p2p release as the run's other peers"
+            )
         if not others:
             return
         oldest = min(others, key=lambda m: (m.record.joined_at, m.peer_id))

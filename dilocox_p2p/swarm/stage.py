@@ -9,10 +9,13 @@
       exchanges           one background exchange per round (exchange.py): the Averager protocol
       agreement           round records, hash checks, verified state downloads (agreement.py)
       faults              counted faults, handed to metrics.jsonl every round (faults.py)
+      signer, gate        this worker's signature on what it sends, and the checks on what it takes
+                          (envelope.py); strikes and bans of misbehaving peers (`strike`)
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from collections.abc import Sequence
@@ -26,10 +29,12 @@ from .. import injection
 from ..average import Average
 from ..compression.codec import StageCodec
 from ..config import Config, config_hash, shared_fields
+from ..identity import peer_id_of, worker_identity
 from ..wire import swarm_pb2
 from .agreement import Agreement
 from .averager import DilocoxAverager
-from .dht import Heartbeat, RunRecords, reachable_maddrs, start_dht
+from .credentials import Credentials
+from .dht import EnvelopeValidator, Heartbeat, RunRecords, reachable_maddrs, run_keys, start_dht
 from .exchange import ExchangeQueue
 from .faults import FaultCounter
 from .hivemind_patches import check_version
@@ -59,14 +64,22 @@ class SwarmStage:
         self.config_hash = config_hash(cfg)
         self.shared_json = json.dumps(shared_fields(cfg), sort_keys=True)
         self.faults = FaultCounter()
-        self.dht = start_dht(
-            cfg.swarm, stage=stage, identity_path=run_dir / "identity" / f"stage{stage}.key", extra_peers=extra_peers
-        )
+        credentials = Credentials.load(cfg)
+        key_path = run_dir / "identity" / f"stage{stage}.ed25519"
+        worker_key = worker_identity(key_path)
+        self.signer = credentials.signer(worker_key, peer_id_of(worker_key), stage=stage, peer_name=peer_name)
+        self.gate = credentials.gate()
+        self.strikes: collections.Counter[str] = collections.Counter()
+        validator = EnvelopeValidator(credentials.gate(), run_keys(cfg.run.run_id, self.config_hash))
+        self.dht = start_dht(cfg.swarm, stage=stage, identity_path=key_path, validator=validator, extra_peers=extra_peers)
         self.peer_id = self.dht.peer_id.to_base58()
-        self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults)
+        self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults, signer=self.signer, gate=self.gate)
         self.codec: StageCodec | None = None
         if cfg.compression.kind != "none":
-            self.codec = StageCodec(cfg.compression, names, [t.shape for t in tensors], run_id=cfg.run.run_id)
+            self.codec = StageCodec(
+                cfg.compression, names, [t.shape for t in tensors], run_id=cfg.run.run_id,
+                max_norm_ratio=self.sw.max_norm_ratio,
+            )  # fmt: skip
         self.averager = DilocoxAverager(
             [t.detach().to("cpu", torch.float32, copy=True) for t in tensors],
             self.dht,
@@ -75,6 +88,9 @@ class SwarmStage:
             stage=stage,
             nice=max(self.sw.helper_nice, 0),
             max_message_bytes=self.codec.max_message_bytes if self.codec is not None else 0,
+            signer=self.signer,
+            gate=self.gate,
+            max_norm_ratio=self.sw.max_norm_ratio,
             prefix=f"{cfg.run.run_id}_{self.config_hash[:16]}_s{stage}",
             start=True,
             min_group_size=self.sw.min_group_size,
@@ -132,6 +148,21 @@ class SwarmStage:
         self.averager.set_state_boundary(boundary, ready)
         fields = {} if training is None else {"training": training}
         self.heartbeat.update(boundary=boundary, state_ready=ready, wait=False, **fields)
+
+    def strike(self, peer_id: str, reason: str) -> None:
+        """`peer_id` sent something refused (a non-finite or outsized contribution, a bad message): logged
+        with the reason; after swarm.ban_after strikes it is banned for the rest of the run."""
+        if peer_id == self.peer_id:
+            return
+        self.strikes[peer_id] += 1
+        n = self.strikes[peer_id]
+        self.faults.count("contributions_refused", "%s's contribution refused (strike %d of %d): %s",
+                          peer_id, n, self.sw.ban_after, reason)  # fmt: skip
+        if n == self.sw.ban_after:
+            self.faults.count("peers_banned", "banned %s for the rest of the run after %d strikes (last: %s)",
+                              peer_id, n, reason, level=logging.ERROR)  # fmt: skip
+            self.gate.ban([peer_id])
+            self.membership.ban([peer_id])
 
     # ----- the Averager protocol ---------------------------------------------------------------------
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import hivemind
 import pytest
 import torch
 
 from dilocox_p2p.average import AverageKind, ordered_mean
 from dilocox_p2p.swarm.averager import DilocoxAverager, HeldAverage
+from tests.helpers.signed import signed_node
 
 pytestmark = pytest.mark.swarm
 
@@ -27,18 +27,16 @@ def _inputs(n: int) -> list[list[torch.Tensor]]:
 
 class Group:
     def __init__(self, n: int):
-        first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        self.dhts = [first] + [
-            hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            for _ in range(n - 1)
-        ]
+        first = signed_node("ar")
+        nodes = [first] + [signed_node("ar", initial_peers=first[0].get_visible_maddrs()) for _ in range(n - 1)]
+        self.dhts = [dht for dht, _, _ in nodes]
         self.averagers = [
             DilocoxAverager(
                 [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
                 start=True, min_group_size=2, min_matchmaking_time=5.0, request_timeout=2.0, allreduce_timeout=30.0,
-                next_chunk_timeout=5.0, allow_state_sharing=False,
+                next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
             )
-            for dht in self.dhts
+            for dht, signer, gate in nodes
         ]
         self.ids = [dht.peer_id.to_base58() for dht in self.dhts]
 
@@ -48,8 +46,8 @@ class Group:
             with averager.get_tensors() as buffers:
                 for buf, t in zip(buffers, inputs[i]):
                     buf.copy_(t)
-            averager.prepare_round(round, len(self.averagers))
-            result = averager.step(weight=weights[i], timeout=30.0, allow_retries=True)
+            ticket = averager.prepare_round(round, len(self.averagers), admitted=self.ids)
+            result = averager.step(gather=ticket, weight=weights[i], timeout=30.0, allow_retries=True)
             with averager.get_tensors() as buffers:
                 return result, [b.clone() for b in buffers]
 

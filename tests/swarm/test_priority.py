@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dilocox_p2p.config import load_config
 from dilocox_p2p.swarm.averager import DilocoxAverager
-from dilocox_p2p.swarm.dht import start_dht
 from tests.helpers.peers import Peer
+from tests.helpers.signed import signed_node
 
 pytestmark = pytest.mark.swarm
 
@@ -29,13 +28,13 @@ def _children(pid: int) -> list[int]:
 
 
 def test_with_positive_helper_nice_the_dht_its_p2p_daemon_and_the_averager_run_below_training():
-    cfg = load_config(overrides={"swarm.host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "swarm.helper_nice": 7})
     own = _nice(0)
-    dht = start_dht(cfg.swarm, stage=0, identity_path=None)
+    dht, signer, gate = signed_node("nice", helper_nice=7)
     averager = None
     try:
         averager = DilocoxAverager(
-            [torch.zeros(4)], dht, run_id="nice", config_hash="0" * 64, stage=0, nice=7, prefix="nice_s0", start=True
+            [torch.zeros(4)], dht, run_id="nice", config_hash="0" * 64, stage=0, nice=7, prefix="nice_s0", start=True,
+            signer=signer, gate=gate,
         )
         p2p_daemons = _children(dht.pid)
         assert p2p_daemons, "the DHT process should have started its p2p daemon"
