@@ -156,9 +156,11 @@ class Gate:
         in_reply_to: bytes | None = None,
         fresh: bool = False,
         max_bytes: int = MAX_RECORD_BYTES,
+        even_banned: bool = False,
     ) -> Opened[M]:
-        """Verify `blob` and decode its payload as `cls`; raise WireRejected with the reason."""
-        envelope, signer = self._verify(blob, max_bytes, sender)
+        """Verify `blob` and decode its payload as `cls`; raise WireRejected with the reason. With
+        `even_banned`, a banned sender's envelope is opened too (a group it is already in)."""
+        envelope, signer = self._verify(blob, max_bytes, sender, even_banned=even_banned)
         if envelope.type != cls.DESCRIPTOR.full_name:
             raise WireRejected(f"expected a {cls.DESCRIPTOR.name}, got a {envelope.type[:60]!r} from {_short(signer)}")
         if topic is not None and envelope.topic != topic:
@@ -184,7 +186,7 @@ class Gate:
             self.banned.update(peer_ids)
 
     def _verify(
-        self, blob: object, max_bytes: int, sender: str | None, *, any_protocol: bool = False
+        self, blob: object, max_bytes: int, sender: str | None, *, any_protocol: bool = False, even_banned: bool = False
     ) -> tuple[envelope_pb2.Envelope, str]:
         signed, envelope = envelope_pb2.SignedEnvelope(), envelope_pb2.Envelope()
         if isinstance(blob, envelope_pb2.SignedEnvelope):  # an RPC request, parsed by hivemind (within p2pd's limit)
@@ -218,7 +220,7 @@ class Gate:
             public_key_of(signer).verify(signed.signature, signed.body)
         except (InvalidSignature, ValueError) as e:
             raise WireRejected(f"bad signature by {_short(signer)} ({type(e).__name__})") from None
-        if signer in self.banned:
+        if signer in self.banned and not even_banned:
             raise WireRejected(f"{_short(signer)} is banned for this run")
         refusal = self.policy.refusal(envelope)
         if refusal:

@@ -319,14 +319,17 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             future.set_exception(e)
 
     # ----- averager process: who may group with whom -----------------------------------------
-    def _ticket_refusal(self, peer: str, gathered: bytes) -> str:
+    def _ticket_refusal(self, peer: str, gathered: bytes, *, joining: bool) -> str:
         """Why `peer`'s JoinRequest.gather (hivemind's (bandwidth, mode, user data)) does not admit it to this
-        round's group ("" if it does)."""
-        if peer not in self._admitted:
+        round's group ("" if it does). A peer `joining` this worker's group must also be a live member that
+        this worker has not banned; in a group already formed, a valid ticket is enough (bans are each
+        worker's own: the content checks decide there, alike on every member)."""
+        if joining and peer not in self._admitted:
             return "not a live, admitted, unbanned member of this stage"
         try:
             _, _, user = self.serializer.loads(gathered)
-            self.gate.open(self.serializer.loads(user), envelope_pb2.GroupTicket, sender=peer, round=self._current_round)
+            ticket = self.serializer.loads(user)
+            self.gate.open(ticket, envelope_pb2.GroupTicket, sender=peer, round=self._current_round, even_banned=not joining)
         except WireRejected as e:
             return str(e)
         except Exception as e:
@@ -345,7 +348,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         peer = context.remote_id.to_base58()
-        refusal = self._ticket_refusal(peer, request.gather)
+        refusal = self._ticket_refusal(peer, request.gather, joining=True)
         if refusal:
             self._refused(f"{peer}'s request to join round {self._current_round}'s group", refusal)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -357,7 +360,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         me = self.peer_id.to_base58()
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
             peer = peer_id.to_base58()
-            refusal = "" if peer == me else self._ticket_refusal(peer, gathered)
+            refusal = "" if peer == me else self._ticket_refusal(peer, gathered, joining=False)
             if refusal:  # a leader let in a member this worker does not admit: leave the group
                 self._refused(f"a group of round {self._current_round} holding {peer}", refusal)
                 raise AllreduceException(f"the group holds {peer}, which this worker does not admit: {refusal}")

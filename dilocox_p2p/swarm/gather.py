@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 PAYLOAD_PART = 1 << 19  # bytes per streamed part
 KEYS_KEPT = 2  # (group, phase) inboxes kept: this phase and the one before, for members a step behind
 DELIVERY_WAIT_S = 3.0  # how long a member waits for the others to pull its message
+RELAY_WAIT_S = 2.0  # how long a holder is asked to wait for a message it may still be pulling itself
 
 
 @dataclass
@@ -115,7 +116,7 @@ class MessageGather:
                 answered.append(peer)
         for sender in [p for p in others if p not in box]:  # relay what missed this worker
             for holder in answered:
-                until = min(deadline, time.monotonic() + 5.0)
+                until = min(deadline, time.monotonic() + RELAY_WAIT_S)
                 got, reason, size = await self._pull(holder, group_id, phase, sender, until)
                 result.bytes_received += size
                 if got is not None:

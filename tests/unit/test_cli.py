@@ -188,3 +188,59 @@ def test_python_dash_m_version_runs_as_a_subprocess(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"dilocox-p2p {__version__}"
+
+
+# ----- identities and closed runs ------------------------------------------------------------------
+def test_keygen_writes_a_private_key_only_its_owner_can_read_and_never_overwrites_it(capsys, tmp_path):
+    key = tmp_path / "peer.pem"
+    assert _run(["keygen", "--out", str(key)]) == 0
+    public = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", public), public
+    assert key.stat().st_mode & 0o777 == 0o600
+    before = key.read_bytes()
+    assert _run(["keygen", "--out", str(key)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert key.read_bytes() == before
+
+
+def test_join_refuses_an_identity_others_can_read_and_says_how_to_fix_it(capsys, tmp_path):
+    key = tmp_path / "peer.pem"
+    assert _run(["keygen", "--out", str(key)]) == 0
+    key.chmod(0o644)
+    capsys.readouterr()
+    code = _run(["join", "--run-dir", str(tmp_path / "run"), "--identity", str(key), "--preset", "tiny"])
+    err = capsys.readouterr().err
+    assert code == 2 and "readable by others" in err and f"chmod 600 {key}" in err, err
+
+
+def test_join_without_a_certificate_is_refused_by_a_closed_run_before_any_stage_starts(capsys, tmp_path):
+    assert _run(["keygen", "--out", str(tmp_path / "run.pem")]) == 0
+    run_key = capsys.readouterr().out.strip()
+    code = _run([
+        "join", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--set", "swarm.admission=closed",
+        "--set", f"swarm.run_key={run_key}",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "this closed run does not admit this peer" in err and "dilocox-peer certify" in err, err
+    assert not (tmp_path / "run" / "logs").exists(), "a stage started"
+
+
+def test_certify_admits_exactly_the_key_it_names_to_the_run_it_names(capsys, tmp_path):
+    from dilocox_p2p.envelope import Policy
+    from dilocox_p2p.identity import load_run_certificate, verify_run_certificate
+
+    assert _run(["keygen", "--out", str(tmp_path / "run.pem")]) == 0
+    run_key = bytes.fromhex(capsys.readouterr().out.strip())
+    assert _run(["keygen", "--out", str(tmp_path / "peer.pem")]) == 0
+    peer_key = capsys.readouterr().out.strip()
+    cert_path = tmp_path / "peer.cert"
+    assert _run(["certify", "--run-key", str(tmp_path / "run.pem"), "--run-id", "r1", "--peer-key", peer_key,
+                 "--out", str(cert_path), "--note", "lab A"]) == 0  # fmt: skip
+    cert = load_run_certificate(cert_path)
+    assert cert.peer_key.hex() == peer_key and cert.run_id == "r1" and cert.note == "lab A"
+    assert verify_run_certificate(cert, run_key)
+    assert not verify_run_certificate(cert, bytes(32))
+    assert Policy(run_id="r1", closed=True, run_key=run_key)  # a closed run with only a run key is valid
+    assert _run(["certify", "--run-key", str(tmp_path / "run.pem"), "--run-id", "r1", "--peer-key", "zz",
+                 "--out", str(tmp_path / "x.cert")]) == 2  # fmt: skip
+    assert "is not hex" in capsys.readouterr().err

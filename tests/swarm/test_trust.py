@@ -1,0 +1,152 @@
+"""Hostile peers cannot make honest ones disagree, crash, or average what they should not
+(docs/security.md, DESIGN.md "Wire protocol and trust").
+
+    pytest tests/swarm/test_trust.py -q
+
+Real peers on loopback; the hostile ones are a forging DHT node (tests/helpers/forger.py)
+and peers with faults armed (dilocox_p2p/injection.py) that skip their own checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from dilocox_p2p.cli.__main__ import main as cli
+
+pytestmark = pytest.mark.swarm
+
+ONE_STAGE = ("--stages", "1", "--inner-steps", "5")
+
+
+def _by_round(peer) -> dict[int, dict]:
+    return {r["round"]: r for r in peer.metrics()}
+
+
+def _faults(peer, name: str) -> int:
+    return sum(r["faults"][name] for r in peer.metrics())
+
+
+def _agree(*peers) -> None:
+    rounds = [_by_round(p) for p in peers]
+    assert all(sorted(r) == sorted(rounds[0]) for r in rounds), [sorted(r) for r in rounds]
+    for t in rounds[0]:
+        assert len({tuple(r[t]["stage_hashes"]) for r in rounds}) == 1, f"round {t}: honest peers disagree"
+
+
+def test_forged_replayed_oversized_and_malformed_records_are_refused_and_honest_peers_agree(swarm, tmp_path):
+    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "8", "--min-peers", "2")
+    honest = [swarm.start_peer(*args), swarm.start_peer(*args)]
+    out = tmp_path / "forger.json"
+    forger = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.forger", "--initial-peers", *swarm.initial, "--run-id", swarm.run_id,
+         "--out", str(out), "--seconds", "120"],
+        stdout=open(tmp_path / "forger.out", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for peer in honest:
+            assert peer.wait(timeout=240) == 0, peer.output()
+    finally:
+        forger.kill()
+        forger.wait(30)
+    attempts = json.loads(out.read_text())
+    assert attempts["passes"] >= 3 and all(attempts.values()), attempts
+
+    _agree(*honest)
+    for peer in honest:
+        assert _faults(peer, "repairs") == _faults(peer, "catch_ups") == 0, "a forged record moved an honest peer"
+        log = peer.stage_log(0)
+        for reason in (
+            "claimed by the wrong key",  # a record under a victim's peer id, signed by the forger
+            "stored under another key (replayed)",  # a victim's real record of an earlier boundary
+            "refused before parsing",  # oversized
+            "malformed envelope",
+            "a plain value (no signed subkey) under one of the run's keys",
+            "envelope of run 'another-run'",
+        ):
+            assert reason in log, f"no refusal logged for: {reason}"
+        # the third parties' round records are validly signed but no member's: they never vote
+        assert all(r["group_size"] == 2 for r in peer.metrics()), [r["group_size"] for r in peer.metrics()]
+
+
+def test_nan_and_outsized_contributions_are_left_out_of_the_average_and_their_sender_banned(swarm):
+    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "6", "--min-peers", "3")
+    hostile = ";".join([
+        "send_nan_pseudo_gradient:round=1:stage=0",
+        "send_huge_pseudo_gradient:round=2:stage=0",
+        "send_huge_pseudo_gradient:round=3:stage=0",
+    ])  # fmt: skip
+    honest = [swarm.start_peer(*args), swarm.start_peer(*args)]
+    broken = swarm.start_peer(*args, env={"DILOCOX_FAULTS": hostile})
+    for peer in honest:
+        assert peer.wait(timeout=300) == 0, peer.output()
+    broken.kill()
+
+    _agree(*honest)
+    a = _by_round(honest[0])
+    assert a[0]["group_size"] == 3, "the hostile peer took part before it misbehaved"
+    for peer in honest:
+        log = peer.stage_log(0)
+        assert "not finite (NaN or Inf)" in log and "x the group's median" in log, "no reason logged"
+        assert _faults(peer, "contributions_refused") >= 3
+        assert _faults(peer, "peers_banned") == 1
+        assert "banned" in log
+    # once banned, the hostile peer is in no honest group
+    assert all(a[t]["group_size"] == 2 for t in a if t >= 5), {t: a[t]["group_size"] for t in a}
+    # nothing it sent reached theta_g: the model stays finite and goes on learning
+    losses = [r["val_loss"] for _, r in sorted(a.items()) if r["val_loss"] is not None]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def test_a_bit_flipped_message_is_refused_and_a_peer_speaking_another_protocol_is_turned_away(swarm):
+    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "6", "--min-peers", "3", "--compression", "int8")
+    honest = [swarm.start_peer(*args), swarm.start_peer(*args)]
+    flipper = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "flip_served_bit:stage=0"})
+    honest[0].wait_for_round(1, timeout=180)
+    other = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "speak_other_protocol"})
+    assert other.wait(timeout=120) == 2, other.output()
+    assert "speaks wire protocol version 1" in other.output() and "this peer speaks 2" in other.output()
+    for peer in honest:
+        assert peer.wait(timeout=300) == 0, peer.output()
+    flipper.kill()
+
+    _agree(*honest)
+    for peer in honest:
+        log = peer.stage_log(0)
+        assert "does not match its author's signed SHA-256 (altered)" in log
+        assert "protocol version 2" in log, "the other protocol's records were not refused with the reason"
+        assert _faults(peer, "contributions_refused") >= 1
+    assert all(r["group_size"] <= 2 for r in honest[0].metrics()), "a tampered message was averaged"
+
+
+def test_a_closed_run_never_averages_a_key_it_does_not_admit(swarm, tmp_path, capsys):
+    keys = {}
+    for name in ("run", "a", "b", "outsider"):
+        assert cli(["keygen", "--out", str(tmp_path / f"{name}.pem")]) == 0
+        keys[name] = capsys.readouterr().out.strip()
+    assert cli(["certify", "--run-key", str(tmp_path / "run.pem"), "--run-id", swarm.run_id,
+                "--peer-key", keys["a"], "--out", str(tmp_path / "a.cert")]) == 0  # fmt: skip
+    closed = (
+        *ONE_STAGE, "--mode", "sync", "--rounds", "5", "--min-peers", "2",
+        "--set", "swarm.admission=closed", "--set", f"swarm.run_key={keys['run']}",
+        "--set", f'swarm.allowlist=["{keys["b"]}"]',
+    )  # fmt: skip
+    a = swarm.start_peer(*closed, "--identity", str(tmp_path / "a.pem"), "--certificate", str(tmp_path / "a.cert"))
+    b = swarm.start_peer(*closed, "--identity", str(tmp_path / "b.pem"))
+    # an outsider that ignores its own refusal and joins anyway
+    outsider = swarm.start_peer(*closed, "--identity", str(tmp_path / "outsider.pem"),
+                                env={"DILOCOX_FAULTS": "ignore_admission"})  # fmt: skip
+    for peer in (a, b):
+        assert peer.wait(timeout=240) == 0, peer.output()
+    outsider.kill()
+
+    _agree(a, b)
+    for peer in (a, b):
+        assert all(r["group_size"] == 2 for r in peer.metrics()), [r["group_size"] for r in peer.metrics()]
+        assert "not on this closed run's allowlist and holds no certificate" in peer.stage_log(0)
+    # the outsider's own averages never held an honest peer's parts either
+    assert all((r["group_size"] or 1) == 1 for r in outsider.metrics()), [r["group_size"] for r in outsider.metrics()]
