@@ -176,6 +176,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self.signer, self.gate, self.max_norm_ratio = signer, gate, max_norm_ratio
         self._admitted: frozenset[str] = frozenset()  # this round's admissible group members (prepare_round)
         self._refusals: collections.Counter[str] = collections.Counter()
+        self._refused_total = mp.Value(ctypes.c_int64, 0)  # read by the host for the requests_refused count
         self._boundary = mp.Value(ctypes.c_int64, -1)
         self._state_ready = mp.Value(ctypes.c_bool, False)
         self._kept_boundary = mp.Value(ctypes.c_int64, -1)  # a complete earlier state kept for a joiner
@@ -210,6 +211,10 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         """This worker's own exchange of `round` failed: members asking for its average are told at once
         that it lacks one too (so that members all stranded alike know it and need not resync)."""
         self._failed_round.value = round
+
+    def refused_total(self) -> int:
+        """Requests and join requests refused by the averager process so far."""
+        return self._refused_total.value
 
     def state_wanted(self) -> bool:
         """Whether a peer is waiting to download this worker's state (so a complete one should be kept)."""
@@ -340,6 +345,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         """Log a refusal at its 1st, 10th, 100th... time (a flood of bad requests is not a flood of logs)."""
         kind = reason.split(" (")[0][:80]
         self._refusals[kind] += 1
+        with self._refused_total.get_lock():
+            self._refused_total.value += 1
         n = self._refusals[kind]
         if n in (1, 10, 100, 1000) or n % 10000 == 0:
             logger.warning("refused %s: %s [%d such so far]", what, reason, n)

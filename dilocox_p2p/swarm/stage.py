@@ -70,6 +70,7 @@ class SwarmStage:
         self.signer = credentials.signer(worker_key, peer_id_of(worker_key), stage=stage, peer_name=peer_name)
         self.gate = credentials.gate()
         self.strikes: collections.Counter[str] = collections.Counter()
+        self._refused_seen = 0
         validator = EnvelopeValidator(credentials.gate(), run_keys(cfg.run.run_id, self.config_hash))
         self.dht = start_dht(cfg.swarm, stage=stage, identity_path=key_path, validator=validator, extra_peers=extra_peers)
         self.peer_id = self.dht.peer_id.to_base58()
@@ -148,6 +149,14 @@ class SwarmStage:
         self.averager.set_state_boundary(boundary, ready)
         fields = {} if training is None else {"training": training}
         self.heartbeat.update(boundary=boundary, state_ready=ready, wait=False, **fields)
+
+    def take_faults(self) -> dict[str, int]:
+        """This worker's fault counts since the last call, the averager process's refusals included."""
+        counts = self.faults.take()
+        total = self.averager.refused_total()
+        counts["requests_refused"] += total - self._refused_seen
+        self._refused_seen = total
+        return counts
 
     def strike(self, peer_id: str, reason: str) -> None:
         """`peer_id` sent something refused (a non-finite or outsized contribution, a bad message): logged

@@ -89,7 +89,7 @@ class SwarmStageWorker(StageWorker):
         self.swarm.averager.set_kept_boundary(self._kept.boundary if self._kept is not None else -1)
 
     def take_fault_counts(self) -> dict[str, int]:
-        return self.swarm.faults.take()
+        return self.swarm.take_faults()
 
     def compression_facts(self) -> dict[str, Any]:
         return self.swarm.codec.metrics() if self.swarm.codec is not None else {}

@@ -148,5 +148,6 @@ def test_a_closed_run_never_averages_a_key_it_does_not_admit(swarm, tmp_path, ca
     for peer in (a, b):
         assert all(r["group_size"] == 2 for r in peer.metrics()), [r["group_size"] for r in peer.metrics()]
         assert "not on this closed run's allowlist and holds no certificate" in peer.stage_log(0)
+    assert _faults(a, "requests_refused") + _faults(b, "requests_refused") > 0, "the outsider's requests were not refused"
     # the outsider's own averages never held an honest peer's parts either
     assert all((r["group_size"] or 1) == 1 for r in outsider.metrics()), [r["group_size"] for r in outsider.metrics()]
