@@ -18,6 +18,7 @@ Armed through the environment of the peer's processes, several separated by `;`:
 Hostile peers (docs/security.md), which skip this peer's own checks:
 - `send_nan_pseudo_gradient:round=R:stage=S` sends a pseudo-gradient full of NaN in round R.
 - `send_huge_pseudo_gradient:round=R:stage=S` sends 1000x its pseudo-gradient in round R.
+- `send_nan_average:round=R:stage=S` makes stage S's reducer hand NaN averages to the others.
 - `flip_served_bit:stage=S` flips one bit of every compressed message and average stage S
   serves to another member (after signing it, as a faulty relay or link would).
 - `speak_other_protocol` signs with the next protocol version (a peer running other code).
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
     "kill_peer_in_allreduce", "withhold_average", "corrupt_state", "nan_pseudo_gradient",
-    "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "flip_served_bit", "speak_other_protocol",
+    "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "flip_served_bit", "speak_other_protocol",
     "ignore_admission",
 )  # fmt: skip
 

@@ -18,7 +18,8 @@ hivemind_patches.py with the versions checked):
    that are not finite or whose norm is far above the part's median; a member refuses averaged
    parts that are not finite (that reducer counts as failed). Both name the offender in
    `offenders`, and the stage strikes it.
-6. Fault injection for tests (injection.py): `withhold_average`, `kill_peer_in_allreduce`.
+6. Fault injection for tests (injection.py): `withhold_average`, `kill_peer_in_allreduce`,
+   `send_nan_average`.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         *,
         kill_on_first_part: bool = False,
         withhold: bool = False,
+        nan_average: bool = False,
         max_norm_ratio: float = 10.0,
         **kwargs: Any,
     ):
@@ -134,6 +136,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             len(self.sender_peer_ids),
             max_norm_ratio=max_norm_ratio,
         )
+        self.nan_average = nan_average
         self.reducer_offenses: dict[PeerID, str] = {}  # reducers whose averaged parts this member refused
         container = self.tensor_part_container
         # reducer i owns a contiguous block of the flattened tensors: remember its part sizes
@@ -232,6 +235,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break
                 if sender_index == self.withhold_from:
                     continue  # fault injection: this sender's data counts, but it never gets the average
+                if self.nan_average:  # fault injection: a byzantine reducer
+                    averaged_part = torch.full_like(averaged_part, float("nan"))
                 serialized = await loop.run_in_executor(
                     None, lambda: serialize_torch_tensor(averaged_part, part_compression)
                 )

@@ -392,6 +392,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             kill_on_first_part=injection.armed("kill_peer_in_allreduce", round=round, stage=self.stage),
             withhold=injection.armed("withhold_average", round=round, stage=self.stage),
+            nan_average=injection.armed("send_nan_average", round=round, stage=self.stage),
             max_norm_ratio=self.max_norm_ratio,
             **kwargs,
         )

@@ -106,6 +106,28 @@ def test_members_missing_different_reducers_parts_fill_them_from_each_other(grou
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
 
 
+def test_a_reducer_leaves_out_an_outsized_contribution_and_names_its_sender(group):
+    inputs = _inputs(3)
+    inputs[2] = [t * 1000 for t in inputs[2]]
+    outcomes = group.all_reduce(4, inputs, weights=[1.0, 1.0, 1.0])
+    order = [group.ids.index(p) for p in outcomes[0][0].group if p != group.ids[2]]
+    expected = [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+    for result, tensors in outcomes:
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected)), "the outsized contribution was averaged"
+        assert "x the group's median" in result.offenders.get(group.ids[2], ""), result.offenders
+        assert set(result.offenders) == {group.ids[2]}
+
+
+@pytest.mark.faults("send_nan_average:round=6:stage=0")
+def test_a_member_refuses_non_finite_averages_from_a_reducer_and_names_it(group):
+    outcomes = group.all_reduce(6, _inputs(3), weights=[1.0, 1.0, 1.0])
+    for me, (result, tensors) in zip(group.ids, outcomes):
+        others = set(group.ids) - {me}
+        assert set(result.offenders) == others, result.offenders  # every reducer but itself sent NaN
+        assert all("NaN" in reason for reason in result.offenders.values())
+        assert result.missing and all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def test_a_member_without_an_average_borrows_the_whole_average_from_the_group(group):
     inputs = _inputs(3)
     outcomes = group.all_reduce(5, inputs, weights=[1.0, 1.0, 1.0])
