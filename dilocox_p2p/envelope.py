@@ -22,6 +22,7 @@ round or reply, a stale or replayed request, and a payload that fails `wire.deco
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import time
@@ -228,7 +229,7 @@ class Gate:
         return envelope, signer
 
     def _check_fresh(self, envelope: envelope_pb2.Envelope, signer: str) -> None:
-        if abs(time.time() - envelope.sent_at) > REQUEST_MAX_AGE_S:
+        if not math.isfinite(envelope.sent_at) or abs(time.time() - envelope.sent_at) > REQUEST_MAX_AGE_S:
             raise WireRejected(f"request from {_short(signer)} sent {time.time() - envelope.sent_at:+.0f}s ago: "
                                f"outside +-{REQUEST_MAX_AGE_S:.0f}s (replayed, or a clock far off)")  # fmt: skip
         with self._lock:

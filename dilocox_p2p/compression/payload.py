@@ -33,6 +33,7 @@ import struct
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from ..average import ordered_mean
 from ..config import TOPK_MAX_CHUNK, CompressionConfig
@@ -149,7 +150,10 @@ def unframe(blob: bytes) -> tuple[pb.CompressedMessage, list[memoryview]]:
     if n > min(MAX_HEADER_BYTES, len(blob) - _LENGTH.size):
         raise ValueError(f"a header of {n} bytes in a message of {len(blob)}")
     message = pb.CompressedMessage()
-    message.ParseFromString(blob[_LENGTH.size : _LENGTH.size + n])
+    try:
+        message.ParseFromString(blob[_LENGTH.size : _LENGTH.size + n])
+    except DecodeError as e:
+        raise ValueError(f"a malformed header ({e})") from None
     view, offset = memoryview(blob), _LENGTH.size + n
     lengths = list(message.payload.sections)
     if any(length < 0 for length in lengths) or offset + sum(lengths) != len(blob):

@@ -822,11 +822,29 @@ async def _read_stream(
             head = chunk.head
             continue
         digest.update(chunk.tensor_part)
-        part = runtime_pb2.Tensor.FromString(chunk.tensor_part)
+        part = _tensor_part(chunk.tensor_part)
         if part.dtype and parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            tensors.append(_combine(parts))
             parts = []
         parts.append(part)
     if parts:
-        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        tensors.append(_combine(parts))
     return _Reply(head or b"", tensors, size, digest.digest())
+
+
+def _tensor_part(blob: bytes) -> runtime_pb2.Tensor:
+    """One streamed part of an uncompressed float32 tensor (all that workers send); WireRejected otherwise."""
+    try:
+        part = runtime_pb2.Tensor.FromString(blob)
+    except Exception as e:
+        raise WireRejected(f"a malformed tensor part ({type(e).__name__})") from None
+    if not blob or part.compression != runtime_pb2.CompressionType.NONE or part.dtype not in ("", "float32"):
+        raise WireRejected("a tensor part that is not uncompressed float32")
+    return part
+
+
+def _combine(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
+    try:
+        return deserialize_torch_tensor(combine_from_streaming(parts))
+    except Exception as e:  # shapes that do not fit the bytes, a first part without a dtype...
+        raise WireRejected(f"tensor parts that do not make a tensor ({type(e).__name__}: {str(e)[:80]})") from None

@@ -1,0 +1,570 @@
+"""Fuzzing every decoder of bytes from another peer: nothing but the documented refusal comes out.
+
+A peer's bytes reach this process through a handful of decoders; each is fed random bytes,
+protobuf-shaped bytes and mutations (flipped bits, truncations, insertions, deletions) of valid
+messages, and may only accept or refuse them the documented way:
+
+    wire.decode                   WireRejected (every message of swarm, envelope and compression.proto)
+    Gate.open / Gate.check        WireRejected; a mutated envelope is never accepted with other bytes
+                                  than were signed
+    EnvelopeValidator.validate    a bool, never an exception
+    StageCodec.receive            MessageRejected (fp16, int8, topk, lowrank); what it accepts decodes
+    payload.unframe               ValueError (its docstring)
+    averager._read_stream         TimeoutError, _Oversized, WireRejected (a part that is not uncompressed
+                                  float32, or parts that do not make a tensor)
+
+Examples are derandomized (the same ones on every run) and Ed25519 keys come from fixed seeds.
+The passing tests run 12,200 examples in all (23 message classes x 100 for wire.decode, 4,400
+for envelopes, 1,200 for the DHT validator, 3,200 for StageCodec.receive, 600 for unframe, 500
+for _read_stream), and 800 more for unframe's and _read_stream's documented errors. About 25 s
+on 2 CPU cores.
+
+    pytest tests/unit/test_fuzz_decoders.py -q --durations=0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import struct
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf.message import DecodeError, Message
+from hivemind.compression import serialize_torch_tensor
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+import dilocox_p2p.compression.payload as payload
+from dilocox_p2p.compression.codec import MessageRejected, StageCodec
+from dilocox_p2p.compression.payload import frame, slice_step, unframe
+from dilocox_p2p.config import CompressionConfig
+from dilocox_p2p.envelope import Gate, Policy
+from dilocox_p2p.errors import WireRejected
+from dilocox_p2p.identity import certify_peer, certify_worker, peer_id_of, public_raw
+from dilocox_p2p.proto_gen import compression_pb2, envelope_pb2, swarm_pb2
+from dilocox_p2p.swarm.averager import _Oversized, _read_stream
+from dilocox_p2p.swarm.dht import EnvelopeValidator, run_keys
+from dilocox_p2p.wire import PROTOCOL_VERSION, decode
+
+pytestmark = pytest.mark.unit
+
+
+def fuzz(n: int, **kwargs):
+    """Deterministic hypothesis settings: `n` examples, the same ones on every run."""
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow], **kwargs)  # fmt: skip
+
+
+# ----- strategies ------------------------------------------------------------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | 0x80 if n else byte)
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, wire_type: int, body: bytes) -> bytes:
+    return _varint(number << 3 | wire_type) + body
+
+
+_numbers = st.integers(1, 12)  # every field of every message here has a number <= 11
+
+
+def _fields(inner: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    one = st.one_of(
+        st.builds(lambda f, v: _field(f, 0, _varint(v)), _numbers, st.integers(0, 2**64 - 1)),
+        st.builds(lambda f, x: _field(f, 1, struct.pack("<d", x)), _numbers, st.floats()),  # NaN and inf too
+        st.builds(lambda f, x: _field(f, 5, struct.pack("<f", x)), _numbers, st.floats(width=32)),
+        st.builds(lambda f, v: _field(f, 2, _varint(len(v)) + v), _numbers,
+                  st.one_of(st.binary(max_size=40), st.text(max_size=20).map(str.encode), inner)),  # fmt: skip
+        st.builds(lambda f, n, v: _field(f, 2, _varint(n) + v), _numbers, st.integers(0, 2**40), st.binary(max_size=8)),
+        st.builds(_field, _numbers, st.sampled_from([3, 4, 6, 7]), st.binary(max_size=8)),  # groups, bad wire types
+        st.binary(min_size=1, max_size=6),  # noise between fields
+    )
+    return st.lists(one, max_size=6).map(b"".join)
+
+
+protobuf_like = st.recursive(st.just(b""), _fields, max_leaves=10)
+"""Bytes shaped like protobuf messages (nested ones too), with the odd lie in them."""
+peer_bytes = st.one_of(st.binary(max_size=300), protobuf_like)
+
+
+_edit = st.one_of(
+    st.tuples(st.just("flip"), st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
+    st.tuples(st.just("truncate"), st.floats(0, 1, exclude_max=True)),
+    st.tuples(st.just("insert"), st.floats(0, 1), st.binary(min_size=1, max_size=12)),
+    st.tuples(st.just("delete"), st.floats(0, 1, exclude_max=True), st.integers(1, 12)),
+    st.tuples(st.just("set"), st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+)
+edits = st.lists(_edit, min_size=1, max_size=4)
+"""Mutations of a valid message; a position is a share of the length, so it lands anywhere in it."""
+
+
+def mutate(blob: bytes, ops: list[tuple]) -> bytes:
+    out = bytearray(blob)
+    for kind, where, *arg in ops:
+        at = int(where * len(out))
+        if kind == "insert":
+            out[at:at] = arg[0]
+        elif not out:
+            continue
+        elif kind == "flip":
+            out[at] ^= 1 << arg[0]
+        elif kind == "truncate":
+            del out[at:]
+        elif kind == "delete":
+            del out[at : at + arg[0]]
+        else:
+            out[at] = arg[0]
+    return bytes(out)
+
+
+# ----- wire.decode -----------------------------------------------------------------------------
+MESSAGE_CLASSES = [
+    getattr(module, name)
+    for module in (swarm_pb2, envelope_pb2, compression_pb2)
+    for name in module.DESCRIPTOR.message_types_by_name
+]  # 23 classes
+
+
+@pytest.mark.parametrize("cls", MESSAGE_CLASSES, ids=lambda c: c.DESCRIPTOR.name)
+@fuzz(100)
+@given(blob=peer_bytes, max_bytes=st.sampled_from([64 * 1024, 256, 16]))
+def test_wire_decode_accepts_or_refuses_any_bytes_with_wire_rejected(cls, blob, max_bytes):
+    try:
+        message = decode(cls, blob, max_bytes=max_bytes)
+    except WireRejected:
+        return
+    assert isinstance(message, cls) and len(blob) <= max_bytes
+    assert all(math.isfinite(v) for _, v in message.ListFields() if isinstance(v, float))
+
+
+# ----- signed envelopes ------------------------------------------------------------------------
+RUN = "fuzz-run"
+SENT_AT = 1_700_000_000.0  # fixed: envelopes here are bytes-identical on every run (requests: stale)
+
+
+def _key(name: str) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(name.encode()).digest())
+
+
+RUN_KEY = _key("run")
+WORKER_A, PEER_A = _key("worker a"), _key("peer a")  # admitted by a RunCertificate
+WORKER_B, PEER_B = _key("worker b"), _key("peer b")  # admitted by the allowlist
+ID_A, ID_B = peer_id_of(WORKER_A), peer_id_of(WORKER_B)
+CERT_A = certify_worker(PEER_A, ID_A, run_id=RUN, stage=0, peer_name="a")
+CERT_B = certify_worker(PEER_B, ID_B, run_id=RUN, stage=1, peer_name="b")
+ADMISSION_A = certify_peer(RUN_KEY, public_raw(PEER_A), run_id=RUN, note="a")
+POLICY = Policy(run_id=RUN, closed=True, allowlist=frozenset({public_raw(PEER_B)}), run_key=public_raw(RUN_KEY))
+MEMBERS_KEY, ROUND_KEY, CONFIG_KEY = f"{RUN}:members:s0", f"{RUN}:round:s0:7", f"{RUN}:config:{'0' * 64}"
+NONCE = bytes(range(16))
+
+
+@dataclass(frozen=True)
+class Sealed:
+    cls: type[Message]
+    message: Message
+    key: Ed25519PrivateKey
+    body: bytes
+    blob: bytes
+    topic: str
+    round: int
+    in_reply_to: bytes
+
+
+def _seal(message: Message, *, worker: str = "a", topic: str = "", round: int = 0, in_reply_to: bytes = b"") -> Sealed:
+    key, cert = (WORKER_A, CERT_A) if worker == "a" else (WORKER_B, CERT_B)
+    envelope = envelope_pb2.Envelope(
+        protocol=PROTOCOL_VERSION, run_id=RUN, type=message.DESCRIPTOR.full_name, topic=topic, round=round,
+        nonce=NONCE, in_reply_to=in_reply_to, sent_at=SENT_AT, payload=message.SerializeToString(), sender=cert,
+    )  # fmt: skip
+    if worker == "a":
+        envelope.admission.CopyFrom(ADMISSION_A)
+    body = envelope.SerializeToString()
+    blob = envelope_pb2.SignedEnvelope(body=body, signature=key.sign(body)).SerializeToString()
+    return Sealed(type(message), message, key, body, blob, topic, round, in_reply_to)
+
+
+SEALED = [
+    _seal(swarm_pb2.RoundRecord(boundary=7, state_hash="ab" * 32, group_size=3, coverage=0.5), topic=ROUND_KEY, round=7),
+    _seal(swarm_pb2.MemberRecord(run_id=RUN, config_hash="cd" * 32, boundary=7, joined_at=1.5, peer_name="b",
+                                 training=True), worker="b", topic=MEMBERS_KEY),  # fmt: skip
+    _seal(swarm_pb2.ConfigRecord(config_hash="0" * 64, shared_json='{"a": 1}'), topic=CONFIG_KEY),
+    _seal(swarm_pb2.StateRequest(run_id=RUN, boundary=7, wait_s=2.0, at_least=True), topic=ID_B, round=7),
+    _seal(swarm_pb2.StateHeader(boundary=7, n_tensors=3, has_pending=True, sha256=b"\x01" * 32,
+                                pending=swarm_pb2.AverageInfo(round=6, group=[ID_A, ID_B], missing=[swarm_pb2.Span(end=4)])),
+          worker="b", topic=ID_A, round=7, in_reply_to=b"\x09" * 16),  # fmt: skip
+    _seal(envelope_pb2.MessageDigest(group_id=b"g", phase=1, size=100, sha256=b"\x02" * 32), topic="g", round=3),
+]
+sealed_index = st.integers(0, len(SEALED) - 1)
+
+
+def _open(gate: Gate, sealed: Sealed, blob: object, **kwargs):
+    return gate.open(blob, sealed.cls, topic=sealed.topic, round=sealed.round,
+                     in_reply_to=sealed.in_reply_to or None, **kwargs)  # fmt: skip
+
+
+def test_the_valid_envelopes_fuzzed_here_are_accepted_as_sealed():
+    gate = Gate(POLICY)
+    for sealed in SEALED:
+        opened = _open(gate, sealed, sealed.blob, sender=peer_id_of(sealed.key))
+        assert opened.message == sealed.message
+
+
+@fuzz(600)
+@given(blob=peer_bytes, cls=st.sampled_from([s.cls for s in SEALED]), closed=st.booleans())
+def test_gate_open_refuses_random_bytes_with_wire_rejected(blob, cls, closed):
+    gate = Gate(POLICY if closed else Policy(run_id=RUN))
+    with pytest.raises(WireRejected):
+        gate.open(blob, cls, fresh=True)  # accepting random bytes would be forging an Ed25519 signature
+
+
+@fuzz(400)
+@given(blob=peer_bytes, any_protocol=st.booleans())
+def test_gate_check_refuses_random_bytes_with_wire_rejected(blob, any_protocol):
+    with pytest.raises(WireRejected):
+        Gate(POLICY).check(blob, any_protocol=any_protocol)
+
+
+@fuzz(1200)
+@given(index=sealed_index, ops=edits, named=st.booleans())
+def test_a_mutated_envelope_is_refused_or_carries_exactly_the_signed_bytes(index, ops, named):
+    sealed = SEALED[index]
+    blob = mutate(sealed.blob, ops)
+    try:
+        opened = _open(Gate(POLICY), sealed, blob, sender=peer_id_of(sealed.key) if named else None)
+    except WireRejected:
+        return
+    # accepted: only the unsigned framing changed (say, an unknown field added around the body)
+    assert envelope_pb2.SignedEnvelope.FromString(blob).body == sealed.body
+    assert opened.envelope.payload == sealed.message.SerializeToString() and opened.message == sealed.message
+    assert opened.sender == peer_id_of(sealed.key)
+
+
+@fuzz(800)
+@given(index=sealed_index, ops=edits)
+def test_a_signed_body_changed_in_any_way_is_refused(index, ops):
+    sealed = SEALED[index]
+    body = mutate(sealed.body, ops)
+    signature = envelope_pb2.SignedEnvelope.FromString(sealed.blob).signature
+    blob = envelope_pb2.SignedEnvelope(body=body, signature=signature).SerializeToString()
+    if body == sealed.body:
+        assert _open(Gate(POLICY), sealed, blob).message == sealed.message
+    else:
+        with pytest.raises(WireRejected):
+            _open(Gate(POLICY), sealed, blob)
+
+
+GATE_FOR_SIGNED_GARBAGE = Gate(POLICY)  # one gate: it remembers nonces across examples, as a worker's does
+
+
+@fuzz(800)
+@given(index=sealed_index, ops=edits, fresh=st.booleans())
+def test_garbage_signed_by_a_valid_worker_key_is_refused_with_wire_rejected(index, ops, fresh):
+    """An admitted worker's key signs whatever its owner likes: the checks after the signature hold too."""
+    sealed = SEALED[index]
+    body = mutate(sealed.body, ops)
+    blob = envelope_pb2.SignedEnvelope(body=body, signature=sealed.key.sign(body)).SerializeToString()
+    try:
+        opened = _open(GATE_FOR_SIGNED_GARBAGE, sealed, blob, fresh=fresh)
+    except WireRejected:
+        return
+    assert opened.sender == peer_id_of(sealed.key)
+    assert opened.message == decode(sealed.cls, opened.envelope.payload)
+
+
+_tampered = certify_worker(PEER_A, ID_A, run_id=RUN, stage=0, peer_name="a")
+_tampered.stage = 5  # after signing
+_texts = st.one_of(st.text(max_size=30), st.sampled_from([RUN, "other", ID_A, ID_B, MEMBERS_KEY]))
+
+
+def mostly(valid: object, other: st.SearchStrategy) -> st.SearchStrategy:
+    """`valid` 4 times in 5, else anything `other` gives: examples get past one check and meet the next."""
+    return st.integers(0, 4).flatmap(lambda i: st.just(valid) if i else other)
+
+
+@st.composite
+def envelopes(draw) -> tuple[bytes, type[Message]]:
+    """Envelopes of any field values, each mostly valid (sent within +-400 s of now, or at any double),
+    signed mostly by the worker key their certificate names."""
+    sealed = draw(st.sampled_from(SEALED))
+    cls, (key, cert) = sealed.cls, draw(mostly((WORKER_A, CERT_A), st.sampled_from([(WORKER_B, CERT_B), (RUN_KEY, CERT_A),
+                                                                                    (WORKER_A, _tampered)])))  # fmt: skip
+    envelope = envelope_pb2.Envelope(
+        protocol=draw(mostly(PROTOCOL_VERSION, st.integers(0, 2**32 - 1))),
+        run_id=draw(mostly(RUN, _texts)),
+        type=draw(mostly(cls.DESCRIPTOR.full_name, st.text(max_size=30))),
+        topic=draw(_texts),
+        round=draw(st.integers(-(2**63), 2**63 - 1)),
+        nonce=draw(st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=20))),
+        in_reply_to=draw(st.binary(max_size=20)),
+        sent_at=draw(mostly(None, st.floats())) or time.time() + draw(st.floats(-400, 400)),
+        payload=draw(mostly(sealed.message.SerializeToString(), peer_bytes)),
+        sender=cert,
+    )
+    admission = draw(st.sampled_from([None, ADMISSION_A, certify_peer(RUN_KEY, b"\x00" * 32, run_id=RUN)]))
+    if admission is not None:
+        envelope.admission.CopyFrom(admission)
+    body = envelope.SerializeToString()
+    return envelope_pb2.SignedEnvelope(body=body, signature=key.sign(body)).SerializeToString(), cls
+
+
+@fuzz(600)
+@given(sealed=envelopes(), fresh=st.booleans(), closed=st.booleans())
+def test_signed_envelopes_of_any_field_values_are_accepted_or_refused_with_wire_rejected(sealed, fresh, closed):
+    blob, cls = sealed
+    try:
+        opened = Gate(POLICY if closed else Policy(run_id=RUN)).open(blob, cls, fresh=fresh)
+    except WireRejected:
+        return
+    assert opened.sender in (ID_A, ID_B) and opened.envelope.run_id == RUN
+
+
+# ----- the DHT's record validator --------------------------------------------------------------
+VALIDATOR = EnvelopeValidator(Gate(POLICY), run_keys(RUN, "0" * 64))
+_dht_keys = [MEMBERS_KEY, ROUND_KEY, CONFIG_KEY, f"{RUN}:members:s63", "hivemind.key"]
+GUARDED = {MEMBERS_KEY, CONFIG_KEY, f"{RUN}:members:s63"}  # among _dht_keys, those run_keys names
+_msgpack_values = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.binary(max_size=40), st.text(max_size=40),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3), st.sampled_from([s.blob for s in SEALED]),
+)  # fmt: skip
+
+
+@fuzz(600)
+@given(key=st.binary(max_size=30), subkey=st.binary(max_size=60), value=st.binary(max_size=300), guarded=st.booleans())
+def test_the_validator_returns_a_bool_for_any_record_bytes(key, subkey, value, guarded):
+    if guarded:
+        key = DHTID.generate(source=MEMBERS_KEY).to_bytes()
+    verdict = VALIDATOR.validate(DHTRecord(key=key, subkey=subkey, value=value, expiration_time=0.0))
+    assert isinstance(verdict, bool)
+
+
+@fuzz(600)
+@given(key=st.sampled_from(_dht_keys), subkey=st.one_of(st.sampled_from([ID_A, ID_B]), _msgpack_values),
+       value=st.one_of(st.tuples(sealed_index, edits).map(lambda p: mutate(SEALED[p[0]].blob, p[1])),
+                       _msgpack_values))  # fmt: skip
+def test_the_validator_takes_only_records_signed_for_their_key_by_their_subkey(key, subkey, value):
+    record = DHTRecord(
+        key=DHTID.generate(source=key).to_bytes(), subkey=MSGPackSerializer.dumps(subkey),
+        value=MSGPackSerializer.dumps(value), expiration_time=0.0,
+    )  # fmt: skip
+    verdict = VALIDATOR.validate(record)
+    assert isinstance(verdict, bool)
+    if not isinstance(subkey, str):  # not one of ours: hivemind's own, taken unless under a run key
+        assert verdict == (key not in GUARDED)
+        return
+    if any(value == s.blob and s.topic == key and peer_id_of(s.key) == subkey for s in SEALED):
+        assert verdict  # a record as its worker stored it
+    if verdict:  # one of ours, taken: exactly the bytes a worker signed for this key, its subkey the signer
+        body = envelope_pb2.SignedEnvelope.FromString(value).body
+        (sealed,) = [s for s in SEALED if s.body == body]
+        assert sealed.topic == key and peer_id_of(sealed.key) == subkey
+
+
+# ----- compressed messages (StageCodec.receive, payload.unframe) -------------------------------
+SHAPES = [torch.Size((24, 16)), torch.Size((16,)), torch.Size((16, 40)), torch.Size((3, 5))]
+NAMES = ["a.weight", "a.bias", "b.weight", "c.weight"]
+ROUND = 3
+KINDS = ["fp16", "int8", "topk", "lowrank"]
+
+
+def _codec(kind: str) -> tuple[StageCodec, dict[int, bytes]]:
+    cfg = CompressionConfig(kind=kind, rank=2, rank_max=4, energy_target=0.0, topk_chunk=16, topk_density=0.25, block=16)
+    codec = StageCodec(cfg, NAMES, SHAPES, run_id="fuzz")
+    generator = torch.Generator().manual_seed(0)
+    round_codec = codec.begin(ROUND, [torch.randn(s, generator=generator) * 1e-3 for s in SHAPES])
+    messages = {1: round_codec.message(1)}
+    if codec.phases == 2:
+        messages[2] = round_codec.message(2, [messages[1]])
+    return codec, messages
+
+
+CODECS = {kind: _codec(kind) for kind in KINDS}
+
+
+@contextlib.contextmanager
+def small_slices():
+    """Readers decode a few dozen values at a time, as they would a stage of millions (payload.SLICE)."""
+    saved, payload.SLICE = payload.SLICE, 64
+    try:
+        yield
+    finally:
+        payload.SLICE = saved
+
+
+def _receive(kind: str, blob: bytes, phase: int) -> None:
+    """StageCodec.receive; what it accepts must decode whole and a slice at a time, to finite values."""
+    codec, _ = CODECS[kind]
+    with small_slices():
+        try:
+            received = codec.receive(blob, round=ROUND, phase=phase)
+        except MessageRejected:
+            return
+        assert math.isfinite(received.norm(slice_step(codec.cfg, received.layout.numel)))
+        pieces = received.pieces()
+    assert [p.shape for p in pieces] == received.layout.shapes
+    assert all(bool(torch.isfinite(p).all()) for p in pieces)
+
+
+def test_the_valid_messages_fuzzed_here_are_received():
+    for kind, (codec, messages) in CODECS.items():
+        for phase, blob in messages.items():
+            codec.receive(blob, round=ROUND, phase=phase)
+
+
+framed_garbage = st.builds(
+    lambda head, rest: struct.pack("<I", len(head)) + head + rest, protobuf_like, st.binary(max_size=200)
+)
+"""A length prefix that fits, a protobuf-shaped header, then any bytes."""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@fuzz(250)
+@given(blob=st.one_of(st.binary(max_size=400), framed_garbage), phase=st.integers(1, 2))
+def test_stage_codec_receive_refuses_random_bytes_with_message_rejected(kind, blob, phase):
+    _receive(kind, blob, phase)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@fuzz(350)
+@given(phase=st.integers(1, 2), ops=edits)
+def test_stage_codec_receive_takes_mutated_messages_or_refuses_them_with_message_rejected(kind, phase, ops):
+    messages = CODECS[kind][1]
+    phase = min(phase, max(messages))
+    _receive(kind, mutate(messages[phase], ops), phase)
+
+
+@st.composite
+def reframed(draw, kind: str) -> tuple[bytes, int]:
+    """A valid message with header fields changed and sections resized or replaced, framed again."""
+    messages = CODECS[kind][1]
+    phase = draw(st.sampled_from(sorted(messages)))
+    header, sections = unframe(messages[phase])
+    sections = [bytes(s) for s in sections]
+    small = st.integers(-3, 70)
+    edits_of_header = {
+        "ranks": lambda: header.ranks.__setitem__(slice(None), draw(st.lists(small, max_size=3))),
+        "shape": lambda: header.payload.shape.__setitem__(slice(None), draw(st.lists(st.integers(-1, 3000), max_size=2))),
+        "quantized": lambda: header.payload.quantized.CopyFrom(
+            compression_pb2.QuantizedTensor(bits=draw(st.sampled_from([0, 4, 8, 16])), block=draw(small))),
+        "sparse": lambda: header.payload.sparse.CopyFrom(compression_pb2.SparseTensor(
+            chunk=draw(small), k=draw(small), bits=draw(st.sampled_from([1, 2, 3, 4, 5])))),
+        "fp16": lambda: header.payload.fp16.SetInParent(),
+        "energies": lambda: header.energy_kept.__setitem__(slice(None), draw(st.lists(st.floats(), max_size=3))),
+    }  # fmt: skip
+    for name in draw(st.lists(st.sampled_from(sorted(edits_of_header)), max_size=2)):
+        edits_of_header[name]()
+    for i in draw(st.lists(st.integers(0, max(len(sections) - 1, 0)), max_size=2)) if sections else []:
+        sections[i] = draw(st.one_of(st.binary(max_size=3 * len(sections[i]) + 4),
+                                     st.just(sections[i]).map(lambda s: s[: len(s) // 2])))  # fmt: skip
+    return frame(header, [[s] for s in sections]), phase
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@fuzz(200)
+@given(data=st.data())
+def test_stage_codec_receive_refuses_inconsistent_headers_and_sections_with_message_rejected(kind, data):
+    blob, phase = data.draw(reframed(kind))
+    _receive(kind, blob, phase)
+
+
+@fuzz(600)
+@given(blob=st.one_of(st.binary(max_size=300), framed_garbage))
+def test_unframe_refuses_unframed_bytes_with_value_or_decode_error_and_nothing_else(blob):
+    try:
+        message, sections = unframe(blob)
+    except (ValueError, DecodeError):
+        return
+    assert isinstance(message, compression_pb2.CompressedMessage)
+    (header_bytes,) = struct.unpack_from("<I", blob)
+    assert [len(s) for s in sections] == list(message.payload.sections)
+    assert 4 + header_bytes + sum(message.payload.sections) == len(blob)
+
+
+@fuzz(400, phases=[Phase.explicit, Phase.generate])
+@given(blob=framed_garbage)
+def test_unframe_refuses_unframed_bytes_with_value_error_as_documented(blob):
+    try:
+        unframe(blob)
+    except ValueError:
+        pass
+
+
+# ----- replies streamed to a download (averager._read_stream) ----------------------------------
+async def _chunks(chunks: list[swarm_pb2.Chunk]):
+    for chunk in chunks:
+        yield chunk
+
+
+def read_stream(chunks: list[swarm_pb2.Chunk], *, max_bytes: int):
+    return asyncio.run(_read_stream(_chunks(chunks), first_within=5.0, each_within=5.0, total_within=10.0,
+                                    max_bytes=max_bytes))  # fmt: skip
+
+
+@fuzz(200)
+@given(head=st.binary(max_size=200))
+def test_read_stream_takes_any_header_bytes_as_the_header(head):
+    reply = read_stream([swarm_pb2.Chunk(head=head)], max_bytes=1 << 20)
+    assert reply.head == head and reply.tensors == [] and reply.sha256 == hashlib.sha256().digest()
+
+
+@fuzz(300)
+@given(head=st.binary(max_size=40), parts=st.lists(st.binary(min_size=1, max_size=200), min_size=1, max_size=4),
+       max_bytes=st.integers(0, 60))  # fmt: skip
+def test_read_stream_refuses_a_reply_over_its_limit_before_parsing_the_part_that_exceeds_it(head, parts, max_bytes):
+    chunks = [swarm_pb2.Chunk(head=head)] + [swarm_pb2.Chunk(tensor_part=p) for p in parts]
+    if chunks[0].ByteSize() + chunks[1].ByteSize() <= max_bytes:
+        chunks[1].tensor_part += b"\x00" * max_bytes  # the first part always exceeds the limit
+    with pytest.raises(_Oversized, match=f"exceeds {max_bytes} bytes"):
+        read_stream(chunks, max_bytes=max_bytes)
+
+
+def test_read_stream_gives_up_on_a_frozen_sender():
+    async def frozen():
+        yield swarm_pb2.Chunk(head=b"h")
+        await asyncio.sleep(60)
+        yield swarm_pb2.Chunk()
+
+    with pytest.raises(TimeoutError, match="no next chunk within 0.1s"):
+        asyncio.run(_read_stream(frozen(), first_within=1.0, each_within=0.1, total_within=5.0, max_bytes=1 << 20))
+
+
+_tensor_parts = st.one_of(
+    st.binary(max_size=100),  # noise: a DecodeError at worst
+    st.builds(
+        lambda buffer, size, dtype, compression, grad: runtime_pb2.Tensor(
+            buffer=buffer, size=size, dtype=dtype, compression=compression, requires_grad=grad
+        ).SerializeToString(),
+        st.binary(max_size=64),
+        st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 16), max_size=3),
+        st.sampled_from(["float32", "float16", "bfloat16", "int64", "bool", "", "object", "U4", "fhoat32", "complex64"]),
+        st.integers(0, 7),
+        st.booleans(),
+    ),
+    st.sampled_from([serialize_torch_tensor(torch.arange(6.0)).SerializeToString()]).flatmap(
+        lambda blob: edits.map(lambda ops: mutate(blob, ops))
+    ),
+)
+
+
+@fuzz(400, phases=[Phase.explicit, Phase.generate])
+@given(parts=st.lists(_tensor_parts, min_size=1, max_size=3))
+@example(parts=[b""])  # an empty Chunk after the header (hivemind would raise TypeError("data type '' ..."))
+def test_read_stream_refuses_garbage_tensor_parts_only_with_its_documented_errors(parts):
+    chunks = [swarm_pb2.Chunk(head=b"head")] + [swarm_pb2.Chunk(tensor_part=p) for p in parts]
+    try:
+        read_stream(chunks, max_bytes=1 << 20)
+    except (TimeoutError, _Oversized, WireRejected):
+        pass
