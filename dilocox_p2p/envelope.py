@@ -149,7 +149,7 @@ class Gate:
     def open(
         self,
         blob: object,
-        cls: type[M],
+        cls: type[M] | tuple[type[Message], ...],
         *,
         sender: str | None = None,
         topic: str | None = None,
@@ -159,11 +159,15 @@ class Gate:
         max_bytes: int = MAX_RECORD_BYTES,
         even_banned: bool = False,
     ) -> Opened[M]:
-        """Verify `blob` and decode its payload as `cls`; raise WireRejected with the reason. With
-        `even_banned`, a banned sender's envelope is opened too (a group it is already in)."""
+        """Verify `blob` and decode its payload as `cls` (or as whichever of a tuple of classes it holds); raise
+        WireRejected with the reason. With `even_banned`, a banned sender's envelope is opened too (a group
+        it is already in)."""
         envelope, signer = self._verify(blob, max_bytes, sender, even_banned=even_banned)
-        if envelope.type != cls.DESCRIPTOR.full_name:
-            raise WireRejected(f"expected a {cls.DESCRIPTOR.name}, got a {envelope.type[:60]!r} from {_short(signer)}")
+        classes = cls if isinstance(cls, tuple) else (cls,)
+        cls = next((c for c in classes if c.DESCRIPTOR.full_name == envelope.type), None)
+        if cls is None:
+            expected = " or ".join(c.DESCRIPTOR.name for c in classes)
+            raise WireRejected(f"expected a {expected}, got a {envelope.type[:60]!r} from {_short(signer)}")
         if topic is not None and envelope.topic != topic:
             raise WireRejected(f"{cls.DESCRIPTOR.name} from {_short(signer)} is addressed to {envelope.topic[:60]!r}, "
                                f"not {topic[:60]!r} (replayed or misdirected)")  # fmt: skip

@@ -14,9 +14,11 @@ every other member's whole message, and each decodes the same set in the same or
 
 Messages are pulled, never pushed: a worker holds only what it asked for. What a member could
 not get by the deadline is None in the result; the worker decodes what it has and says so.
-Each message travels with its author's signed MessageDigest (size and SHA-256), which relays
-pass on unchanged: a message altered anywhere on the way is refused, and the member that
-served it is named in `offenders` (the stage strikes it).
+Each message travels behind its author's signed MessageDigest (group, phase, size and
+SHA-256) as the reply's header, which relays pass on unchanged: a message altered anywhere on
+the way is refused, and the member that served it is named in `offenders` (the stage strikes
+it). A reply without the message is a GatherHeader signed by the member asked, answering the
+request's nonce.
 A member returns once the others have pulled its message too (or a few seconds passed), so
 the bytes it served are counted with the round they belong to.
 """
@@ -165,23 +167,24 @@ class MessageGather:
             await asyncio.wait_for(read(), max(deadline - time.monotonic(), 0.1) + 5.0)
             if head is None:
                 return None, "empty reply", size
-            header = self.gate.open(head, swarm_pb2.GatherHeader, sender=holder, in_reply_to=nonce).message
+            opened = self.gate.open(head, (envelope_pb2.MessageDigest, swarm_pb2.GatherHeader))
         except WireRejected as e:
             return None, f"refused: {e}", size
         except Exception as e:
             return None, repr(e)[:200], size
-        if header.status != swarm_pb2.STATE_OK:
+        if isinstance(opened.message, swarm_pb2.GatherHeader):
+            header = opened.message
+            if opened.sender != holder or opened.envelope.in_reply_to != nonce:
+                return None, "refused: a status reply not signed by the member asked, for this request", size
             return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
-        blob = b"".join(parts)
-        try:
-            digest = self.gate.open(header.digest, envelope_pb2.MessageDigest, sender=sender).message
-        except WireRejected as e:
-            return None, f"refused: {sender}'s message came without its author's digest ({e})", size
+        blob, digest = b"".join(parts), opened.message
+        if opened.sender != sender:
+            return None, f"refused: {sender}'s message came behind a digest signed by {opened.sender}", size
         if (digest.group_id, digest.phase) != (group_id, phase):
             return None, f"refused: {sender}'s digest is of another group or phase (replayed)", size
         if len(blob) != digest.size or hashlib.sha256(blob).digest() != digest.sha256:
             return None, f"refused: {sender}'s message does not match its author's signed SHA-256 (altered)", size
-        return (blob, header.digest), "", size
+        return (blob, head), "", size
 
     async def rpc_download_message(
         self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
@@ -209,8 +212,7 @@ class MessageGather:
         blob, digest = held
         if injection.armed("flip_served_bit", stage=self.stage):
             blob = injection.flip_last_bit(blob)
-        ok = swarm_pb2.GatherHeader(status=swarm_pb2.STATE_OK, size=len(blob), digest=digest)
-        first = self._head(ok, nonce=nonce)  # type: ignore[attr-defined]
+        first = swarm_pb2.Chunk(head=digest)  # the author's signed digest: the header of a message sent
         self._served[key] += first.ByteSize()
         yield first
         for start in range(0, len(blob), PAYLOAD_PART):
