@@ -33,6 +33,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from ..config import SwarmConfig
 from ..envelope import ForeignProtocol, Gate, Opened, Signer
 from ..errors import SwarmError, WireRejected
+from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .faults import FaultCounter
 from .priority import lower_priority
@@ -182,7 +183,9 @@ class RunRecords:
         self.peer_id = dht.peer_id.to_base58()
         assert self.peer_id == signer.worker_id, "the DHT runs under another key than the signer's"
         self.members_key = f"{run_id}:members:s{stage}"
-        self.foreign: dict[str, int] = {}  # workers whose records speak another protocol version -> that version
+        # workers whose member records speak another protocol version -> (that version, when they joined, whether
+        # they train), read from the unverified record (its schema may differ): said to a joiner, never trusted
+        self.foreign: dict[str, tuple[int, float, bool]] = {}
 
     def _store(self, key: str, message: Any, ttl: float, *, round: int = 0, best_effort: bool = False) -> bool:
         """Store `message` under `key`, signed for that key; a failure is counted, or only logged if `best_effort`."""
@@ -210,7 +213,8 @@ class RunRecords:
                     raise WireRejected(f"subkey {str(subkey)[:30]!r} is not a peer id")
                 opened = self.gate.open(getattr(item, "value", None), cls, sender=subkey, topic=key, round=round)
             except ForeignProtocol as e:
-                self.foreign[str(subkey)] = e.version
+                if cls is swarm_pb2.MemberRecord:
+                    self.foreign[str(subkey)] = (e.version, *_claimed_membership(item.value))
                 self.faults.count("records_refused", "refused a record under %s: %s", key, e)
                 continue
             except WireRejected as e:
@@ -254,6 +258,16 @@ class RunRecords:
             if opened.message.config_hash == config_hash:
                 return opened.message.shared_json
         return None
+
+
+def _claimed_membership(blob: bytes) -> tuple[float, bool]:
+    """(joined_at, training) as a foreign member record claims them; (inf, False) if unreadable."""
+    try:
+        body = envelope_pb2.Envelope.FromString(envelope_pb2.SignedEnvelope.FromString(blob).body)
+        record = swarm_pb2.MemberRecord.FromString(body.payload)
+        return record.joined_at, record.training
+    except Exception:
+        return float("inf"), False
 
 
 class Heartbeat:

@@ -180,9 +180,12 @@ class Membership:
         self.refresh()
         with self._lock:
             others = [m for m in self._members if m.peer_id != self.peer_id and m.record.training]
-        foreign = dict(self.records.foreign)
-        if not others and foreign:
-            versions = ", ".join(sorted({str(v) for v in foreign.values()}))
+            ours = [m for m in self._members if m.peer_id != self.peer_id]
+            mine = next((m.record.joined_at for m in self._members if m.peer_id == self.peer_id), get_dht_time())
+        # workers of another release that (by their own word) joined first and train: this peer is the newcomer
+        foreign = {p: f for p, f in self.records.foreign.items() if f[2] and f[1] < mine}
+        if not ours and foreign:
+            versions = ", ".join(sorted({str(v) for v, _, _ in foreign.values()}))
             raise AdmissionError(
                 f"run {run_id!r} speaks wire protocol version {versions} ({len(foreign)} workers), this peer speaks "
                 f"{protocol_version()}: run the same dilocox-p2p release as the run's other peers"
