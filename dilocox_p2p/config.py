@@ -246,12 +246,12 @@ class OuterConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CompressionConfig:
-    kind: Literal["none", "fp16", "int8", "lowrank", "topk"] = "none"
-    """How pseudo-gradients travel: none = fp32 through the exact butterfly; fp16, int8 (blockwise),
-    lowrank (PowerSGD, quantized factors, adaptive rank) and topk (SparseLoCo) are gathered as
+    kind: Literal["none", "fp16", "int8", "fp4", "lowrank", "topk"] = "none"
+    """How pseudo-gradients travel: none = fp32 through the exact butterfly; fp16, int8 (blockwise), fp4
+    (E3M0 with blockwise scales, Streaming DiLoCo's outer-gradient format), lowrank (PowerSGD, quantized factors, adaptive rank) and topk (SparseLoCo) are gathered as
     compressed messages that every member decodes to the same bits."""
     block: int = 64
-    """Values per quantization block (int8, low-rank factors, low-rank's other tensors), one bf16 scale each."""
+    """Values per quantization block (int8, fp4, low-rank factors, low-rank's other tensors), one bf16 scale each."""
     factor_bits: Literal[4, 8] = 4
     """Bits per value of low-rank factors and of the tensors low-rank sends whole."""
     rank: int = 4

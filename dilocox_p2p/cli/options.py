@@ -70,7 +70,7 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     g.add_argument("--outer-lr", type=float, help="outer Nesterov lr (default: sync 0.7, delayed 0.1)")
     g.add_argument(
         "--compression",
-        choices=["none", "fp16", "int8", "lowrank", "topk"],
+        choices=["none", "fp16", "int8", "fp4", "lowrank", "topk"],
         help="how pseudo-gradients travel (default none: fp32); see compression.* in `config show`",
     )
     g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], help="progress display")

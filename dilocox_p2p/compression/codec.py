@@ -16,7 +16,7 @@ error-feedback buffer, the output and the messages, never a whole flat copy of t
 
 Per kind, what travels: one vector per message, the stage's pieces flattened and concatenated
 (one protobuf field, so a stage of many small tensors pays no framing per tensor):
-- fp16 / int8: every tensor, as IEEE half / blockwise int8 (quantize.py).
+- fp16 / int8 / fp4: every tensor, as IEEE half / blockwise int8 / blockwise E3M0 fp4 (quantize.py).
 - topk: every tensor, chunked top-k over the concatenation (topk.py).
 - lowrank: matrices large enough as two factors over two phases (lowrank.py): P_i = M_i Q,
   then Q_i = M_i^T B with B the exact basis of the group's mean P; the other tensors (biases,
@@ -173,8 +173,8 @@ class StageCodec:
 
     @property
     def pad(self) -> int:
-        """Pieces start on a quantization block (int8, low-rank), so that a block never mixes two."""
-        return self.cfg.block if self.cfg.kind in ("int8", "lowrank") else 1
+        """Pieces start on a quantization block (int8, fp4, low-rank), so that a block never mixes two."""
+        return self.cfg.block if self.cfg.kind in ("int8", "lowrank", "fp4") else 1
 
     def encode(
         self,

@@ -38,7 +38,7 @@ from google.protobuf.message import DecodeError
 from ..average import ordered_mean
 from ..config import TOPK_MAX_CHUNK, CompressionConfig
 from ..proto_gen import compression_pb2 as pb
-from .quantize import Quantized, dequantize, quantize
+from .quantize import Quantized, dequantize, dequantize_fp4, quantize, quantize_fp4
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, select_topk, unpack_topk
 
 __all__ = ["FlatLayout", "PayloadReader", "encode_payload", "frame", "streamed_mean", "unframe"]
@@ -101,7 +101,7 @@ def slice_step(cfg: CompressionConfig, numel: int) -> int:
     """Slice length for `cfg.kind` over a vector of `numel` values (aligned: module docstring)."""
     if cfg.kind == "topk":
         unit = TopKLayout.of(max(numel, 1), chunk=cfg.topk_chunk, density=cfg.topk_density).chunk
-    elif cfg.kind in ("int8", "lowrank"):
+    elif cfg.kind in ("int8", "lowrank", "fp4"):
         unit = 2 * cfg.block
     else:
         unit = 1
@@ -189,6 +189,11 @@ class _Encoder:
             kept = select_topk(x, self.topk, self.cfg.topk_bits)
             self.parts.append(kept)
             return kept.dense(0, kept.index.shape[0], self.topk.chunk)[: x.numel()]
+        if kind == "fp4":
+            q = quantize_fp4(x, block=self.cfg.block)
+            self.parts.append(q.codes)
+            self.scales.append(q.scales)
+            return dequantize_fp4(q)
         q = quantize(x, bits=self.bits, block=self.cfg.block)
         self.parts.append(q.codes)
         self.scales.append(q.scales)
@@ -206,7 +211,10 @@ class _Encoder:
             if sparse is None:
                 return []
             return [[sparse.signs], [sparse.levels], [sparse.magnitudes], [sparse.low], [sparse.high]]
-        out.quantized.CopyFrom(pb.QuantizedTensor(bits=self.bits, block=self.cfg.block))
+        if self.cfg.kind == "fp4":
+            out.fp4.CopyFrom(pb.Fp4Tensor(block=self.cfg.block))
+        else:
+            out.quantized.CopyFrom(pb.QuantizedTensor(bits=self.bits, block=self.cfg.block))
         return [self.parts, self.scales]
 
 
@@ -221,7 +229,7 @@ class PayloadReader(ABC):
     def of(encoded: pb.EncodedTensor, sections: Sequence[memoryview], numel: int) -> PayloadReader:
         """Raises ValueError for a payload that is malformed, of another size, or not finite."""
         which = encoded.WhichOneof("encoding")
-        expected = {"fp16": 1, "quantized": 2, "sparse": 5 if numel else 0}.get(which or "")
+        expected = {"fp16": 1, "quantized": 2, "fp4": 2, "sparse": 5 if numel else 0}.get(which or "")
         if expected is None:
             raise ValueError("no encoding")
         if len(sections) != expected:
@@ -230,6 +238,9 @@ class PayloadReader(ABC):
             return _Fp16Reader(sections[0], numel)
         if which == "quantized":
             return _QuantizedReader(encoded.quantized, *sections, numel=numel)
+        if which == "fp4":
+            q = pb.QuantizedTensor(bits=4, block=encoded.fp4.block)
+            return _QuantizedReader(q, *sections, numel=numel, fp4=True)
         return _SparseReader(encoded.sparse, sections, numel)
 
     @abstractmethod
@@ -255,8 +266,9 @@ class _Fp16Reader(PayloadReader):
 
 
 class _QuantizedReader(PayloadReader):
-    def __init__(self, q: pb.QuantizedTensor, codes: memoryview, scales: memoryview, *, numel: int):
+    def __init__(self, q: pb.QuantizedTensor, codes: memoryview, scales: memoryview, *, numel: int, fp4: bool = False):
         super().__init__(numel)
+        self.fp4 = fp4
         if q.bits not in (4, 8) or q.block < 1:
             raise ValueError(f"bits {q.bits}, block {q.block}")
         if len(scales) != 2 * -(-numel // q.block):
@@ -274,7 +286,8 @@ class _QuantizedReader(PayloadReader):
         per_byte = 2 if self.bits == 4 else 1
         codes = self.codes[lo // per_byte : -(-hi // per_byte)]
         scales = self.scales[2 * (lo // self.block) : 2 * -(-hi // self.block)]
-        return dequantize(Quantized(codes, scales, (hi - lo,), self.bits, self.block))
+        q = Quantized(codes, scales, (hi - lo,), self.bits, self.block)
+        return dequantize_fp4(q) if self.fp4 else dequantize(q)
 
 
 class _SparseReader(PayloadReader):

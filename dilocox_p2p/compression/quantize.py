@@ -1,4 +1,4 @@
-"""Blockwise integer quantization (int8, int4) and fp16: dense codecs for pseudo-gradients and factors.
+"""Blockwise quantization (int8, int4, fp4 E3M0) and fp16: dense codecs for pseudo-gradients and factors.
 
     blocks of `block` consecutive values; per block a bf16 scale s >= absmax / qmax
     code = round(x / s), clamped to [-qmax, qmax]        (qmax: 127 for int8, 7 for int4)
@@ -12,6 +12,11 @@ is at most s / 2 (`error_bound`).
 
 int4 codes travel two to a byte; scales travel as bf16 (2 bytes per block). hivemind's own
 8-bit codecs are not used: numpy 2 silently breaks them (notes/hivemind-facts.md, trap 1).
+
+fp4 (E3M0, Streaming DiLoCo's outer-gradient format): a sign bit and a 3-bit exponent, no
+mantissa. Per block a bf16 scale s >= absmax; code e = 0 stands for 0, e = 1..7 for
++-s * 2^(e - 7) (magnitudes s/64 ... s), the nearest to each value. Decoding multiplies an
+exact power of two by the widened scale: one rounded multiply, the same bits everywhere.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-__all__ = ["Quantized", "dequantize", "error_bound", "quantize"]
+__all__ = ["FP4_MAGNITUDES", "Quantized", "dequantize", "dequantize_fp4", "error_bound", "quantize", "quantize_fp4"]
 
 Bits = Literal[4, 8]
 _QMAX = {8: 127, 4: 7}
@@ -66,6 +71,42 @@ def quantize(x: torch.Tensor, *, bits: Bits = 8, block: int = 64) -> Quantized:
     return Quantized(_pack(codes, bits), scales.view(torch.int16).numpy().tobytes(), tuple(x.shape), bits, block)
 
 
+FP4_MAGNITUDES = torch.tensor([0.0] + [2.0 ** (e - 7) for e in range(1, 8)], dtype=torch.float32)
+"""|value| / scale of the E3M0 codes 0..7 (the sign is bit 3 of a code)."""
+_FP4_VALUES = torch.cat([FP4_MAGNITUDES, -FP4_MAGNITUDES])  # a code's value / scale, by code 0..15
+
+
+def quantize_fp4(x: torch.Tensor, *, block: int = 64) -> Quantized:
+    """Quantize `x` blockwise to E3M0 fp4 codes (sign << 3 | exponent) with one bf16 scale per block."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1, got {block}")
+    flat = x.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+    padded = torch.zeros(-(-n // block) * block, dtype=torch.float32)
+    padded[:n] = flat
+    blocks = padded.view(-1, block)
+    scales = (blocks.abs().amax(dim=1) * _BF16_UP).to(torch.bfloat16)  # never below absmax: |x| / s <= 1
+    wide = scales.to(torch.float32)
+    ratio = (blocks.abs() / torch.where(wide > 0, wide, torch.ones_like(wide))[:, None]).reshape(-1)[:n]
+    exponent = torch.argmin((ratio[:, None] - FP4_MAGNITUDES[None, :]).abs(), dim=1)  # the nearest magnitude
+    codes = exponent + 8 * ((flat < 0) & (exponent > 0))
+    return Quantized(_pack_nibbles(codes.to(torch.uint8).numpy()), scales.view(torch.int16).numpy().tobytes(),
+                     tuple(x.shape), 4, block)  # fmt: skip
+
+
+def dequantize_fp4(q: Quantized) -> torch.Tensor:
+    """The fp32 tensor fp4 codes stand for: +-2^(e-7) * scale, one rounded multiply per value."""
+    n = int(np.prod(q.shape, dtype=np.int64))
+    raw = np.frombuffer(q.codes, dtype=np.uint8)
+    if raw.size != -(-n // 2):
+        raise ValueError(f"fp4 codes: {raw.size} bytes for {n} values (expected {-(-n // 2)})")
+    codes = np.empty(raw.size * 2, dtype=np.int64)
+    codes[0::2], codes[1::2] = raw & 0x0F, raw >> 4
+    scales = torch.from_numpy(np.frombuffer(q.scales, dtype=np.int16).copy()).view(torch.bfloat16)
+    per_value = scales.to(torch.float32).repeat_interleave(q.block)[:n]
+    return (_FP4_VALUES[torch.from_numpy(codes[:n])] * per_value).reshape(q.shape)
+
+
 def dequantize(q: Quantized) -> torch.Tensor:
     """The fp32 tensor `q` stands for: code * scale, one rounded multiply per value."""
     n = int(np.prod(q.shape, dtype=np.int64))
@@ -86,7 +127,11 @@ def error_bound(x: torch.Tensor, *, bits: Bits = 8, block: int = 64) -> torch.Te
 def _pack(codes: torch.Tensor, bits: int) -> bytes:
     if bits == 8:
         return codes.numpy().tobytes()
-    nibbles = (codes.to(torch.int16) + 8).to(torch.uint8).numpy()
+    return _pack_nibbles((codes.to(torch.int16) + 8).to(torch.uint8).numpy())
+
+
+def _pack_nibbles(nibbles: np.ndarray) -> bytes:
+    """Values 0..15 two to a byte, low nibble first (an odd count padded with an 8)."""
     if nibbles.size % 2:
         nibbles = np.append(nibbles, np.uint8(8))
     return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8).tobytes()

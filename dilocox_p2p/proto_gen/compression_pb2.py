@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64ilocox/v1/compression.proto\x12\ndilocox.v1\".\n\x0fQuantizedTensor\x12\x0c\n\x04\x62its\x18\x03 \x01(\x05\x12\r\n\x05\x62lock\x18\x04 \x01(\x05\"6\n\x0cSparseTensor\x12\r\n\x05\x63hunk\x18\x01 \x01(\x05\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x0c\n\x04\x62its\x18\x03 \x01(\x05\"\x0c\n\nHalfTensor\"\xc2\x01\n\rEncodedTensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12&\n\x04\x66p16\x18\x02 \x01(\x0b\x32\x16.dilocox.v1.HalfTensorH\x00\x12\x30\n\tquantized\x18\x03 \x01(\x0b\x32\x1b.dilocox.v1.QuantizedTensorH\x00\x12*\n\x06sparse\x18\x04 \x01(\x0b\x32\x18.dilocox.v1.SparseTensorH\x00\x12\x10\n\x08sections\x18\x05 \x03(\x03\x42\n\n\x08\x65ncoding\"\xa6\x01\n\x11\x43ompressedMessage\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\x05\x12*\n\x07payload\x18\x04 \x01(\x0b\x32\x19.dilocox.v1.EncodedTensor\x12\r\n\x05ranks\x18\x05 \x03(\x05\x12\x14\n\x0c\x65nergy_total\x18\x06 \x03(\x01\x12\x13\n\x0b\x65nergy_kept\x18\x07 \x03(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64ilocox/v1/compression.proto\x12\ndilocox.v1\".\n\x0fQuantizedTensor\x12\x0c\n\x04\x62its\x18\x03 \x01(\x05\x12\r\n\x05\x62lock\x18\x04 \x01(\x05\"6\n\x0cSparseTensor\x12\r\n\x05\x63hunk\x18\x01 \x01(\x05\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x0c\n\x04\x62its\x18\x03 \x01(\x05\"\x0c\n\nHalfTensor\"\x1a\n\tFp4Tensor\x12\r\n\x05\x62lock\x18\x01 \x01(\x05\"\xe8\x01\n\rEncodedTensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12&\n\x04\x66p16\x18\x02 \x01(\x0b\x32\x16.dilocox.v1.HalfTensorH\x00\x12\x30\n\tquantized\x18\x03 \x01(\x0b\x32\x1b.dilocox.v1.QuantizedTensorH\x00\x12*\n\x06sparse\x18\x04 \x01(\x0b\x32\x18.dilocox.v1.SparseTensorH\x00\x12$\n\x03\x66p4\x18\x06 \x01(\x0b\x32\x15.dilocox.v1.Fp4TensorH\x00\x12\x10\n\x08sections\x18\x05 \x03(\x03\x42\n\n\x08\x65ncoding\"\xa6\x01\n\x11\x43ompressedMessage\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\x05\x12*\n\x07payload\x18\x04 \x01(\x0b\x32\x19.dilocox.v1.EncodedTensor\x12\r\n\x05ranks\x18\x05 \x03(\x05\x12\x14\n\x0c\x65nergy_total\x18\x06 \x03(\x01\x12\x13\n\x0b\x65nergy_kept\x18\x07 \x03(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSETENSOR']._serialized_end=146
   _globals['_HALFTENSOR']._serialized_start=148
   _globals['_HALFTENSOR']._serialized_end=160
-  _globals['_ENCODEDTENSOR']._serialized_start=163
-  _globals['_ENCODEDTENSOR']._serialized_end=357
-  _globals['_COMPRESSEDMESSAGE']._serialized_start=360
-  _globals['_COMPRESSEDMESSAGE']._serialized_end=526
+  _globals['_FP4TENSOR']._serialized_start=162
+  _globals['_FP4TENSOR']._serialized_end=188
+  _globals['_ENCODEDTENSOR']._serialized_start=191
+  _globals['_ENCODEDTENSOR']._serialized_end=423
+  _globals['_COMPRESSEDMESSAGE']._serialized_start=426
+  _globals['_COMPRESSEDMESSAGE']._serialized_end=592
 # @@protoc_insertion_point(module_scope)

@@ -85,7 +85,7 @@ def probe(seed: int, cases: int) -> dict[str, str]:
         base = basis(rand((n, r), 1e-3))
         out["lowrank"].append(_digest([base.p_int, torch.from_numpy(base.scales), torch.from_numpy(base.chol), reconstruct(base, rand((m, r), 1e-3))]))
 
-        for kind in ("fp16", "int8", "topk"):  # a whole stage's codec: encode, then the group's mean
+        for kind in ("fp16", "int8", "fp4", "topk"):  # a whole stage's codec: encode, then the group's mean
             cfg = CompressionConfig(kind=kind, topk_chunk=int(rng.integers(1, 300)), block=int(rng.integers(1, 100)))
             codecs = [StageCodec(cfg, [str(i) for i in range(len(shapes))], shapes, run_id="p") for _ in range(3)]
             rounds = [c.begin(0, [rand(s, 1e-2) for s in shapes]) for c in codecs]

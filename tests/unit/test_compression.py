@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dilocox_p2p.compression.feedback import ErrorFeedback
 from dilocox_p2p.compression.lowrank import adapt_rank, basis, initial_q, local_basis, reconstruct
-from dilocox_p2p.compression.quantize import dequantize, error_bound, quantize
+from dilocox_p2p.compression.quantize import dequantize, dequantize_fp4, error_bound, quantize, quantize_fp4
 from dilocox_p2p.compression.topk import decode_topk, encode_topk
 
 pytestmark = pytest.mark.unit
@@ -47,6 +47,32 @@ def test_int4_travels_two_codes_to_a_byte_and_int8_one():
     x = _normal((1000,), 0)
     assert quantize(x, bits=8, block=64).nbytes == 1000 + 2 * 16
     assert quantize(x, bits=4, block=64).nbytes == 500 + 2 * 16
+
+
+def test_fp4_e3m0_codes_round_trip_to_hand_computed_powers_of_two():
+    # one block of 8: absmax 1.0 rounds up to the bf16 scale 1.0078125 (1 + 2^-7)
+    x = torch.tensor([1.0, -0.5, 0.26, 0.0, -0.012, 0.004, 0.75, -1.0])
+    q = quantize_fp4(x, block=8)
+    s = 1.0078125
+    # the nearest of 0, s/64, s/32, ..., s/2, s: 0.26 -> s/4; 0.012 -> s/64 (0.0157 is nearer than 0);
+    # 0.004 -> 0 (nearer than s/64); 0.75 -> s/2 (0.504 is 0.246 away, s is 0.258 away)
+    expected = torch.tensor([s, -s / 2, s / 4, 0.0, -s / 64, 0.0, s / 2, -s])
+    assert torch.equal(dequantize_fp4(q), expected)
+    assert len(q.codes) == 4 and len(q.scales) == 2  # 4 bits a value, one bf16 scale a block
+    codes = np.frombuffer(q.codes, dtype=np.uint8)
+    assert codes[0] & 0x0F == 7 and codes[0] >> 4 == 8 + 6  # +2^0, then -2^-1: sign bit 3, exponent e - 7
+
+
+def test_fp4_keeps_every_value_within_its_block_scale_and_decodes_to_the_same_bits_from_any_slice():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, generator=gen) * torch.logspace(-3, 1, 1000)
+    q = quantize_fp4(x, block=64)
+    decoded = dequantize_fp4(q)
+    scales = torch.from_numpy(np.frombuffer(q.scales, dtype=np.int16).copy()).view(torch.bfloat16).float()
+    per_value = scales.repeat_interleave(64)[:1000]
+    assert bool(((decoded - x).abs() <= per_value / 2).all()), "an fp4 error above half a block scale"
+    assert bool((torch.sign(decoded) * torch.sign(x) >= 0).all()), "a sign flipped"
+    assert torch.equal(dequantize_fp4(quantize_fp4(torch.zeros(10), block=4)), torch.zeros(10))
 
 
 def test_quantizing_zeros_gives_zeros():
@@ -208,7 +234,7 @@ def _deltas(seed, low_rank=None):
     return out
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8", "topk", "lowrank"])
+@pytest.mark.parametrize("kind", ["fp16", "int8", "fp4", "topk", "lowrank"])
 def test_every_member_decodes_the_group_average_to_the_same_bits(kind):
     cfg = CompressionConfig(kind=kind, rank=4, rank_max=8, energy_target=0.0, topk_chunk=256, topk_density=0.25)
     codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
@@ -218,7 +244,7 @@ def test_every_member_decodes_the_group_average_to_the_same_bits(kind):
         assert all(torch.equal(a, b) for a, b in zip(results[0].tensors, other.tensors))
     assert results[0].used == [0, 1, 2] and not results[0].rejected
     true_mean = [sum(d[i] for d in deltas) / 3 for i in range(len(SHAPES))]
-    tolerance = {"fp16": 1e-3, "int8": 2e-2, "topk": 0.9, "lowrank": 0.2}[kind]
+    tolerance = {"fp16": 1e-3, "int8": 2e-2, "fp4": 0.35, "topk": 0.9, "lowrank": 0.2}[kind]
     for i, (got, want) in enumerate(zip(results[0].tensors, true_mean)):
         assert got.shape == want.shape
         err = float(torch.linalg.norm(got - want) / torch.linalg.norm(want))
@@ -276,7 +302,7 @@ def test_the_automatic_rank_cap_keeps_every_factored_matrix_100x_below_fp32(shap
         assert cap >= 16  # and the cap is not needlessly low on real widths
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8", "topk", "lowrank"])
+@pytest.mark.parametrize("kind", ["fp16", "int8", "fp4", "topk", "lowrank"])
 def test_encoding_and_averaging_a_slice_at_a_time_gives_the_bytes_of_the_whole_stage_at_once(kind, monkeypatch):
     """Slices are a memory bound only: messages, averages and error-feedback buffers are the same bits
     whatever the slice length (here 100 values: slices cross tensors, blocks and chunks start them)."""
@@ -329,7 +355,7 @@ def test_a_top_k_message_with_a_repeated_index_is_refused():
         decode_topk(forged, (8,))
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8", "topk", "lowrank"])
+@pytest.mark.parametrize("kind", ["fp16", "int8", "fp4", "topk", "lowrank"])
 def test_a_received_message_is_read_in_place_without_copying_its_payload(kind):
     """The payload's sections are views of the received bytes (a message costs its size once)."""
     from dilocox_p2p.compression.payload import unframe
@@ -358,7 +384,7 @@ def test_a_message_framed_wrongly_is_refused_with_the_reason(cut):
 
 
 @settings(max_examples=300, deadline=None)
-@given(kind=st.sampled_from(["fp16", "int8", "topk", "lowrank"]), data=st.data())
+@given(kind=st.sampled_from(["fp16", "int8", "fp4", "topk", "lowrank"]), data=st.data())
 def test_no_corruption_of_a_message_makes_receiving_it_fail_other_than_by_refusal(kind, data):
     """Flipped, cut or spliced bytes: `receive` either refuses (MessageRejected) or returns a message whose
     values are finite and of the stage's shapes; nothing else escapes."""

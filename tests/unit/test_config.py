@@ -186,7 +186,7 @@ def test_as_many_stages_as_layers_is_allowed():
         ({"swarm.helper_nice": 20}, r"swarm\.helper_nice = 20: must be -19\.\.19"),
         ({"swarm.helper_nice": -20}, r"swarm\.helper_nice = -20"),
         ({"model.seq_len": 1}, r"model\.seq_len = 1: must be at least 2"),
-        ({"compression.kind": "zip"}, r"compression\.kind = 'zip': must be one of: none, fp16, int8, lowrank, topk"),
+        ({"compression.kind": "zip"}, r"compression\.kind = 'zip': must be one of: none, fp16, int8, fp4, lowrank, topk"),
         ({"compression.topk_density": 0.0}, r"compression\.topk_density"),
         ({"compression.rank": 100, "compression.rank_max": 50}, r"compression\.rank = 100: must satisfy 1 <= rank_min \(1\) <= rank <= rank_max \(50, 0: auto\)"),
         ({"compression.energy_target": 1.0}, r"compression\.energy_target"),

@@ -377,7 +377,7 @@ def test_the_validator_takes_only_records_signed_for_their_key_by_their_subkey(k
 SHAPES = [torch.Size((24, 16)), torch.Size((16,)), torch.Size((16, 40)), torch.Size((3, 5))]
 NAMES = ["a.weight", "a.bias", "b.weight", "c.weight"]
 ROUND = 3
-KINDS = ["fp16", "int8", "topk", "lowrank"]
+KINDS = ["fp16", "int8", "fp4", "topk", "lowrank"]
 
 
 def _codec(kind: str) -> tuple[StageCodec, dict[int, bytes]]:
