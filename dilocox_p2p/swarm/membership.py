@@ -166,6 +166,7 @@ class Membership:
         last_log = 0.0
         while True:
             self.refresh()
+            self.refuse_another_release()  # the run may start training while this peer waits
             n = len(self.members(others_only=False))
             if n >= count or time.monotonic() >= deadline:
                 return n
@@ -175,21 +176,26 @@ class Membership:
             time.sleep(POLL_S)
 
     # ----- admission ---------------------------------------------------------------------------
-    def check_admission(self, run_id: str, shared_json: str) -> None:
-        """Refuse to join a run whose oldest live member has another config hash."""
-        self.refresh()
+    def refuse_another_release(self) -> None:
+        """Raise AdmissionError if the run is another release's: no worker of this protocol is here, and
+        workers of another one (by their own, unverified word) joined before this one and train."""
         with self._lock:
-            others = [m for m in self._members if m.peer_id != self.peer_id and m.record.training]
             ours = [m for m in self._members if m.peer_id != self.peer_id]
             mine = next((m.record.joined_at for m in self._members if m.peer_id == self.peer_id), get_dht_time())
-        # workers of another release that (by their own word) joined first and train: this peer is the newcomer
         foreign = {p: f for p, f in self.records.foreign.items() if f[2] and f[1] < mine}
         if not ours and foreign:
             versions = ", ".join(sorted({str(v) for v, _, _ in foreign.values()}))
             raise AdmissionError(
-                f"run {run_id!r} speaks wire protocol version {versions} ({len(foreign)} workers), this peer speaks "
-                f"{protocol_version()}: run the same dilocox-p2p release as the run's other peers"
+                f"run {self.records.run_id!r} speaks wire protocol version {versions} ({len(foreign)} workers), this "
+                f"peer speaks {protocol_version()}: run the same dilocox-p2p release as the run's other peers"
             )
+
+    def check_admission(self, run_id: str, shared_json: str) -> None:
+        """Refuse to join a run whose oldest live member has another config hash."""
+        self.refresh()
+        self.refuse_another_release()
+        with self._lock:
+            others = [m for m in self._members if m.peer_id != self.peer_id and m.record.training]
         if not others:
             return
         oldest = min(others, key=lambda m: (m.record.joined_at, m.peer_id))
