@@ -70,10 +70,11 @@ PRESETS: dict[str, ModelShape] = {
     "1b": ModelShape(n_layer=20, d_model=2048, n_head=16, seq_len=2048),  # ~1.0B
 }
 
-OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1}
+OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1, "eager": 0.2, "own": 0.35}
 """Outer lr defaults per mode: lr 0.7 + Nesterov 0.9 diverges with the one-step delay
 (measured in shared/notes/outer-loop-variants.md), so `delayed` uses 0.1."""
-TOPK_OUTER_LR_BY_MODE = {"sync": 4.0, "delayed": 2.0}
+OUTER_MOMENTUM_BY_MODE = {"own": 0.7}  # notes/outer-loop-variants.md: own at 0.35 / 0.7 is its best; others 0.9
+TOPK_OUTER_LR_BY_MODE = {"sync": 4.0, "delayed": 2.0, "eager": 2.0, "own": 2.0}
 """With topk the outer step has no momentum (error feedback stands in for it), so it needs a larger lr:
 the best of benchmarks/convergence.py's sweep (3 peers, tiny, 50 rounds x H=20; lr 5 and above did
 worse, lr 6 and 8 diverged early)."""
@@ -219,13 +220,16 @@ class InnerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OuterConfig:
-    mode: Literal["sync", "delayed"] = "delayed"
-    """When round t's average is applied: sync = at once (DiLoCo); delayed = end of round t+1 (DiLoCoX)."""
+    mode: Literal["sync", "delayed", "eager", "own"] = "delayed"
+    """When round t's average is applied: sync = at once (DiLoCo); delayed = end of round t+1 (DiLoCoX);
+    eager and own apply it like delayed but start each round from theta_g plus this peer's own correction:
+    eager swaps its stale contribution in the last average for its fresh one (Kale et al. 2025), own keeps
+    the round's own progress (notes/outer-loop-variants.md: +5.9% over sync where naive delayed is +17%)."""
     lr: float = 0.0
-    """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1; with
-    compression topk, which has no outer momentum: sync 4.0, delayed 2.0)."""
+    """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1, eager 0.2, own 0.35;
+    with compression topk, which has no outer momentum: sync 4.0, others 2.0)."""
     momentum: float = -1.0
-    """Outer Nesterov momentum; -1 means the default: 0.9, or 0 with compression.kind = topk, whose
+    """Outer Nesterov momentum; -1 means the default: 0.9 (own: 0.7), or 0 with compression.kind = topk, whose
     error feedback stands in for momentum (SparseLoCo; notes: keeping 0.9 on top costs 11 points)."""
 
     def __post_init__(self) -> None:
@@ -241,7 +245,7 @@ class OuterConfig:
 
     @property
     def effective_momentum(self) -> float:
-        return 0.9 if self.momentum == -1.0 else self.momentum
+        return OUTER_MOMENTUM_BY_MODE.get(self.mode, 0.9) if self.momentum == -1.0 else self.momentum
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,11 +6,21 @@ State (all on CPU, all for this stage only: the other half of the dual optimizer
 theta_g, the outer momentum, and in `delayed` mode the pending average of the last round
 (state.py names this layout once: `StageState`).
 
-    round t:  theta_local <- theta_g; H inner steps
-              delta_t = theta_g - theta_local
+    round t:  theta_local <- start_t; H inner steps            (start_t = theta_g, but see eager/own)
+              delta_t = start_t - theta_local
               start all-reduce of delta_t                  -> Delta_t (a future)
               sync:    wait Delta_t,     theta_g <- nesterov(theta_g, Delta_t)
               delayed: wait Delta_{t-1}, theta_g <- nesterov(theta_g, Delta_{t-1})
+              eager, own: theta_g moves as in delayed (true averages only, one round late), but
+                       the next round starts from theta_g + this peer's own correction c_t:
+                 own:   c_t = -delta_t          (keep this round's own progress: notes/outer-loop-variants.md)
+                 eager: c_t = -lr (1 + mu) (delta_t - delta_{t-1}) / N   (Kale et al. 2025: the outer
+                        step of the proxy Delta_{t-1} + (delta_t - delta_{t-1}) / N, which swaps this
+                        peer's stale contribution for its fresh one, minus the step of Delta_{t-1})
+
+The shared, hashed state is theta_g and momentum only: the correction is this peer's own
+(`OuterLoop.start`), never served, hashed or checkpointed; a peer that takes the swarm's state
+(join, repair, resume) starts from theta_g without one.
 
 Invariant: peers that applied the same averages hold bit-identical theta_g and momentum,
 on any CPU; `StageState.hash` proves it. The all-reduce plugs in through `Averager`
@@ -154,6 +164,8 @@ class OuterLoop:
     def __init__(self, params: Sequence[torch.Tensor], cfg: OuterConfig, averager: Averager):
         self.params = list(params)
         self.mode = cfg.mode
+        self.start: list[torch.Tensor] | None = None  # eager/own: theta_g + this peer's correction (module docstring)
+        self._last_delta: list[torch.Tensor] | None = None
         self.averager = averager
         self.theta_g = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.optimizer = OuterNesterov(self.theta_g, lr=cfg.effective_lr, momentum=cfg.effective_momentum)
@@ -165,17 +177,35 @@ class OuterLoop:
 
     @torch.no_grad()
     def load_into_model(self) -> None:
-        """theta_local <- theta_g."""
-        for p, g in zip(self.params, self.theta_g):
+        """theta_local <- the next round's start: theta_g, plus this peer's correction in eager/own mode."""
+        for p, g in zip(self.params, self.start if self.start is not None else self.theta_g):
             p.copy_(g)
 
     def end_round(self, round: int) -> RoundOutcome:
         """Compute delta_round, start its all-reduce, apply the average this mode applies now."""
-        delta = pseudo_gradient(self.theta_g, self.params)
+        delta = pseudo_gradient(self.start if self.start is not None else self.theta_g, self.params)
         launched = _Pending(round, self.averager.all_reduce(delta, round=round))
         if self.mode == "sync":
             return self._apply(launched, keep=None, boundary=round + 1)
-        return self._apply(self.pending, keep=launched, boundary=round + 1)
+        outcome = self._apply(self.pending, keep=launched, boundary=round + 1)
+        if self.mode in ("eager", "own"):
+            self._correct(delta, outcome)
+        return outcome
+
+    @torch.no_grad()
+    def _correct(self, delta: list[torch.Tensor], outcome: RoundOutcome) -> None:
+        """Set the next round's start: theta_g plus this peer's correction (module docstring)."""
+        if self.mode == "own":
+            correction = [-d for d in delta]
+        else:
+            average = outcome.last
+            n = average.group_size if average is not None and average.kind.applies and average.group_size else 1
+            scale = self.optimizer.lr * (1 + self.optimizer.momentum) / n
+            last = self._last_delta or [torch.zeros_like(d) for d in delta]
+            correction = [(prev - d) * scale for d, prev in zip(delta, last)]
+        self._last_delta = delta
+        with self.lock:
+            self.start = [g + c for g, c in zip(self.theta_g, correction)]
 
     def drain(self) -> RoundOutcome:
         """Apply the average still pending (delayed mode), e.g. at the end of the run."""
@@ -235,6 +265,7 @@ class OuterLoop:
             for dst, src in zip(self.optimizer.buffers, state.momentum):
                 dst.copy_(src)
             self.boundary, self.pending, self.pending_lost = state.boundary, None, None
+            self.start = self._last_delta = None  # the swarm's state: no correction of this peer's yet
             if state.pending is not None:
                 future: Future[Average] = Future()
                 future.set_result(state.pending.average)

@@ -66,8 +66,10 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     g.add_argument("--batch-size", type=int, help="sequences per inner step")
     g.add_argument("--microbatches", type=int, help="pipeline micro-batches per inner step")
     g.add_argument("--inner-lr", type=float, help="peak AdamW learning rate")
-    g.add_argument("--mode", choices=["sync", "delayed"], help="outer mode (default delayed)")
-    g.add_argument("--outer-lr", type=float, help="outer Nesterov lr (default: sync 0.7, delayed 0.1)")
+    g.add_argument("--mode", choices=["sync", "delayed", "eager", "own"], help="outer mode (default delayed; README: Outer loop)")
+    g.add_argument(
+        "--outer-lr", type=float, help="outer Nesterov lr (default: sync 0.7, delayed 0.1, eager 0.2, own 0.35)"
+    )
     g.add_argument(
         "--compression",
         choices=["none", "fp16", "int8", "fp4", "lowrank", "topk"],

@@ -71,3 +71,22 @@ def _assert_the_exchange_overlapped_the_next_rounds_training(peers):
                 if ar_start < compute_end and ar_end > compute_start:
                     overlapped += 1  # the exchange and round t's inner steps ran at the same time
     assert overlapped > 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "own"])
+def test_peers_that_start_from_their_own_correction_still_hold_identical_theta_g_and_learn(swarm, mode):
+    # eager/own: theta_g moves by true averages one round late (as delayed); each peer trains from theta_g
+    # plus its own correction, which never reaches the shared state, its hash or what a joiner downloads
+    args = ("--mode", mode, "--rounds", str(ROUNDS), "--min-peers", "3", "--stages", "1")
+    peers = [swarm.start_peer(*args) for _ in range(3)]
+    for peer in peers:
+        assert peer.wait(timeout=240) == 0, peer.output()
+
+    rounds = _by_round(peers)
+    assert sorted(rounds) == list(range(ROUNDS))
+    for t, records in rounds.items():
+        assert len({tuple(r["stage_hashes"]) for r in records}) == 1, f"round {t}: the state differs across peers"
+        want = t if t == ROUNDS - 1 else (t - 1 if t else None)  # applied one round late, the last drained
+        assert {r["applied_round"] for r in records} == {want}
+    initial = json.loads((peers[0].run_dir / "run.json").read_text())["initial_val_loss"]
+    assert rounds[ROUNDS - 1][0]["val_loss"] < initial - 0.3

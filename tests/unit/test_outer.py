@@ -338,3 +338,61 @@ def test_loop_hash_covers_theta_g_and_the_momentum():
     _train_inner(loop, 0)
     loop.end_round(0)
     assert loop.hash() == state_hash([*loop.theta_g, *loop.optimizer.buffers])
+
+
+# ----- eager and own: the shared state moves as in delayed, each peer starts from its own correction ------------
+def _start(loop):
+    """What the next round trains from (load_into_model)."""
+    loop.load_into_model()
+    return [x for p in loop.params for x in p.detach().flatten().tolist()]
+
+
+@pytest.mark.parametrize("mode", ["eager", "own"])
+def test_eager_and_own_move_theta_g_exactly_as_delayed_does(mode):
+    delayed, other = _make_loop("delayed", RecordingAverager(scale=0.5)), _make_loop(mode, RecordingAverager(scale=0.5))
+    for t in range(len(DELTAS)):
+        for loop in (delayed, other):
+            _train_inner(loop, t)  # each round's delta is DELTAS[t], measured from the round's own start
+            loop.end_round(t)
+        # the same averages (each peer's delta is DELTAS[t] up to the rounding of start - theta_local)
+        assert _theta(other) == pytest.approx(_theta(delayed), abs=1e-6), "a peer's correction reached theta_g"
+
+
+def test_own_starts_each_round_from_theta_g_minus_its_own_fresh_delta():
+    loop = _make_loop("own", RecordingAverager(scale=0.5))
+    for t in range(len(DELTAS)):
+        _train_inner(loop, t)
+        loop.end_round(t)
+        expected = [g - d for g, d in zip(_theta(loop), _flat(DELTAS[t]))]
+        assert _start(loop) == pytest.approx(expected, abs=1e-6)
+
+
+def test_eager_starts_from_the_step_of_the_proxy_that_swaps_its_stale_contribution_for_the_fresh_one():
+    group = 3
+    loop = _make_loop("eager", RecordingAverager(scale=0.5, group_size=group))
+    previous = [0.0] * len(_flat(DELTAS[0]))
+    for t in range(len(DELTAS)):
+        _train_inner(loop, t)
+        loop.end_round(t)
+        fresh = _flat(DELTAS[t])
+        n = 1 if t == 0 else group  # round 0 applies no average: the proxy is this peer's own delta
+        # theta_start - theta_g = -lr (1 + mu) (proxy - Delta_{t-1}) = -lr (1 + mu) (delta_t - delta_{t-1}) / N
+        expected = [g - LR * (1 + MU) * (d - p) / n for g, d, p in zip(_theta(loop), fresh, previous)]
+        assert _start(loop) == pytest.approx(expected, abs=1e-6)
+        previous = fresh
+
+
+@pytest.mark.parametrize("mode", ["eager", "own"])
+def test_a_peer_that_takes_the_swarms_state_starts_from_theta_g_without_a_correction(mode):
+    loop = _make_loop(mode, RecordingAverager(resolve="at_launch"))
+    for t in range(2):
+        _train_inner(loop, t)
+        loop.end_round(t)
+    assert _start(loop) != pytest.approx(_theta(loop))
+    loop.load_state(loop.state())
+    assert _start(loop) == _theta(loop)
+
+
+def test_the_mode_defaults_follow_the_measurements():
+    assert OuterConfig(mode="own").effective_lr == 0.35 and OuterConfig(mode="own").effective_momentum == 0.7
+    assert OuterConfig(mode="eager").effective_lr == 0.2 and OuterConfig(mode="eager").effective_momentum == 0.9
