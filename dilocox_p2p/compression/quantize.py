@@ -58,11 +58,8 @@ def quantize(x: torch.Tensor, *, bits: Bits = 8, block: int = 64) -> Quantized:
     if block < 1:
         raise ValueError(f"block must be at least 1, got {block}")
     qmax = _QMAX[bits]
-    flat = x.detach().reshape(-1).to(torch.float32)
+    flat, blocks = _blocks(x, block)
     n = flat.numel()
-    padded = torch.zeros(-(-n // block) * block, dtype=torch.float32)
-    padded[:n] = flat
-    blocks = padded.view(-1, block)
     absmax = blocks.abs().amax(dim=1)  # a max is exact in any order
     scales = (absmax / qmax * _BF16_UP).to(torch.bfloat16)
     wide = scales.to(torch.float32)
@@ -80,11 +77,8 @@ def quantize_fp4(x: torch.Tensor, *, block: int = 64) -> Quantized:
     """Quantize `x` blockwise to E3M0 fp4 codes (sign << 3 | exponent) with one bf16 scale per block."""
     if block < 1:
         raise ValueError(f"block must be at least 1, got {block}")
-    flat = x.detach().reshape(-1).to(torch.float32)
+    flat, blocks = _blocks(x, block)
     n = flat.numel()
-    padded = torch.zeros(-(-n // block) * block, dtype=torch.float32)
-    padded[:n] = flat
-    blocks = padded.view(-1, block)
     scales = (blocks.abs().amax(dim=1) * _BF16_UP).to(torch.bfloat16)  # never below absmax: |x| / s <= 1
     wide = scales.to(torch.float32)
     ratio = (blocks.abs() / torch.where(wide > 0, wide, torch.ones_like(wide))[:, None]).reshape(-1)[:n]
@@ -122,6 +116,14 @@ def error_bound(x: torch.Tensor, *, bits: Bits = 8, block: int = 64) -> torch.Te
     n = x.numel()
     scales = torch.from_numpy(np.frombuffer(q.scales, dtype=np.int16).copy()).view(torch.bfloat16)
     return (scales.to(torch.float32) / 2).repeat_interleave(block)[:n].reshape(x.shape)
+
+
+def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` flattened to fp32, and zero-padded to whole blocks as a (blocks, block) view."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    padded = torch.zeros(-(-flat.numel() // block) * block, dtype=torch.float32)
+    padded[: flat.numel()] = flat
+    return flat, padded.view(-1, block)
 
 
 def _pack(codes: torch.Tensor, bits: int) -> bytes:

@@ -26,15 +26,19 @@ def _by_round(peers):
     return rounds
 
 
-@pytest.mark.parametrize("mode", ["delayed", "sync"])
-def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
-    args = ("--mode", mode, "--rounds", str(ROUNDS), "--min-peers", "3")
-    peers = [swarm.start_peer(*args) for _ in range(3)]
+def _three_peers(swarm, *args: str):
+    """Run three peers of `args` to the end; their records by round (every round present)."""
+    peers = [swarm.start_peer("--rounds", str(ROUNDS), "--min-peers", "3", *args) for _ in range(3)]
     for peer in peers:
         assert peer.wait(timeout=240) == 0, peer.output()
-
     rounds = _by_round(peers)
     assert sorted(rounds) == list(range(ROUNDS))
+    return peers, rounds
+
+
+@pytest.mark.parametrize("mode", ["delayed", "sync"])
+def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
+    peers, rounds = _three_peers(swarm, "--mode", mode)
     for t, records in rounds.items():
         assert len(records) == 3, f"round {t}: {len(records)} records"
         hashes = {tuple(r["stage_hashes"]) for r in records}
@@ -77,13 +81,7 @@ def _assert_the_exchange_overlapped_the_next_rounds_training(peers):
 def test_peers_that_start_from_their_own_correction_still_hold_identical_theta_g_and_learn(swarm, mode):
     # eager/own: theta_g moves by true averages one round late (as delayed); each peer trains from theta_g
     # plus its own correction, which never reaches the shared state, its hash or what a joiner downloads
-    args = ("--mode", mode, "--rounds", str(ROUNDS), "--min-peers", "3", "--stages", "1")
-    peers = [swarm.start_peer(*args) for _ in range(3)]
-    for peer in peers:
-        assert peer.wait(timeout=240) == 0, peer.output()
-
-    rounds = _by_round(peers)
-    assert sorted(rounds) == list(range(ROUNDS))
+    peers, rounds = _three_peers(swarm, "--mode", mode, "--stages", "1")
     for t, records in rounds.items():
         assert len({tuple(r["stage_hashes"]) for r in records}) == 1, f"round {t}: the state differs across peers"
         want = t if t == ROUNDS - 1 else (t - 1 if t else None)  # applied one round late, the last drained
