@@ -27,7 +27,6 @@ The private hivemind methods overridden here are listed in hivemind_patches.py.
 from __future__ import annotations
 
 import asyncio
-import collections
 import ctypes
 import hashlib
 import logging
@@ -56,6 +55,7 @@ from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
 from .allreduce import ExactAllReduceRunner
+from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
 from .priority import lower_priority
 
@@ -175,7 +175,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self.run_id, self.config_hash, self.stage, self.nice = run_id, config_hash, stage, nice
         self.signer, self.gate, self.max_norm_ratio = signer, gate, max_norm_ratio
         self._admitted: frozenset[str] = frozenset()  # this round's admissible group members (prepare_round)
-        self._refusals: collections.Counter[str] = collections.Counter()
+        self._refusals = RefusalLog()
         self._refused_total = mp.Value(ctypes.c_int64, 0)  # read by the host for the requests_refused count
         self._boundary = mp.Value(ctypes.c_int64, -1)
         self._state_ready = mp.Value(ctypes.c_bool, False)
@@ -343,12 +343,10 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
 
     def _refused(self, what: str, reason: str) -> None:
         """Log a refusal at its 1st, 10th, 100th... time (a flood of bad requests is not a flood of logs)."""
-        kind = reason.split(" (")[0][:80]
-        self._refusals[kind] += 1
         with self._refused_total.get_lock():
             self._refused_total.value += 1
-        n = self._refusals[kind]
-        if n in (1, 10, 100, 1000) or n % 10000 == 0:
+        n = self._refusals.count(reason)
+        if n is not None:
             logger.warning("refused %s: %s [%d such so far]", what, reason, n)
 
     async def rpc_join_group(

@@ -17,7 +17,6 @@ counts it).
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -35,7 +34,7 @@ from ..envelope import ForeignProtocol, Gate, Opened, Signer
 from ..errors import SwarmError, WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
-from .faults import FaultCounter
+from .faults import FaultCounter, RefusalLog
 from .priority import lower_priority
 
 __all__ = ["EnvelopeValidator", "Heartbeat", "RunRecords", "run_keys", "start_dht"]
@@ -90,7 +89,7 @@ class EnvelopeValidator(RecordValidatorBase):
     def __init__(self, gate: Gate, guarded_keys: Iterable[str]):
         self.gate = gate
         self.guarded = {DHTID.generate(source=k).to_bytes() for k in guarded_keys}
-        self.refusals: collections.Counter[str] = collections.Counter()
+        self.refusals = RefusalLog()
 
     def validate(self, record: DHTRecord) -> bool:
         try:
@@ -112,10 +111,8 @@ class EnvelopeValidator(RecordValidatorBase):
         return False
 
     def _log(self, reason: str) -> None:
-        kind = reason.split(" (")[0][:80]
-        self.refusals[kind] += 1
-        n = self.refusals[kind]
-        if n & (n - 1) == 0 or n in (10, 100, 1000, 10000):
+        n = self.refusals.count(reason)
+        if n is not None:
             logger.warning("DHT refused a record: %s [%d such so far]", reason, n)
 
     @property

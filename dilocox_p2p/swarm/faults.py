@@ -13,12 +13,13 @@ a bad record re-read every few seconds does not flood the log.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from typing import Any
 
-__all__ = ["FAULTS", "FaultCounter"]
+__all__ = ["FAULTS", "FaultCounter", "RefusalLog"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,26 @@ FAULTS = {
 """Every counter, with what it counts (README: metrics.jsonl)."""
 
 _REPEAT_LOG_S = 60.0
+
+
+class RefusalLog:
+    """Counts refusals by kind (the reason up to its first parenthesis) for processes without a
+    FaultCounter (the DHT node, the averager): `count` returns the running count when it is worth a
+    log line (the 1st, 10th, 100th, 1000th, then every 10000th), else None; a flood of bad
+    messages is not a flood of logs."""
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def count(self, reason: str) -> int | None:
+        kind = reason.split(" (")[0][:80]
+        self._counts[kind] += 1
+        n = self._counts[kind]
+        return n if n in (1, 10, 100, 1000) or n % 10000 == 0 else None
+
+    def __getitem__(self, kind: str) -> int:
+        """How many refusals of `kind` were counted."""
+        return self._counts[kind]
 
 
 class FaultCounter:
