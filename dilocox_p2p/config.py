@@ -70,11 +70,11 @@ PRESETS: dict[str, ModelShape] = {
     "1b": ModelShape(n_layer=20, d_model=2048, n_head=16, seq_len=2048),  # ~1.0B
 }
 
-OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1, "eager": 0.2, "own": 0.35}
+OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1, "eager": 0.2, "own": 0.35, "streaming": 0.7}
 """Outer lr defaults per mode: lr 0.7 + Nesterov 0.9 diverges with the one-step delay
 (measured in shared/notes/outer-loop-variants.md), so `delayed` uses 0.1."""
 OUTER_MOMENTUM_BY_MODE = {"own": 0.7}  # notes/outer-loop-variants.md: own at 0.35 / 0.7 is its best; others 0.9
-TOPK_OUTER_LR_BY_MODE = {"sync": 4.0, "delayed": 2.0, "eager": 2.0, "own": 2.0}
+TOPK_OUTER_LR_BY_MODE = {"sync": 4.0, "delayed": 2.0, "eager": 2.0, "own": 2.0, "streaming": 4.0}
 """With topk the outer step has no momentum (error feedback stands in for it), so it needs a larger lr:
 the best of benchmarks/convergence.py's sweep (3 peers, tiny, 50 rounds x H=20; lr 5 and above did
 worse, lr 6 and 8 diverged early)."""
@@ -220,17 +220,30 @@ class InnerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OuterConfig:
-    mode: Literal["sync", "delayed", "eager", "own"] = "delayed"
+    mode: Literal["sync", "delayed", "eager", "own", "streaming"] = "delayed"
     """When round t's average is applied: sync = at once (DiLoCo); delayed = end of round t+1 (DiLoCoX);
     eager and own apply it like delayed but start each round from theta_g plus this peer's own correction:
     eager swaps its stale contribution in the last average for its fresh one (Kale et al. 2025), own keeps
-    the round's own progress (notes/outer-loop-variants.md: +5.9% over sync where naive delayed is +17%)."""
+    the round's own progress (notes/outer-loop-variants.md: +5.9% over sync where naive delayed is +17%);
+    streaming (Streaming DiLoCo, arXiv 2501.18512) syncs `fragments` strided layer groups one after another,
+    each every H inner steps, and merges each average into the trained weights `overlap_steps` inner steps
+    after its all-reduce started (README: Outer loop)."""
     lr: float = 0.0
-    """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1, eager 0.2, own 0.35;
-    with compression topk, which has no outer momentum: sync 4.0, others 2.0)."""
+    """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1, eager 0.2, own 0.35,
+    streaming 0.7; with compression topk, which has no outer momentum: sync 4.0, others 2.0)."""
     momentum: float = -1.0
     """Outer Nesterov momentum; -1 means the default: 0.9 (own: 0.7), or 0 with compression.kind = topk, whose
     error feedback stands in for momentum (SparseLoCo; notes: keeping 0.9 on top costs 11 points)."""
+    fragments: int = 1
+    """streaming: P, the strided layer groups of each stage that sync in turn (fragment p holds the stage's
+    layers k with k mod P = p); each all-reduce carries one fragment, so peak bytes/s fall about P times.
+    At most the layers of the smallest stage; inner.steps must be a multiple of it."""
+    overlap_steps: int = 1
+    """streaming: tau, the inner steps a fragment's all-reduce may take before its average is merged
+    (training waits only if it takes longer); 1 <= tau <= inner.steps / fragments."""
+    merge_alpha: float = 0.5
+    """streaming: on arrival, theta_local <- alpha * theta_local + (1 - alpha) * theta_g for the fragment
+    (0 takes theta_g as it is)."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "outer")
@@ -238,6 +251,14 @@ class OuterConfig:
             _fail("outer.lr", self.lr, "must be positive (or 0 for the mode's default)")
         if self.momentum != -1.0 and not 0.0 <= self.momentum < 1.0:
             _fail("outer.momentum", self.momentum, "must be in [0, 1), or -1 for the default")
+        if self.fragments < 1:
+            _fail("outer.fragments", self.fragments, "must be at least 1")
+        if self.fragments > 1 and self.mode != "streaming":
+            _fail("outer.fragments", self.fragments, f"fragments sync in turn only in mode streaming, not {self.mode}")
+        if self.overlap_steps < 1:
+            _fail("outer.overlap_steps", self.overlap_steps, "must be at least 1")
+        if not 0.0 <= self.merge_alpha < 1.0:
+            _fail("outer.merge_alpha", self.merge_alpha, "must be in [0, 1)")
 
     @property
     def effective_lr(self) -> float:
@@ -246,6 +267,11 @@ class OuterConfig:
     @property
     def effective_momentum(self) -> float:
         return OUTER_MOMENTUM_BY_MODE.get(self.mode, 0.9) if self.momentum == -1.0 else self.momentum
+
+    @property
+    def syncs_per_round(self) -> int:
+        """Sync events per outer round of H inner steps: P in streaming mode, else 1."""
+        return self.fragments if self.mode == "streaming" else 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -405,6 +431,15 @@ class Config:
             momentum = 0.0 if self.outer.momentum == -1.0 else self.outer.momentum
             lr = self.outer.lr or TOPK_OUTER_LR_BY_MODE[self.outer.mode]
             object.__setattr__(self, "outer", dataclasses.replace(self.outer, momentum=momentum, lr=lr))
+        sync_steps, rest = divmod(self.inner.steps, self.outer.syncs_per_round)
+        if rest:
+            _fail("outer.fragments", self.outer.fragments,
+                  f"inner.steps ({self.inner.steps}) must be a multiple of it: each fragment syncs every H steps, "
+                  "offset by H / fragments")  # fmt: skip
+        if self.outer.mode == "streaming" and self.outer.overlap_steps > sync_steps:
+            _fail("outer.overlap_steps", self.outer.overlap_steps,
+                  f"must be at most inner.steps / fragments = {sync_steps}: a fragment's average is merged "
+                  "before the next fragment syncs")  # fmt: skip
 
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}

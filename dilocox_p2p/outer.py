@@ -44,10 +44,11 @@ tests/unit/test_determinism.py runs the outer step and every decode under each
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ import torch
 
 from .average import Average, Averager, AverageKind, Spans, spans_by_tensor
 from .config import OuterConfig
+from .fragments import fragment_of
 from .state import PendingAverage, StageState, state_hash
 
 __all__ = ["OuterLoop", "OuterNesterov", "RoundOutcome", "pseudo_gradient"]
@@ -80,23 +82,41 @@ class OuterNesterov:
         self.buffers = [torch.zeros_like(t) for t in self.theta_g]
 
     @torch.no_grad()
-    def step(self, delta: Sequence[torch.Tensor], *, missing: Spans = ()) -> None:
-        """One outer step; coordinates in `missing` keep their theta_g and momentum."""
-        kept = self._copy_spans(missing)
+    def step(self, delta: Sequence[torch.Tensor], *, missing: Spans = (), indices: Sequence[int] | None = None) -> None:
+        """One outer step of the tensors `indices` (all by default: `delta` and `missing` are over those);
+        coordinates in `missing` keep their theta_g and momentum."""
+        chosen = range(len(self.theta_g)) if indices is None else indices
+        self._step([self.theta_g[i] for i in chosen], [self.buffers[i] for i in chosen], delta, missing)
+
+    @torch.no_grad()
+    def preview(
+        self, delta: Sequence[torch.Tensor], *, missing: Spans = (), indices: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """theta_g of the tensors `indices` as `step` would leave them, without changing anything."""
+        chosen = range(len(self.theta_g)) if indices is None else indices
+        thetas = [self.theta_g[i].clone() for i in chosen]
+        self._step(thetas, [self.buffers[i].clone() for i in chosen], delta, missing)
+        return thetas
+
+    def _step(self, thetas: list[torch.Tensor], buffers: list[torch.Tensor], delta: Sequence[torch.Tensor], missing: Spans) -> None:
+        kept = _copy_spans(thetas, buffers, missing)
         mu, lr = self.momentum, self.lr
-        for theta, buf, d in zip(self.theta_g, self.buffers, delta):
+        for theta, buf, d in zip(thetas, buffers, delta, strict=True):
             buf.mul_(mu).add_(d)
             theta.sub_(buf.mul(mu).add_(d).mul_(lr))
         for index, a, b, theta_part, buf_part in kept:
-            self.theta_g[index].view(-1)[a:b] = theta_part
-            self.buffers[index].view(-1)[a:b] = buf_part
+            thetas[index].view(-1)[a:b] = theta_part
+            buffers[index].view(-1)[a:b] = buf_part
 
-    def _copy_spans(self, spans: Spans) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
-        numels = [t.numel() for t in self.theta_g]
-        return [
-            (i, a, b, self.theta_g[i].view(-1)[a:b].clone(), self.buffers[i].view(-1)[a:b].clone())
-            for i, a, b in spans_by_tensor(spans, numels)
-        ]
+
+def _copy_spans(
+    thetas: list[torch.Tensor], buffers: list[torch.Tensor], spans: Spans
+) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    numels = [t.numel() for t in thetas]
+    return [
+        (i, a, b, thetas[i].view(-1)[a:b].clone(), buffers[i].view(-1)[a:b].clone())
+        for i, a, b in spans_by_tensor(spans, numels)
+    ]
 
 
 @dataclass(frozen=True)
@@ -151,6 +171,12 @@ class RoundOutcome:
     def window(self) -> tuple[float, float] | None:
         return self.last.window if self.last is not None else None
 
+    @property
+    def bytes_per_s(self) -> float:
+        """Bytes sent and received per second of the exchange windows of the averages applied."""
+        seconds = sum(a.average.window[1] - a.average.window[0] for a in self.applied if a.average.window)
+        return (self.bytes_sent + self.bytes_received) / seconds if seconds > 0 else 0.0
+
 
 @dataclass
 class _Pending:
@@ -161,11 +187,25 @@ class _Pending:
 class OuterLoop:
     """theta_g, the outer optimizer and the pending average for one stage."""
 
-    def __init__(self, params: Sequence[torch.Tensor], cfg: OuterConfig, averager: Averager):
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        cfg: OuterConfig,
+        averager: Averager,
+        *,
+        fragments: Sequence[Sequence[int]] | None = None,
+    ):
         self.params = list(params)
         self.mode = cfg.mode
         self.start: list[torch.Tensor] | None = None  # eager/own: theta_g + this peer's correction (module docstring)
         self._last_delta: list[torch.Tensor] | None = None
+        # streaming: the tensors of each fragment (fragments.py), tau, alpha, and whether the model holds this
+        # peer's own trained weights (else the next round starts from theta_g)
+        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(self.params)))]
+        self.tau, self.alpha = cfg.overlap_steps, cfg.merge_alpha
+        self._holds_local = False
+        self._merged: int | None = None  # the round whose average was last merged into the model
+        self._merge_wait = 0.0
         self.averager = averager
         self.theta_g = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.optimizer = OuterNesterov(self.theta_g, lr=cfg.effective_lr, momentum=cfg.effective_momentum)
@@ -177,12 +217,44 @@ class OuterLoop:
 
     @torch.no_grad()
     def load_into_model(self) -> None:
-        """theta_local <- the next round's start: theta_g, plus this peer's correction in eager/own mode."""
+        """theta_local <- the next round's start: theta_g, plus this peer's correction in eager/own mode;
+        in streaming mode the trained weights go on (from theta_g after a new state, e.g. a join)."""
+        if self.mode == "streaming":
+            if self._holds_local:
+                return
+            self._holds_local = True
         for p, g in zip(self.params, self.start if self.start is not None else self.theta_g):
             p.copy_(g)
 
+    @contextlib.contextmanager
+    def theta_g_in_model(self) -> Iterator[None]:
+        """Within: the model holds theta_g (to evaluate the shared model in every mode); then what it held."""
+        if self.mode in ("sync", "delayed"):  # it holds theta_g already
+            yield
+            return
+        with torch.no_grad():
+            held = [p.detach().clone() for p in self.params]
+            for p, g in zip(self.params, self.theta_g):
+                p.copy_(g)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, h in zip(self.params, held):
+                    p.copy_(h)
+
+    def fragment_number(self, round: int) -> int:
+        """The fragment sync round `round` averages (0 outside streaming mode)."""
+        return fragment_of(round, len(self.fragments))
+
+    def fragment_indices(self, round: int) -> list[int]:
+        """The tensors whose pseudo-gradients sync round `round` averages."""
+        return self.fragments[self.fragment_number(round)]
+
     def end_round(self, round: int) -> RoundOutcome:
         """Compute delta_round, start its all-reduce, apply the average this mode applies now."""
+        if self.mode == "streaming":
+            return self._end_streaming(round)
         delta = pseudo_gradient(self.start if self.start is not None else self.theta_g, self.params)
         launched = _Pending(round, self.averager.all_reduce(delta, round=round))
         if self.mode == "sync":
@@ -207,12 +279,54 @@ class OuterLoop:
         with self.lock:
             self.start = [g + c for g, c in zip(self.theta_g, correction)]
 
+    def _end_streaming(self, round: int) -> RoundOutcome:
+        """Commit the last round's average to theta_g (merged into the model at step tau already), then
+        compute this round's fragment's pseudo-gradient against theta_g and start its all-reduce."""
+        self._merge_pending()  # a no-op unless the round had fewer than tau steps
+        waited, self._merge_wait = self._merge_wait, 0.0
+        indices = self.fragment_indices(round)
+
+        def launch() -> _Pending:  # under the lock, after the step: a state served is never half-way
+            delta = pseudo_gradient([self.theta_g[i] for i in indices], [self.params[i] for i in indices])
+            return _Pending(round, self.averager.all_reduce(delta, round=round))
+
+        outcome = self._apply(self.pending, keep=launch, boundary=round + 1)
+        return RoundOutcome(outcome.applied, outcome.seconds_wait + waited)
+
+    def after_inner_step(self, step: int) -> None:
+        """Called after inner step `step` (1-based) of each round: streaming merges the pending average at tau."""
+        if self.mode == "streaming" and step == self.tau:
+            self._merge_pending()
+
+    @torch.no_grad()
+    def _merge_pending(self) -> None:
+        """Streaming: wait for the pending average, then theta_local <- alpha theta_local + (1 - alpha) theta_g'
+        on its fragment, theta_g' being theta_g after the outer step that commits it at the round's end."""
+        pending = self.pending
+        if pending is None or self._merged == pending.round:
+            return
+        started = time.perf_counter()
+        average = pending.future.result()
+        self._merge_wait += time.perf_counter() - started
+        self._merged = pending.round
+        if not average.kind.applies:
+            return
+        indices = self.fragment_indices(pending.round)
+        with self.lock:
+            theta = self.optimizer.preview(average.tensors, missing=average.missing, indices=indices)
+        for i, g in zip(indices, theta):
+            p = self.params[i]
+            p.mul_(self.alpha).add_(g.to(p.device, p.dtype).mul_(1 - self.alpha))
+
     def drain(self) -> RoundOutcome:
         """Apply the average still pending (delayed mode), e.g. at the end of the run."""
         return self._apply(self.pending, keep=None, boundary=self.boundary)
 
-    def _apply(self, pending: _Pending | None, *, keep: _Pending | None, boundary: int) -> RoundOutcome:
-        """Wait for `pending` (outside the lock), then step theta_g, keep `keep` pending, move the boundary."""
+    def _apply(
+        self, pending: _Pending | None, *, keep: _Pending | Callable[[], _Pending] | None, boundary: int
+    ) -> RoundOutcome:
+        """Wait for `pending` (outside the lock), then step theta_g, keep `keep` pending (a callable: what
+        it returns, called under the lock after the step), move the boundary."""
         started = time.perf_counter()
         average = pending.future.result() if pending is not None else None
         waited = time.perf_counter() - started
@@ -220,8 +334,8 @@ class OuterLoop:
             if self.before_step is not None:
                 self.before_step()
             if average is not None and average.kind.applies:
-                self.optimizer.step(average.tensors, missing=average.missing)
-            self.pending, self.boundary = keep, boundary
+                self.optimizer.step(average.tensors, missing=average.missing, indices=self.fragment_indices(pending.round))
+            self.pending, self.boundary = keep() if callable(keep) else keep, boundary
         if pending is None or average is None:
             return RoundOutcome(seconds_wait=waited)
         if not average.kind.applies:
@@ -231,6 +345,11 @@ class OuterLoop:
     def hash(self) -> str:
         """Hash of the shared state held now: theta_g and momentum."""
         return state_hash([*self.theta_g, *self.optimizer.buffers])
+
+    def fragment_hashes(self) -> list[str]:
+        """Hash of each fragment's theta_g and momentum (streaming: a sync changes one of them)."""
+        buffers = self.optimizer.buffers
+        return [state_hash([*(self.theta_g[i] for i in f), *(buffers[i] for i in f)]) for f in self.fragments]
 
     def pending_future(self) -> Future[Average] | None:
         return self.pending.future if self.pending is not None else None
@@ -266,6 +385,7 @@ class OuterLoop:
                 dst.copy_(src)
             self.boundary, self.pending, self.pending_lost = state.boundary, None, None
             self.start = self._last_delta = None  # the swarm's state: no correction of this peer's yet
+            self._holds_local, self._merged = False, None  # streaming: the next round starts from theta_g
             if state.pending is not None:
                 future: Future[Average] = Future()
                 future.set_result(state.pending.average)

@@ -8,6 +8,9 @@ progress; every stage writes its own checkpoints.
     for round t:  theta_local <- theta_g; H pipeline steps; outer step (outer.py);
                   theta_g -> model; validation loss; gather per-stage facts to stage 0;
                   checkpoint every K rounds
+
+In streaming mode a round is a sync round of H/P steps that ends by syncing one fragment
+(fragments.py), so the run has rounds x P of them; the records count sync rounds.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .config import Config, config_hash
 from .data import BatchSampler, load_corpus, val_batches
 from .errors import CheckpointError
 from .inner import InnerTrainer
+from .fragments import fragment_tensors
 from .metrics import MetricsWriter, Progress
 from .average import Averager, LocalAverager
 from .outer import OuterLoop, RoundOutcome
@@ -57,8 +61,13 @@ class StageWorker:
         self.lead = self.stage == 0
         self.stop_signal: int | None = None
         self.trainer = InnerTrainer(self.cfg, stage=self.stage, device=device)
+        # streaming: each outer round of H steps is P sync rounds of H/P steps, each syncing one fragment
+        self.syncs = self.cfg.outer.syncs_per_round
+        self.rounds, self.steps = self.cfg.run.rounds * self.syncs, self.cfg.inner.steps // self.syncs
+        names = [name for name, _ in self.trainer.module.named_parameters()]
+        self.fragments = fragment_tensors(names, self.syncs, stage=self.stage)
         self.averager: Averager = self.make_averager()
-        self.outer = OuterLoop(self.trainer.params, self.cfg.outer, self.averager)
+        self.outer = OuterLoop(self.trainer.params, self.cfg.outer, self.averager, fragments=self.fragments)
         self.sampler: BatchSampler | None = None
         # middle stages read no data, but run the schedule once per validation batch too
         self.val: list = [(None, None)] * self.cfg.data.val_batches
@@ -188,20 +197,21 @@ class StageWorker:
             self._record_initial_val_loss()
             self.save(0)
         if self.lead:
-            progress = Progress(rounds=cfg.run.rounds, steps=cfg.inner.steps, first_round=start, style=cfg.control.progress)
+            progress = Progress(rounds=self.rounds, steps=self.steps, first_round=start, style=cfg.control.progress)
         try:
             t = start
-            while t < cfg.run.rounds:
+            while t < self.rounds:
                 record, boundary = self.run_round(t, progress)
                 if self.lead and record is not None:
                     metrics.append(record)
                     progress.round_done(record)
                 if boundary != t + 1 and self.lead:
                     logger.warning("round %d dropped: this peer took the swarm's state of round %d", t, boundary)
-                if boundary % cfg.run.checkpoint_every == 0 or boundary == cfg.run.rounds or boundary != t + 1:
+                every = cfg.run.checkpoint_every * self.syncs
+                if boundary % every == 0 or boundary == self.rounds or boundary != t + 1:
                     self.save(boundary)
                 t = boundary
-            self.on_finish(cfg.run.rounds)
+            self.on_finish(self.rounds)
         except StopRequested:
             done = latest_common_round(self.run_dir, cfg.model.stages)
             if self.lead:
@@ -225,15 +235,16 @@ class StageWorker:
             logger.info("initial val loss %.4f, %d parameters", initial, self.n_params_peer)
 
     def _train_inner(self, t: int, progress: Progress | None) -> list[float]:
-        H = self.cfg.inner.steps
+        steps = self.steps
         losses = []
-        for i in range(H):
+        for i in range(steps):
             inputs, targets = self.sampler.next() if self.sampler else (None, None)
-            result = self.trainer.train_step(t * H + i, inputs, targets, stop=self.stop_signal is not None)
+            result = self.trainer.train_step(t * steps + i, inputs, targets, stop=self.stop_signal is not None)
             if result.stop:
                 raise StopRequested
             if result.loss is not None:
                 losses.append(result.loss)
+            self.outer.after_inner_step(i + 1)
             if progress is not None:
                 progress.step(t)
         return losses
@@ -247,18 +258,20 @@ class StageWorker:
         compute_window = (compute_start, time.time())
         self.tokens += self.round_tokens
         outcome = self.outer.end_round(t)
-        if t + 1 == cfg.run.rounds:  # the run ends: apply what is still pending
+        if t + 1 == self.rounds:  # the run ends: apply what is still pending
             outcome = outcome.then(self.outer.drain())
         seconds_round = time.perf_counter() - started
         boundary, replaced = self.on_boundary(t + 1, outcome)
         self.outer.load_into_model()
-        val_loss = self.trainer.evaluate(self.val)
+        with self.outer.theta_g_in_model():  # the shared model's loss, in every mode
+            val_loss = self.trainer.evaluate(self.val)
         state_hash = self.outer.hash()
         jumped = boundary != t + 1  # this peer took the swarm's state of a later boundary: round t is dropped
         if not jumped:
             self.after_boundary(t + 1, state_hash, outcome)
         facts = {
             "hash": state_hash,
+            "fragment_hashes": self.outer.fragment_hashes() if self.syncs > 1 else None,
             "replaced": replaced,
             "train_loss": sum(losses) / len(losses) if losses and not jumped else None,
             "val_loss": val_loss,
@@ -278,7 +291,7 @@ class StageWorker:
 
     @property
     def round_tokens(self) -> int:
-        return self.cfg.inner.steps * self.cfg.inner.batch_size * self.cfg.model.shape.seq_len
+        return self.steps * self.cfg.inner.batch_size * self.cfg.model.shape.seq_len
 
     def _make_record(self, t: int, stages: list[dict[str, Any]]) -> dict[str, Any]:
         outcomes: list[RoundOutcome] = [s["outcome"] for s in stages]
@@ -298,8 +311,12 @@ class StageWorker:
             "seconds_round": seconds_round,
             "bytes_sent": sum(o.bytes_sent for o in outcomes),
             "bytes_received": sum(o.bytes_received for o in outcomes),
+            # the stages' exchanges run side by side on the peer's link: their rates add up
+            "bytes_per_s": sum(o.bytes_per_s for o in outcomes),
             "params": self.n_params_peer,
             "stage_hashes": [s["hash"] for s in stages],
+            "fragment": self.outer.fragment_number(t),
+            "fragment_hashes": [s["fragment_hashes"] for s in stages] if self.syncs > 1 else None,
             "group_size": min((o.group_size for o in outcomes if o.group_size is not None), default=None),
             "group_sizes": [o.group_size for o in outcomes],
             "kinds": [o.kind.value if o.kind is not None else None for o in outcomes],

@@ -35,6 +35,9 @@ _FLAG_KEYS = {
     "inner_lr": "inner.lr",
     "mode": "outer.mode",
     "outer_lr": "outer.lr",
+    "fragments": "outer.fragments",
+    "overlap_steps": "outer.overlap_steps",
+    "merge_alpha": "outer.merge_alpha",
     "compression": "compression.kind",
     "initial_peers": "swarm.initial_peers",
     "host_maddrs": "swarm.host_maddrs",
@@ -66,10 +69,18 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     g.add_argument("--batch-size", type=int, help="sequences per inner step")
     g.add_argument("--microbatches", type=int, help="pipeline micro-batches per inner step")
     g.add_argument("--inner-lr", type=float, help="peak AdamW learning rate")
-    g.add_argument("--mode", choices=["sync", "delayed", "eager", "own"], help="outer mode (default delayed; README: Outer loop)")
     g.add_argument(
-        "--outer-lr", type=float, help="outer Nesterov lr (default: sync 0.7, delayed 0.1, eager 0.2, own 0.35)"
+        "--mode", choices=["sync", "delayed", "eager", "own", "streaming"], help="outer mode (default delayed; README: Outer loop)"
     )
+    g.add_argument(
+        "--outer-lr", type=float,
+        help="outer Nesterov lr (default: sync 0.7, delayed 0.1, eager 0.2, own 0.35, streaming 0.7)",
+    )  # fmt: skip
+    g.add_argument("--fragments", type=int, metavar="P", help="streaming: layer-group fragments that sync in turn (default 1)")
+    g.add_argument(
+        "--overlap-steps", type=int, metavar="TAU", help="streaming: inner steps an all-reduce may overlap (default 1)"
+    )
+    g.add_argument("--merge-alpha", type=float, help="streaming: weight kept by the local weights on merge (default 0.5)")
     g.add_argument(
         "--compression",
         choices=["none", "fp16", "int8", "fp4", "lowrank", "topk"],

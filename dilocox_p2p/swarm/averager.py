@@ -51,6 +51,7 @@ from .. import injection
 from ..average import Average, AverageKind, Spans, fill_missing
 from ..envelope import Gate, Signer
 from ..errors import WireRejected
+from ..fragments import fragment_of
 from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
@@ -170,9 +171,12 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         signer: Signer,
         gate: Gate,
         max_norm_ratio: float = 10.0,
+        fragments: Sequence[Sequence[int]] | None = None,
         **kwargs: Any,
     ):
         self.run_id, self.config_hash, self.stage, self.nice = run_id, config_hash, stage, nice
+        # streaming: round r averages the tensors of fragment fragment_of(r, P) only (fragments.py)
+        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(averaged_tensors)))]
         self.signer, self.gate, self.max_norm_ratio = signer, gate, max_norm_ratio
         self._admitted: frozenset[str] = frozenset()  # this round's admissible group members (prepare_round)
         self._refusals = RefusalLog()
@@ -239,6 +243,10 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
                 "group": list(average.group),
             }
         return metadata, state.tensors(), None
+
+    def _of_round(self, round: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of `tensors` (one per stage tensor) that round `round` averages."""
+        return [tensors[i] for i in self.fragments[fragment_of(round, len(self.fragments))]]
 
     def _call(self, method: str, result_within: float, **kwargs: Any) -> Any:
         """Run `method` in the averager process; its result (or exception) within `result_within` seconds."""
@@ -377,6 +385,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
         round = self._current_round
+        tensors = self._of_round(round, tensors)
         if self._payload is not None:  # compressed: all-gather the messages instead of the butterfly
             self._running_groups[group_id].set_result(None)  # no butterfly parts will arrive for this group
             await self._gather_first_phase(round, group_info, group_id)
@@ -454,7 +463,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
     ) -> None:
         try:
             with self.lock_averaged_tensors:
-                tensors = [t.clone() for t in self._averaged_tensors]
+                tensors = [t.clone() for t in self._of_round(round, self._averaged_tensors)]
             self._hold(HeldAverage(round, kind, tensors, (), group, group_id))
             future.set_result(None)
         except Exception as e:  # pragma: no cover - reported to the caller
@@ -543,7 +552,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
         if reply.sha256 != header.sha256:
             return None, "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)", size
-        if len(tensors) != header.n_tensors or not _same_shapes(tensors, self._averaged_tensors):
+        if len(tensors) != header.n_tensors or not _same_shapes(tensors, self._of_round(round, self._averaged_tensors)):
             return None, "the tensors do not fit this stage", size
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             return None, "refused: the average holds NaN or Inf", size
@@ -729,10 +738,11 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             reason = "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)"
             return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason=reason)
         n = len(self._averaged_tensors)
-        want = 3 * n if header.has_pending else 2 * n
-        if len(tensors) != header.n_tensors or len(tensors) != want:
+        pending_like = self._of_round(header.pending.round, self._averaged_tensors) if header.has_pending else []
+        if len(tensors) != header.n_tensors or len(tensors) != 2 * n + len(pending_like):
             return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="truncated or malformed reply")
-        if not all(_same_shapes(tensors[i : i + n], self._averaged_tensors) for i in range(0, want, n)):
+        like = [*self._averaged_tensors, *self._averaged_tensors, *pending_like]
+        if not _same_shapes(tensors, like):
             return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="the tensors do not fit this stage")
         pending = None
         if header.has_pending:

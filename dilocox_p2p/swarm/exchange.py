@@ -86,7 +86,7 @@ class RoundExchange:
             return self._borrow("this worker's pseudo-gradient was not finite",
                                 wait_s=self.sw.round_wait + self.sw.allreduce_timeout)
         # Phase 2: all-reduce with them
-        if self.stage.codec is not None:
+        if self.stage.codec_for(self.round) is not None:
             return self._compressed(expected=1 + len(others))
         result, failure = self._all_reduce(expected=1 + len(others))
         if self.abandoned():
@@ -112,7 +112,7 @@ class RoundExchange:
     def _all_reduce(self, expected: int, payload: bytes | None = None) -> tuple[RoundResult | None, str]:
         if payload is None:
             with self.averager.get_tensors() as buffers:
-                for buf, t in zip(buffers, self.tensors):
+                for buf, t in zip(self._buffers(buffers), self.tensors, strict=True):
                     buf.copy_(t)
         ticket = self.averager.prepare_round(
             self.round, expected, payload=payload,
@@ -150,7 +150,7 @@ class RoundExchange:
 
     def _compressed(self, expected: int) -> Average:
         """Phases 2-4 with compression: gather the group's messages, decode, hold what was applied."""
-        codec = self.stage.codec
+        codec = self.stage.codec_for(self.round)
         assert codec is not None
         round_codec = codec.begin(self.round, self.tensors)
         result, failure = self._all_reduce(expected, payload=round_codec.message(1))
@@ -192,14 +192,18 @@ class RoundExchange:
     def _hold(self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes) -> None:
         """Keep `tensors` as this round's average, served to members that ask for it."""
         with self.averager.get_tensors() as buffers:
-            for buf, t in zip(buffers, tensors):
+            for buf, t in zip(self._buffers(buffers), tensors, strict=True):
                 buf.copy_(t)
         self.averager.hold_buffers(self.round, kind, group, group_id)
+
+    def _buffers(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The averager's buffers of the tensors this round averages (a streaming fragment's, or all)."""
+        return [buffers[i] for i in self.stage.fragment_indices(self.round)]
 
     # ----- phase 3 -------------------------------------------------------------------------
     def _mend(self, result: RoundResult) -> Average:
         with self.averager.get_tensors() as buffers:
-            tensors = [b.clone() for b in buffers]
+            tensors = [b.clone() for b in self._buffers(buffers)]
         kind = AverageKind.PARTIAL if result.missing else AverageKind.AVERAGED
         raw = HeldAverage(self.round, kind, tensors, result.missing, tuple(result.group), result.group_id)
         bytes_received = result.bytes_received

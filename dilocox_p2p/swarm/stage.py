@@ -3,7 +3,8 @@
     SwarmStage
       dht, records        the worker's DHT node and typed access to the run's records (dht.py)
       averager            hivemind averager process: exact all-reduce or message gather, average and state serving
-      codec               with compression: this worker's encoder/decoder and error feedback (compression/)
+      codecs              with compression: this worker's encoder/decoder and error feedback (compression/),
+                          one per streaming fragment
       heartbeat           this worker's member record, refreshed every few seconds
       membership          who else trains this stage; admission (membership.py)
       exchanges           one background exchange per round (exchange.py): the Averager protocol
@@ -28,6 +29,7 @@ from hivemind.utils import get_dht_time
 from .. import injection
 from ..average import Average
 from ..compression.codec import StageCodec
+from ..fragments import fragment_of
 from ..config import Config, config_hash, shared_fields
 from ..identity import peer_id_of, worker_identity
 from ..wire import swarm_pb2
@@ -55,6 +57,7 @@ class SwarmStage:
         stage: int,
         tensors: Sequence[torch.Tensor],
         names: Sequence[str],
+        fragments: Sequence[Sequence[int]] | None = None,
         run_dir: Path,
         peer_name: str,
         extra_peers: Sequence[str] = (),
@@ -75,12 +78,18 @@ class SwarmStage:
         self.dht = start_dht(cfg.swarm, stage=stage, identity_path=key_path, validator=validator, extra_peers=extra_peers)
         self.peer_id = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults, signer=self.signer, gate=self.gate)
-        self.codec: StageCodec | None = None
+        # streaming: the tensors each sync round averages (fragments.py); one codec per fragment, each with
+        # its own error feedback and low-rank state
+        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(tensors)))]
+        self.codecs: list[StageCodec] = []
         if cfg.compression.kind != "none":
-            self.codec = StageCodec(
-                cfg.compression, names, [t.shape for t in tensors], run_id=cfg.run.run_id,
-                max_norm_ratio=self.sw.max_norm_ratio,
-            )  # fmt: skip
+            self.codecs = [
+                StageCodec(
+                    cfg.compression, [names[i] for i in f], [tensors[i].shape for i in f], run_id=cfg.run.run_id,
+                    max_norm_ratio=self.sw.max_norm_ratio,
+                )  # fmt: skip
+                for f in self.fragments
+            ]
         self.averager = DilocoxAverager(
             [t.detach().to("cpu", torch.float32, copy=True) for t in tensors],
             self.dht,
@@ -88,7 +97,8 @@ class SwarmStage:
             config_hash=self.config_hash,
             stage=stage,
             nice=max(self.sw.helper_nice, 0),
-            max_message_bytes=self.codec.max_message_bytes if self.codec is not None else 0,
+            max_message_bytes=max((c.max_message_bytes for c in self.codecs), default=0),
+            fragments=self.fragments,
             signer=self.signer,
             gate=self.gate,
             max_norm_ratio=self.sw.max_norm_ratio,
@@ -116,6 +126,14 @@ class SwarmStage:
         self.exchanges = ExchangeQueue(self)
         self.agreement = Agreement(self.records, self.averager, self.membership, self.sw, self.faults)
         self._closed = False
+
+    def fragment_indices(self, round: int) -> list[int]:
+        """The tensors (stage parameter indices) that round `round` averages."""
+        return self.fragments[fragment_of(round, len(self.fragments))]
+
+    def codec_for(self, round: int) -> StageCodec | None:
+        """The codec of the fragment round `round` averages (None without compression)."""
+        return self.codecs[fragment_of(round, len(self.fragments))] if self.codecs else None
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:

@@ -51,6 +51,7 @@ class SwarmStageWorker(StageWorker):
                 stage=self.stage,
                 tensors=self.trainer.params,
                 names=[name for name, _ in self.trainer.module.named_parameters()],
+                fragments=self.fragments,
                 run_dir=self.run_dir,
                 peer_name=peer_name,
                 extra_peers=extra_peers,
@@ -92,15 +93,21 @@ class SwarmStageWorker(StageWorker):
         return self.swarm.take_faults()
 
     def compression_facts(self) -> dict[str, Any]:
-        return self.swarm.codec.metrics() if self.swarm.codec is not None else {}
+        facts: dict[str, Any] = {}
+        for codec in self.swarm.codecs:
+            for key, values in codec.metrics().items():
+                facts.setdefault(key, {}).update(values)
+        return facts
 
     def extra_state(self) -> dict[str, Any]:
         """Error feedback and low-rank Qs: this peer's own, kept in its checkpoints, never shared."""
-        return {"codec": self.swarm.codec.state_dict()} if self.swarm.codec is not None else {}
+        return {"codecs": [c.state_dict() for c in self.swarm.codecs]} if self.swarm.codecs else {}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        if self.swarm.codec is not None and state.get("codec") is not None:
-            self.swarm.codec.load_state_dict(state["codec"])
+        saved = state.get("codecs") or []
+        if len(saved) == len(self.swarm.codecs):
+            for codec, codec_state in zip(self.swarm.codecs, saved):
+                codec.load_state_dict(codec_state)
 
     # ----- start ----------------------------------------------------------------------------------
     def on_start(self, start: int) -> int:
@@ -216,8 +223,8 @@ class SwarmStageWorker(StageWorker):
         self.swarm.agreement.forget()
         self.swarm.membership.forgive()  # its own failures, not the others' (a frozen peer suspects everyone)
         self.outer.load_state(download.state)
-        if self.swarm.codec is not None:
-            self.swarm.codec.reset()  # its error feedback was measured against a state it left
+        for codec in self.swarm.codecs:
+            codec.reset()  # its error feedback was measured against a state it left
         self.swarm.set_state(download.boundary, ready=False, training=True)
         self.swarm.faults.count(reason, "took the state of round %d from %s (hash %s; this worker was at round %d)",
                                 download.boundary, download.donor, download.state_hash[:12], was)

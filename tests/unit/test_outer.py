@@ -396,3 +396,118 @@ def test_a_peer_that_takes_the_swarms_state_starts_from_theta_g_without_a_correc
 def test_the_mode_defaults_follow_the_measurements():
     assert OuterConfig(mode="own").effective_lr == 0.35 and OuterConfig(mode="own").effective_momentum == 0.7
     assert OuterConfig(mode="eager").effective_lr == 0.2 and OuterConfig(mode="eager").effective_momentum == 0.9
+
+
+# ----- streaming -------------------------------------------------------------------------
+
+ALPHA = 0.5
+
+
+def _streaming_loop(averager, *, fragments=((0,), (1,)), tau=1, alpha=ALPHA):
+    params = [torch.nn.Parameter(torch.tensor(t)) for t in THETA0]
+    cfg = OuterConfig(mode="streaming", lr=LR, momentum=MU, fragments=len(fragments), overlap_steps=tau, merge_alpha=alpha)
+    return OuterLoop(params, cfg, averager, fragments=fragments)
+
+
+def _step_inner(loop, delta):
+    """One inner step moving the params by -delta (nested like THETA0)."""
+    with torch.no_grad():
+        for p, d in zip(loop.params, delta):
+            p.sub_(torch.tensor(d))
+
+
+def _params(loop):
+    return [x for p in loop.params for x in p.detach().flatten().tolist()]
+
+
+def test_streaming_averages_one_fragment_per_round_against_theta_g_and_merges_it_at_step_tau_with_alpha():
+    # two fragments: tensor 0 syncs in odd rounds, tensor 1 in even ones (fragments.fragment_of: (s + 1) mod P)
+    averager = RecordingAverager(scale=0.5)
+    loop = _streaming_loop(averager, tau=1)
+    loop.load_into_model()
+    hand = [HandNesterov(_flat(THETA0[0]), LR, MU), HandNesterov(_flat(THETA0[1]), LR, MU)]
+    local = [_flat(THETA0[0]), _flat(THETA0[1])]
+    for s in range(len(DELTAS)):
+        fragment = (s + 1) % 2
+        for step, delta in enumerate((DELTAS[s], DELTAS[(s + 1) % len(DELTAS)])):  # two inner steps per sync round
+            _step_inner(loop, delta)
+            local = [[x - d for x, d in zip(xs, _flat(ds))] for xs, ds in zip(local, delta)]
+            loop.after_inner_step(step + 1)
+            if step + 1 == 1 and s > 0:  # tau = 1: the last round's fragment merges its theta_g'
+                last = s % 2  # fragment of round s - 1
+                preview = HandNesterov(hand[last].theta, LR, MU)
+                preview.buf = list(hand[last].buf)
+                preview.step([0.5 * x for x in sent[last]])
+                local[last] = [ALPHA * x + (1 - ALPHA) * g for x, g in zip(local[last], preview.theta)]
+            assert _params(loop) == pytest.approx(local[0] + local[1], abs=1e-6)
+        outcome = loop.end_round(s)
+        if s > 0:  # commits round s - 1's average to theta_g: only its fragment moves
+            hand[s % 2].step([0.5 * x for x in sent[s % 2]])
+            assert outcome.applied_round == s - 1
+        sent = {fragment: [g - x for g, x in zip(hand[fragment].theta, local[fragment])]}
+        assert [c.round for c in averager.calls] == list(range(s + 1))
+        assert len(averager.calls[-1].tensors) == 1  # one fragment's pseudo-gradient, no more
+        assert averager.calls[-1].tensors[0].flatten().tolist() == pytest.approx(sent[fragment], abs=1e-6)
+        assert _theta(loop) == pytest.approx(hand[0].theta + hand[1].theta, abs=1e-6)
+
+
+def test_streaming_waits_for_the_average_at_step_tau_not_before():
+    averager = RecordingAverager(scale=0.5)
+    loop = _streaming_loop(averager, tau=2)
+    loop.load_into_model()
+    loop.end_round(0)
+    loop.after_inner_step(1)
+    assert ("wait", 0) not in averager.events
+    loop.after_inner_step(2)
+    assert ("wait", 0) in averager.events
+    loop.after_inner_step(2)  # merged once only
+    assert averager.events.count(("wait", 0)) == 1
+
+
+def test_streaming_keeps_the_trained_weights_across_rounds_and_starts_from_theta_g_after_a_new_state():
+    loop = _streaming_loop(RecordingAverager(resolve="at_launch"))
+    loop.load_into_model()
+    _step_inner(loop, DELTAS[0])
+    loop.end_round(0)
+    trained = _params(loop)
+    loop.load_into_model()
+    assert _params(loop) == trained  # not reset to theta_g, unlike the other modes
+    loop.load_state(loop.state())
+    loop.load_into_model()
+    assert _params(loop) == _theta(loop)
+
+
+def test_the_shared_model_is_evaluated_in_every_mode_and_the_trained_weights_come_back():
+    loop = _streaming_loop(RecordingAverager(resolve="at_launch"))
+    loop.load_into_model()
+    _step_inner(loop, DELTAS[0])
+    trained = _params(loop)
+    with loop.theta_g_in_model():
+        assert _params(loop) == _theta(loop)
+    assert _params(loop) == trained
+
+
+def test_a_streaming_sync_changes_only_its_fragments_hash():
+    loop = _streaming_loop(RecordingAverager(scale=0.5, resolve="at_launch"))
+    loop.load_into_model()
+    _step_inner(loop, DELTAS[0])
+    loop.end_round(0)  # fragment 1
+    before = loop.fragment_hashes()
+    _step_inner(loop, DELTAS[1])
+    loop.end_round(1)  # applies round 0's average: fragment 1 (tensor 1) moves, fragment 0 stays
+    after = loop.fragment_hashes()
+    assert after[0] == before[0] and after[1] != before[1]
+
+
+def test_streaming_settings_are_checked():
+    from dilocox_p2p.config import Config, InnerConfig
+    from dilocox_p2p.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="only in mode streaming"):
+        OuterConfig(mode="delayed", fragments=2)
+    with pytest.raises(ConfigError, match="multiple of it"):
+        Config(inner=InnerConfig(steps=10), outer=OuterConfig(mode="streaming", fragments=3))
+    with pytest.raises(ConfigError, match="at most inner.steps / fragments = 5"):
+        Config(inner=InnerConfig(steps=10), outer=OuterConfig(mode="streaming", fragments=2, overlap_steps=6))
+    with pytest.raises(ConfigError, match=r"merge_alpha"):
+        OuterConfig(mode="streaming", merge_alpha=1.0)
