@@ -45,6 +45,14 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
                         [(0.1, 0.9), (0.2, 0.7), (0.2, 0.5), (0.35, 0.5)]),
     "delayed topk": ({"outer.mode": "delayed", "compression.kind": "topk"}, [(1.0, 0.0), (2.0, 0.0), (3.0, 0.0), (1.0, 0.5)]),
     "sync topk": ({"outer.mode": "sync", "compression.kind": "topk"}, [(3.0, 0.0), (4.0, 0.0), (5.0, 0.0), (2.0, 0.5)]),
+    # the overlap modes (issue 18): where the notes found eager and own best, and Streaming DiLoCo's 0.7 / 0.9
+    "eager fp32": ({"outer.mode": "eager"}, [(0.2, 0.9), (0.35, 0.7), (0.5, 0.5)]),
+    "own fp32": ({"outer.mode": "own"}, [(0.35, 0.7), (0.5, 0.7), (0.7, 0.5)]),
+    "streaming P1 fp32": ({"outer.mode": "streaming", "outer.overlap_steps": 5}, [(0.7, 0.9), (0.7, 0.7), (1.0, 0.7)]),
+    "streaming P2 fp32": ({"outer.mode": "streaming", "outer.fragments": 2, "outer.overlap_steps": 5},
+                          [(0.7, 0.9), (0.7, 0.7), (1.0, 0.7)]),
+    "streaming P2 fp4": ({"outer.mode": "streaming", "outer.fragments": 2, "outer.overlap_steps": 5,
+                          "compression.kind": "fp4"}, [(0.7, 0.7), (1.0, 0.7)]),
 }  # fmt: skip
 PEERS = 3
 
@@ -54,8 +62,9 @@ class GroupAverager:
     pseudo-gradient of the round, with what the swarm would deliver (the exact fp32 mean, or the
     decoded mean of the members' compressed messages, in group order)."""
 
-    def __init__(self, codecs: list):
-        self.codecs = codecs
+    def __init__(self, codecs: list, fragments: int = 1):
+        self.codecs = codecs  # per member: one codec per fragment (None: fp32)
+        self.fragments = fragments
         self.lock = threading.Lock()
         self.pending: dict[int, dict[int, tuple[list, Future]]] = {}
         self.bytes_sent = [0] * len(codecs)
@@ -65,6 +74,7 @@ class GroupAverager:
 
     def submit(self, index: int, tensors: list, round: int) -> Future:
         from dilocox_p2p.average import Average, AverageKind, ordered_mean
+        from dilocox_p2p.fragments import fragment_of
 
         future: Future = Future()
         with self.lock:
@@ -74,16 +84,17 @@ class GroupAverager:
                 return future
             del self.pending[round]
         members = [box[i] for i in range(len(self.codecs))]
-        if self.codecs[0] is None:
+        codecs = [c[fragment_of(round, self.fragments)] if c is not None else None for c in self.codecs]
+        if codecs[0] is None:
             shapes = [t.shape for t in members[0][0]]
             mean = [ordered_mean([m[0][j] for m in members], s) for j, s in enumerate(shapes)]
             results = [mean] * len(members)
             sizes = [4 * sum(t.numel() for t in members[0][0]) * 2 / len(members)] * len(members)  # ring share
         else:
-            rounds = [c.begin(round, m[0]) for c, m in zip(self.codecs, members)]
+            rounds = [c.begin(round, m[0]) for c, m in zip(codecs, members)]
             gathered = [r.message(1) for r in rounds]
             sizes = [len(g) for g in gathered]
-            if self.codecs[0].phases == 2:
+            if codecs[0].phases == 2:
                 gathered = [r.message(2, gathered) for r in rounds]
                 sizes = [a + len(g) for a, g in zip(sizes, gathered)]
             results = [r.average(gathered).tensors for r in rounds]
@@ -112,6 +123,7 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     from dilocox_p2p.compression.codec import StageCodec
     from dilocox_p2p.config import load_config
     from dilocox_p2p.data import BatchSampler, load_corpus, val_batches
+    from dilocox_p2p.fragments import fragment_tensors
     from dilocox_p2p.inner import InnerTrainer
     from dilocox_p2p.outer import OuterLoop
 
@@ -126,32 +138,39 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     val = val_batches(corpus, shape.seq_len, cfg.inner.batch_size, args.val_batches)
     trainers = [InnerTrainer(cfg, stage=0, device=torch.device("cpu")) for _ in range(PEERS)]
     names = [n for n, _ in trainers[0].module.named_parameters()]
+    # streaming: P sync rounds of H/P steps per outer round, each syncing one fragment (as worker.py runs them)
+    syncs = cfg.outer.syncs_per_round
+    steps, n_syncs = cfg.inner.steps // syncs, cfg.run.rounds * syncs
+    fragments = fragment_tensors(names, syncs)
     codecs = [
-        StageCodec(cfg.compression, names, [p.shape for p in t.params], run_id="bench")
+        [StageCodec(cfg.compression, [names[i] for i in f], [t.params[i].shape for i in f], run_id="bench") for f in fragments]
         if cfg.compression.kind != "none" else None
         for t in trainers
     ]  # fmt: skip
-    group = GroupAverager(codecs)
-    outers = [OuterLoop(t.params, cfg.outer, group.member(i)) for i, t in enumerate(trainers)]
+    group = GroupAverager(codecs, fragments=syncs)
+    outers = [OuterLoop(t.params, cfg.outer, group.member(i), fragments=fragments) for i, t in enumerate(trainers)]
     samplers = [BatchSampler(corpus.train, shape.seq_len, cfg.inner.batch_size, seed) for seed in range(PEERS)]
     curve, started = [], time.perf_counter()
-    for t in range(cfg.run.rounds):
+    for t in range(n_syncs):
         for trainer, outer, sampler in zip(trainers, outers, samplers):
             outer.load_into_model()
-            for step in range(cfg.inner.steps):
+            for step in range(steps):
                 inputs, targets = sampler.next()
-                trainer.train_step(t * cfg.inner.steps + step, inputs, targets)
+                trainer.train_step(t * steps + step, inputs, targets)
+                outer.after_inner_step(step + 1)
         threads = [threading.Thread(target=o.end_round, args=(t,)) for o in outers]
-        if t + 1 == cfg.run.rounds:
+        if t + 1 == n_syncs:
             threads = [threading.Thread(target=lambda o=o: (o.end_round(t), o.drain())) for o in outers]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
         assert all(torch.equal(a, b) for o in outers[1:] for a, b in zip(outers[0].theta_g, o.theta_g)), "theta_g split"
-        outers[0].load_into_model()
-        curve.append(trainers[0].evaluate(val))
-        print(f"  {label} lr {lr} momentum {momentum}: round {t} val {curve[-1]:.4f}", flush=True)
+        if (t + 1) % syncs:
+            continue  # the curve is per outer round (H inner steps): equal tokens at every point in every mode
+        with outers[0].theta_g_in_model():  # the shared model, whatever the peers train from
+            curve.append(trainers[0].evaluate(val))
+        print(f"  {label} lr {lr} momentum {momentum}: round {len(curve) - 1} val {curve[-1]:.4f}", flush=True)
     params = trainers[0].n_params()
     ring = 2 * (PEERS - 1) / PEERS * 4 * params * cfg.run.rounds
     return {
@@ -162,7 +181,7 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
         "bytes_sent_per_peer": group.bytes_sent[0],
         "ratio_vs_fp32_ring": ring / group.bytes_sent[0],
         "seconds": time.perf_counter() - started,
-        "codec_metrics": codecs[0].metrics() if codecs[0] is not None else {},
+        "codec_metrics": codecs[0][0].metrics() if codecs[0] is not None else {},
     }
 
 

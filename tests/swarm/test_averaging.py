@@ -26,13 +26,13 @@ def _by_round(peers):
     return rounds
 
 
-def _three_peers(swarm, *args: str):
-    """Run three peers of `args` to the end; their records by round (every round present)."""
+def _three_peers(swarm, *args: str, syncs: int = 1):
+    """Run three peers of `args` to the end; their records by (sync) round, every one present."""
     peers = [swarm.start_peer("--rounds", str(ROUNDS), "--min-peers", "3", *args) for _ in range(3)]
     for peer in peers:
         assert peer.wait(timeout=240) == 0, peer.output()
     rounds = _by_round(peers)
-    assert sorted(rounds) == list(range(ROUNDS))
+    assert sorted(rounds) == list(range(ROUNDS * syncs))
     return peers, rounds
 
 
@@ -91,3 +91,33 @@ def test_peers_that_start_from_their_own_correction_still_hold_identical_theta_g
         assert {r["applied_round"] for r in records} == {want}
     initial = json.loads((peers[0].run_dir / "run.json").read_text())["initial_val_loss"]
     assert rounds[ROUNDS - 1][0]["val_loss"] < initial - 0.3
+
+
+@pytest.mark.parametrize("compression", ["none", "fp4"])
+def test_streaming_peers_sync_one_fragment_at_a_time_and_hold_identical_theta_g_after_every_sync(swarm, compression):
+    # 2 fragments of the stage's 6 layer groups, each synced every 10 inner steps, offset by 5; the average
+    # merges into the trained weights 2 steps after its all-reduce starts; theta_g moves one sync round late
+    args = ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--stages", "1", "--compression", compression)
+    peers, rounds = _three_peers(swarm, *args, syncs=2)
+    last = 2 * ROUNDS - 1
+    for t, records in rounds.items():
+        assert len({tuple(r["stage_hashes"]) for r in records}) == 1, f"sync {t}: the state differs across peers"
+        assert {r["fragment"] for r in records} == {(t + 1) % 2}
+        want = t if t == last else (t - 1 if t else None)
+        assert {r["applied_round"] for r in records} == {want}
+        if 0 < t < last:  # the sync changed only the fragment of round t - 1
+            before = rounds[t - 1][0]["fragment_hashes"][0]
+            after = records[0]["fragment_hashes"][0]
+            moved = [p for p in range(2) if before[p] != after[p]]
+            assert moved == [t % 2], f"sync {t}: fragments {moved} moved"
+    full = [r for records in rounds.values() for r in records if r["kinds"] == ["averaged"] and r["group_size"] == 3]
+    assert len(full) >= 3 * last - 3, [(t, r["kinds"], r["group_sizes"]) for t, rs in rounds.items() for r in rs]
+    # each sync carries one fragment (about half the stage): a member sends 2 (N - 1) / N of it in the
+    # butterfly (fp32: 1.33x the whole stage's bytes would be sent without fragments), or N - 1 fp4 messages
+    # of about 4.25 bits per value (0.27x the whole stage's fp32 bytes without fragments)
+    whole = 4 * rounds[0][0]["params"]
+    limit = {"none": 1.0, "fp4": 0.2}[compression] * whole
+    one_sync = [r for r in full if r["round"] < last]  # the last round also drains the one before
+    assert one_sync and all(0 < r["bytes_sent"] < limit for r in one_sync), [r["bytes_sent"] / whole for r in one_sync]
+    initial = json.loads((peers[0].run_dir / "run.json").read_text())["initial_val_loss"]
+    assert rounds[last][0]["val_loss"] < initial - 0.3

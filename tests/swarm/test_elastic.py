@@ -176,3 +176,32 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     common = [t for t in resumed_rounds if t in s]  # SIGTERM may stop the survivor a round earlier
     assert any(resumed_rounds[t]["group_sizes"] == [2, 2] for t in common)
     assert all(s[t] == resumed_rounds[t]["stage_hashes"] for t in common), "the resumed peer differs from the survivor"
+
+
+@pytest.mark.parametrize(
+    "mode", [("--mode", "eager"), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2")], ids=["eager", "streaming"]
+)
+def test_an_overlapped_swarm_loses_a_killed_peer_and_takes_in_a_late_joiner_in_agreement(swarm, mode):
+    # eager and streaming train from weights of their own (theta_g plus a correction, or merged weights); the
+    # shared state must still agree through a crash mid all-reduce and a join from a downloaded state
+    args = (*mode, "--rounds", "60", "--stages", "1")
+    survivors = [swarm.start_peer(*args, "--min-peers", "3") for _ in range(2)]
+    victim = swarm.start_peer(*args, "--min-peers", "3", env={"DILOCOX_FAULTS": "kill_peer_in_allreduce:round=2:stage=0"})
+    _wait_until_dead(victim, timeout=180)
+    assert victim.proc.returncode == -signal.SIGKILL
+    joiner = swarm.start_peer(*args)
+    _wait_for(lambda: sum(r["group_sizes"] == [3] for r in joiner.metrics()) >= 2, 360,
+              lambda: f"the joiner never averaged with the survivors twice:\n{joiner.output()}")
+    for peer in [*survivors, joiner]:
+        peer.signal(signal.SIGTERM)
+    for peer in [*survivors, joiner]:
+        assert peer.wait(timeout=120) == 128 + signal.SIGTERM, peer.output()
+
+    a, b, mine = (_hashes(p) for p in (*survivors, joiner))
+    common = sorted(set(a) & set(b))
+    assert common[:4] == [0, 1, 2, 3] and all(a[t] == b[t] for t in common), "the survivors disagree"
+    assert min(mine) >= 3, "the joiner started from round 0, not from the swarm's state"
+    joined = [t for t in mine if t in a and t in b]
+    assert joined and all(mine[t] == a[t] for t in joined), "the joiner differs from the survivors"
+    records = {r["round"]: r for r in survivors[0].metrics()}
+    assert any(r["group_sizes"] == [2] for r in records.values()), "the survivors never averaged as a pair"
