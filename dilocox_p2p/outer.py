@@ -1,4 +1,4 @@
-"""Outer loop of one stage worker: pseudo-gradient, Nesterov outer step, one-step delay.
+"""Outer loop of one stage worker: pseudo-gradient, Nesterov outer step, one-step delay, fragments.
 
 DiLoCo: https://arxiv.org/abs/2311.08105   DiLoCoX: https://arxiv.org/abs/2506.21263
 
@@ -18,9 +18,18 @@ theta_g, the outer momentum, and in `delayed` mode the pending average of the la
                         step of the proxy Delta_{t-1} + (delta_t - delta_{t-1}) / N, which swaps this
                         peer's stale contribution for its fresh one, minus the step of Delta_{t-1})
 
-The shared, hashed state is theta_g and momentum only: the correction is this peer's own
-(`OuterLoop.start`), never served, hashed or checkpointed; a peer that takes the swarm's state
-(join, repair, resume) starts from theta_g without one.
+              streaming (Streaming DiLoCo, arXiv 2501.18512): a round is a sync round of H/P inner steps
+                       that averages one fragment f = fragment_of(t) (fragments.py) only:
+                 delta_t = theta_g[f] - theta_local[f]      (against theta_g after the last commit)
+                 at inner step tau of round t+1: wait Delta_t; theta_local[f] <- alpha theta_local[f]
+                       + (1 - alpha) nesterov(theta_g, Delta_t)[f]   (merge; the other tensors train on)
+                 at the end of round t+1: theta_g <- nesterov(theta_g, Delta_t) on f (commit, as delayed)
+                 theta_local is never reset to theta_g (except after a new state: join, repair, resume)
+
+The shared, hashed state is theta_g and momentum only: the correction (`OuterLoop.start`) and
+streaming's trained weights are this peer's own, never served or hashed. Its checkpoints keep
+them, so that a peer resumed from its own checkpoint goes on exactly as it would have; a peer
+that takes the swarm's state (join, repair, catch-up) starts from theta_g without them.
 
 Invariant: peers that applied the same averages hold bit-identical theta_g and momentum,
 on any CPU; `StageState.hash` proves it. The all-reduce plugs in through `Averager`
@@ -421,7 +430,16 @@ class OuterLoop:
                 "momentum": self.optimizer.buffers,
                 "pending": pending,
                 "pending_lost": lost,
+                "own": self._own_state(),
             }
+
+    def _own_state(self) -> dict[str, Any]:
+        """What this peer trains from beyond theta_g (eager/own: its correction; streaming: its trained
+        weights), so that a resumed peer goes on exactly as it would have. Never served or hashed."""
+        local = None
+        if self.mode == "streaming" and self._holds_local:
+            local = [p.detach().to("cpu", copy=True) for p in self.params]
+        return {"start": self.start, "last_delta": self._last_delta, "local": local}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         pending = None
@@ -435,5 +453,12 @@ class OuterLoop:
             )
             pending = PendingAverage(p["round"], average)
         self.load_state(StageState(saved["boundary"], list(saved["theta_g"]), list(saved["momentum"]), pending))
-        with self.lock:
+        own = saved.get("own") or {}
+        with self.lock, torch.no_grad():
             self.pending_lost = saved.get("pending_lost")
+            if own.get("start") is not None and self.mode in ("eager", "own"):
+                self.start, self._last_delta = list(own["start"]), own.get("last_delta")
+            if own.get("local") is not None and self.mode == "streaming":
+                for p, saved_p in zip(self.params, own["local"]):
+                    p.copy_(saved_p)
+                self._holds_local = True

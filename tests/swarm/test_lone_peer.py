@@ -24,8 +24,13 @@ def test_a_lone_peer_with_two_stages_lowers_val_loss_by_30_percent(tmp_path):
     assert final <= 0.7 * initial, f"val loss {initial:.3f} -> {final:.3f}"
 
 
-def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tmp_path):
-    args = ["--rounds", "6", "--inner-steps", "10", "--seed", "3", "--data-seed", "5"]
+@pytest.mark.parametrize(
+    "mode", [(), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2")], ids=["delayed", "streaming"]
+)
+def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tmp_path, mode):
+    # streaming: the checkpoint also keeps the weights this peer trains from (they differ from theta_g)
+    args = ["--rounds", "6", "--inner-steps", "10", "--seed", "3", "--data-seed", "5", *mode]
+    syncs = 2 if mode else 1
     reference = Peer(tmp_path / "reference", args)
     crashed = Peer(tmp_path / "crashed", args)
     crashed.wait_for_round(2, timeout=180)
@@ -37,7 +42,7 @@ def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupt
     assert resumed.wait(timeout=180) == 0, resumed.output()
     assert reference.wait(timeout=180) == 0, reference.output()
     want, got = reference.metrics(), resumed.metrics()
-    assert [r["round"] for r in got] == list(range(6))  # rounds after the checkpoint were trained again
+    assert [r["round"] for r in got] == list(range(6 * syncs))  # rounds after the checkpoint were trained again
     assert got[-1]["stage_hashes"] == want[-1]["stage_hashes"]
     assert [r["stage_hashes"] for r in got] == [r["stage_hashes"] for r in want]
 

@@ -511,3 +511,23 @@ def test_streaming_settings_are_checked():
         Config(inner=InnerConfig(steps=10), outer=OuterConfig(mode="streaming", fragments=2, overlap_steps=6))
     with pytest.raises(ConfigError, match=r"merge_alpha"):
         OuterConfig(mode="streaming", merge_alpha=1.0)
+
+
+def test_a_checkpoint_keeps_the_weights_a_peer_trains_from_so_that_resuming_goes_on_exactly():
+    loop = _streaming_loop(RecordingAverager(scale=0.5, resolve="at_launch"))
+    loop.load_into_model()
+    _step_inner(loop, DELTAS[0])
+    loop.end_round(0)
+    trained = _params(loop)
+    resumed = _streaming_loop(RecordingAverager())
+    resumed.load_state_dict(_through_disk(loop.state_dict()))
+    resumed.load_into_model()
+    assert _params(resumed) == trained and _theta(resumed) == _theta(loop)
+
+    own = _make_loop("own", RecordingAverager(scale=0.5))
+    for t in range(2):
+        _train_inner(own, t)
+        own.end_round(t)
+    again = _make_loop("own", RecordingAverager())
+    again.load_state_dict(_through_disk(own.state_dict()))
+    assert _start(again) == _start(own) != _theta(own)
