@@ -220,14 +220,15 @@ class InnerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OuterConfig:
-    mode: Literal["sync", "delayed", "eager", "own", "streaming"] = "delayed"
+    mode: Literal["sync", "delayed", "eager", "own", "streaming"] = "streaming"
     """When round t's average is applied: sync = at once (DiLoCo); delayed = end of round t+1 (DiLoCoX);
     eager and own apply it like delayed but start each round from theta_g plus this peer's own correction:
     eager swaps its stale contribution in the last average for its fresh one (Kale et al. 2025), own keeps
     the round's own progress (notes/outer-loop-variants.md: +5.9% over sync where naive delayed is +17%);
     streaming (Streaming DiLoCo, arXiv 2501.18512) syncs `fragments` strided layer groups one after another,
     each every H inner steps, and merges each average into the trained weights `overlap_steps` inner steps
-    after its all-reduce started (README: Outer loop)."""
+    after its all-reduce started (README: Outer loop). The default, streaming, had the best time to loss in
+    benchmarks/modes.py and ended closest to sync at equal tokens of the overlapped modes."""
     lr: float = 0.0
     """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1, eager 0.2, own 0.35,
     streaming 0.7; with compression topk, which has no outer momentum: sync 4.0, others 2.0)."""
@@ -238,9 +239,10 @@ class OuterConfig:
     """streaming: P, the strided layer groups of each stage that sync in turn (fragment p holds the stage's
     layers k with k mod P = p); each all-reduce carries one fragment, so peak bytes/s fall about P times.
     At most the layers of the smallest stage; inner.steps must be a multiple of it."""
-    overlap_steps: int = 1
+    overlap_steps: int = 0
     """streaming: tau, the inner steps a fragment's all-reduce may take before its average is merged
-    (training waits only if it takes longer); 1 <= tau <= inner.steps / fragments."""
+    (training waits only if it takes longer); 1 <= tau <= inner.steps / fragments. 0 means
+    min(5, inner.steps / fragments) (Streaming DiLoCo's tau of 5 at H = 100; what the benchmarks ran)."""
     merge_alpha: float = 0.5
     """streaming: on arrival, theta_local <- alpha * theta_local + (1 - alpha) * theta_g for the fragment
     (0 takes theta_g as it is)."""
@@ -255,8 +257,8 @@ class OuterConfig:
             _fail("outer.fragments", self.fragments, "must be at least 1")
         if self.fragments > 1 and self.mode != "streaming":
             _fail("outer.fragments", self.fragments, f"fragments sync in turn only in mode streaming, not {self.mode}")
-        if self.overlap_steps < 1:
-            _fail("outer.overlap_steps", self.overlap_steps, "must be at least 1")
+        if self.overlap_steps < 0:
+            _fail("outer.overlap_steps", self.overlap_steps, "must be at least 1 (or 0 for the default)")
         if not 0.0 <= self.merge_alpha < 1.0:
             _fail("outer.merge_alpha", self.merge_alpha, "must be in [0, 1)")
 
@@ -436,6 +438,8 @@ class Config:
             _fail("outer.fragments", self.outer.fragments,
                   f"inner.steps ({self.inner.steps}) must be a multiple of it: each fragment syncs every H steps, "
                   "offset by H / fragments")  # fmt: skip
+        if self.outer.overlap_steps == 0:
+            object.__setattr__(self, "outer", dataclasses.replace(self.outer, overlap_steps=min(5, sync_steps)))
         if self.outer.mode == "streaming" and self.outer.overlap_steps > sync_steps:
             _fail("outer.overlap_steps", self.outer.overlap_steps,
                   f"must be at most inner.steps / fragments = {sync_steps}: a fragment's average is merged "

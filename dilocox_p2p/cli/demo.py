@@ -31,7 +31,6 @@ PEER_FLAGS = [
     "--preset", "tiny",
     "--stages", "2",
     "--device", "cpu",
-    "--mode", "delayed",
     "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
     "--round-wait", "15",
     "--progress", "lines",

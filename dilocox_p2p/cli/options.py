@@ -70,7 +70,7 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     g.add_argument("--microbatches", type=int, help="pipeline micro-batches per inner step")
     g.add_argument("--inner-lr", type=float, help="peak AdamW learning rate")
     g.add_argument(
-        "--mode", choices=["sync", "delayed", "eager", "own", "streaming"], help="outer mode (default delayed; README: Outer loop)"
+        "--mode", choices=["sync", "delayed", "eager", "own", "streaming"], help="outer mode (default streaming; README: Outer loop)"
     )
     g.add_argument(
         "--outer-lr", type=float,
@@ -78,7 +78,7 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     )  # fmt: skip
     g.add_argument("--fragments", type=int, metavar="P", help="streaming: layer-group fragments that sync in turn (default 1)")
     g.add_argument(
-        "--overlap-steps", type=int, metavar="TAU", help="streaming: inner steps an all-reduce may overlap (default 1)"
+        "--overlap-steps", type=int, metavar="TAU", help="streaming: inner steps an all-reduce may overlap (default min(5, H / P))"
     )
     g.add_argument("--merge-alpha", type=float, help="streaming: weight kept by the local weights on merge (default 0.5)")
     g.add_argument(

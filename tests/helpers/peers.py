@@ -18,7 +18,8 @@ from pathlib import Path
 from dilocox_p2p.errors import DilocoxError
 from dilocox_p2p.launch import wait_for_multiaddrs
 
-PEER_ARGS = [
+PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the machinery in delayed mode
+    "--mode", "delayed",
     "--preset", "tiny",
     "--stages", "2",
     "--inner-steps", "10",

@@ -36,7 +36,7 @@ def test_defaults_load_without_a_file_and_equal_the_dataclass_defaults():
     cfg = load_config()
     assert cfg == Config()
     assert cfg.model.preset == "tiny"
-    assert cfg.outer.mode == "delayed"
+    assert cfg.outer.mode == "streaming" and cfg.outer.fragments == 1 and cfg.outer.overlap_steps == 5
     assert cfg.model.shape == PRESETS["tiny"]
 
 
@@ -357,7 +357,8 @@ def test_outer_momentum_defaults_to_0_9_and_to_0_with_top_k_whose_error_feedback
     assert load_config().outer.effective_momentum == 0.9
     topk = load_config(overrides={"compression.kind": "topk"})
     assert topk.outer.effective_momentum == 0.0 and topk.compression.effective_feedback_decay == 0.95
-    assert topk.outer.effective_lr == 2.0  # delayed; without momentum the step needs a larger lr
+    assert topk.outer.effective_lr == 4.0  # streaming, as sync; without momentum the step needs a larger lr
+    assert load_config(overrides={"compression.kind": "topk", "outer.mode": "delayed"}).outer.effective_lr == 2.0
     assert load_config(overrides={"compression.kind": "topk", "outer.mode": "sync"}).outer.effective_lr == 4.0
     assert load_config(overrides={"compression.kind": "topk", "outer.lr": 0.2}).outer.effective_lr == 0.2
     assert load_config(overrides={"compression.kind": "topk", "outer.momentum": 0.5}).outer.effective_momentum == 0.5
