@@ -51,6 +51,12 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     "streaming P1 fp32": ({"outer.mode": "streaming", "outer.overlap_steps": 5}, [(0.7, 0.9), (0.7, 0.7), (1.0, 0.7)]),
     "streaming P2 fp32": ({"outer.mode": "streaming", "outer.fragments": 2, "outer.overlap_steps": 5},
                           [(0.7, 0.9), (0.7, 0.7), (1.0, 0.7)]),
+    # streaming's merge weight alpha (default 0.5) and overlap tau (5 above), at P=1's best lr / momentum
+    "streaming P1 alpha 0.25": ({"outer.mode": "streaming", "outer.overlap_steps": 5, "outer.merge_alpha": 0.25},
+                                [(0.7, 0.9)]),
+    "streaming P1 alpha 0.75": ({"outer.mode": "streaming", "outer.overlap_steps": 5, "outer.merge_alpha": 0.75},
+                                [(0.7, 0.9)]),
+    "streaming P1 tau 1": ({"outer.mode": "streaming", "outer.overlap_steps": 1}, [(0.7, 0.9)]),
     "streaming P2 fp4": ({"outer.mode": "streaming", "outer.fragments": 2, "outer.overlap_steps": 5,
                           "compression.kind": "fp4"}, [(0.7, 0.7), (1.0, 0.7)]),
 }  # fmt: skip
