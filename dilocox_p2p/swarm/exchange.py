@@ -157,7 +157,9 @@ class RoundExchange:
         if self.abandoned():
             return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if result is None or result.messages is None:
-            return self._borrow(failure)
+            # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
+            # average rather than strand this worker (members that failed too answer at once that they lack it)
+            return self._borrow(failure, wait_s=self.sw.allreduce_timeout)
         messages, failures = result.messages, list(result.failures)
         sent, received = result.bytes_sent, result.bytes_received
         if codec.phases == 2:
