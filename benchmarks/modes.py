@@ -176,7 +176,8 @@ def main() -> int:
                 lr, momentum, source = tuned(quality, mode)
                 started = time.perf_counter()
                 records = run_mode(args, mode, rate, lr, momentum, tmp)
-                syncs = 2 if "-p2" in mode else 1
+                flags = MODES[mode][0]
+                syncs = int(flags[flags.index("--fragments") + 1]) if "--fragments" in flags else 1
                 modes[mode] = {"outer_lr": lr, "outer_momentum": momentum, "lr_from": source,
                                "seconds_with_startup": time.perf_counter() - started, **summarize(records, syncs)}  # fmt: skip
                 m = modes[mode]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from .errors import ConfigError
 
-__all__ = ["fragment_of", "fragment_tensors", "sync_steps"]
+__all__ = ["as_fragments", "fragment_of", "fragment_tensors", "of_round"]
 
 _UNIT = re.compile(r"^layers\.(\d+)\.")
 
@@ -46,8 +46,11 @@ def fragment_of(sync_round: int, count: int) -> int:
     return (sync_round + 1) % count
 
 
-def sync_steps(fragment: int, count: int, steps: int, total_steps: int) -> list[int]:
-    """The inner steps (1-based counts of steps done) after which `fragment` syncs, up to `total_steps`:
-    every t > 0 with t mod H = fragment * H / P (the formula of the module docstring)."""
-    offset = fragment * (steps // count)
-    return [t for t in range(1, total_steps + 1) if t % steps == offset]
+def as_fragments(fragments: Sequence[Sequence[int]] | None, n_tensors: int) -> list[list[int]]:
+    """`fragments` as lists, or (None or empty) one fragment of all `n_tensors` tensors."""
+    return [list(f) for f in fragments] if fragments else [list(range(n_tensors))]
+
+
+def of_round(fragments: Sequence[Sequence[int]], sync_round: int) -> list[int]:
+    """The tensor indices that sync round `sync_round` averages: its fragment's."""
+    return list(fragments[fragment_of(sync_round, len(fragments))])

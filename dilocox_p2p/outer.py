@@ -66,7 +66,7 @@ import torch
 
 from .average import Average, Averager, AverageKind, Spans, spans_by_tensor
 from .config import OuterConfig
-from .fragments import fragment_of
+from .fragments import as_fragments, fragment_of, of_round
 from .state import PendingAverage, StageState, state_hash
 
 __all__ = ["OuterLoop", "OuterNesterov", "RoundOutcome", "pseudo_gradient"]
@@ -210,7 +210,7 @@ class OuterLoop:
         self._last_delta: list[torch.Tensor] | None = None
         # streaming: the tensors of each fragment (fragments.py), tau, alpha, and whether the model holds this
         # peer's own trained weights (else the next round starts from theta_g)
-        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(self.params)))]
+        self.fragments = as_fragments(fragments, len(self.params))
         self.tau, self.alpha = cfg.overlap_steps, cfg.merge_alpha
         self._holds_local = False
         self._merged: int | None = None  # the round whose average was last merged into the model
@@ -258,7 +258,7 @@ class OuterLoop:
 
     def fragment_indices(self, round: int) -> list[int]:
         """The tensors whose pseudo-gradients sync round `round` averages."""
-        return self.fragments[self.fragment_number(round)]
+        return of_round(self.fragments, round)
 
     def end_round(self, round: int) -> RoundOutcome:
         """Compute delta_round, start its all-reduce, apply the average this mode applies now."""

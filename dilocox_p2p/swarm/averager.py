@@ -51,7 +51,7 @@ from .. import injection
 from ..average import Average, AverageKind, Spans, fill_missing
 from ..envelope import Gate, Signer
 from ..errors import WireRejected
-from ..fragments import fragment_of
+from ..fragments import as_fragments, of_round
 from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
@@ -176,7 +176,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
     ):
         self.run_id, self.config_hash, self.stage, self.nice = run_id, config_hash, stage, nice
         # streaming: round r averages the tensors of fragment fragment_of(r, P) only (fragments.py)
-        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(averaged_tensors)))]
+        self.fragments = as_fragments(fragments, len(averaged_tensors))
         self.signer, self.gate, self.max_norm_ratio = signer, gate, max_norm_ratio
         self._admitted: frozenset[str] = frozenset()  # this round's admissible group members (prepare_round)
         self._refusals = RefusalLog()
@@ -246,7 +246,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
 
     def _of_round(self, round: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Those of `tensors` (one per stage tensor) that round `round` averages."""
-        return [tensors[i] for i in self.fragments[fragment_of(round, len(self.fragments))]]
+        return [tensors[i] for i in of_round(self.fragments, round)]
 
     def _call(self, method: str, result_within: float, **kwargs: Any) -> Any:
         """Run `method` in the averager process; its result (or exception) within `result_within` seconds."""

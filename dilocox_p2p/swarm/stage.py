@@ -29,7 +29,7 @@ from hivemind.utils import get_dht_time
 from .. import injection
 from ..average import Average
 from ..compression.codec import StageCodec
-from ..fragments import fragment_of
+from ..fragments import as_fragments, fragment_of, of_round
 from ..config import Config, config_hash, shared_fields
 from ..identity import peer_id_of, worker_identity
 from ..wire import swarm_pb2
@@ -80,7 +80,7 @@ class SwarmStage:
         self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults, signer=self.signer, gate=self.gate)
         # streaming: the tensors each sync round averages (fragments.py); one codec per fragment, each with
         # its own error feedback and low-rank state
-        self.fragments = [list(f) for f in fragments] if fragments else [list(range(len(tensors)))]
+        self.fragments = as_fragments(fragments, len(tensors))
         self.codecs: list[StageCodec] = []
         if cfg.compression.kind != "none":
             self.codecs = [
@@ -129,7 +129,7 @@ class SwarmStage:
 
     def fragment_indices(self, round: int) -> list[int]:
         """The tensors (stage parameter indices) that round `round` averages."""
-        return self.fragments[fragment_of(round, len(self.fragments))]
+        return of_round(self.fragments, round)
 
     def codec_for(self, round: int) -> StageCodec | None:
         """The codec of the fragment round `round` averages (None without compression)."""
