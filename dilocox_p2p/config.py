@@ -338,6 +338,9 @@ class SwarmConfig:
     """Where each stage worker's DHT listens; tcp/0 picks a free port per stage."""
     announce_maddrs: tuple[str, ...] = ()
     """Addresses other machines should use to reach this peer (public IP, NAT mapping)."""
+    auto_relay: bool = False
+    """Behind a NAT that cannot forward a port: become reachable through relays (bootstrap nodes started with
+    `--relay`) among the initial peers. Slower than a direct link: forward the port when you can."""
     min_group_size: int = 2
     """Fewest peers an all-reduce may run with; a worker that finds no such group takes the average its
     stage group computed without it, or (if there is none) its own pseudo-gradient."""
@@ -409,9 +412,22 @@ class ControlConfig:
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
     """Progress display: auto = a bar on a terminal, one line per round otherwise."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    """text: one readable line per event; json: one JSON object per line (time, level, peer, stage, round...)."""
+    control_addr: str = "127.0.0.1:0"
+    """Where stage 0 serves the PeerControl gRPC service and gRPC health (`dilocox-peer status`); port 0 picks a
+    free port. The bound address is written to RUN_DIR/control.addr. It is read-only but unauthenticated: keep
+    it on loopback or a private network."""
+    metrics_addr: str = ""
+    """Where stage 0 serves Prometheus metrics at /metrics (HOST:PORT); empty: not served."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "control")
+        from .endpoints import parse_hostport
+
+        parse_hostport(self.control_addr, flag="control.control_addr")
+        if self.metrics_addr:
+            parse_hostport(self.metrics_addr, flag="control.metrics_addr")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -453,10 +469,10 @@ _LOCAL_FIELDS = {
     "run": {"run_dir", "checkpoint_every", "device"},
     "data": {"paths", "seed"},
     "swarm": {
-        "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "min_peers", "peer_wait", "helper_nice",
+        "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "min_peers", "peer_wait", "helper_nice",
         "identity", "certificate",
     },  # fmt: skip
-    "control": {"progress", "log_level"},
+    "control": {"progress", "log_level", "log_format", "control_addr", "metrics_addr"},
     "inner": {"threads"},
 }
 

@@ -32,7 +32,7 @@ from . import __version__
 from .checkpoint import latest_common_round
 from .config import Config, config_hash, to_toml
 from .errors import CheckpointError, ConfigError, DilocoxError
-from .logs import init_logging
+from .logs import init_logging, set_log_context
 from .worker import StageWorker, WorkerSpec, resolve_device
 
 __all__ = ["prepare_run_dir", "run_peer", "wait_for_multiaddrs"]
@@ -96,7 +96,8 @@ def _stage_process(spec: WorkerSpec, store_port: int, factory: WorkerFactory) ->
 
 def _run_stage(spec: WorkerSpec, factory: WorkerFactory, *, store: Any = None) -> int:
     cfg = spec.cfg
-    init_logging(cfg.control.log_level, prefix=f"[stage {spec.stage}] ", file=cfg.run.path / "logs" / f"stage{spec.stage}.log")
+    init_logging(cfg.control.log_level, fmt=cfg.control.log_format, file=cfg.run.path / "logs" / f"stage{spec.stage}.log")
+    set_log_context(stage=spec.stage)
     torch.set_num_threads(_threads(cfg))
     logger.info("torch %s, CPU capability %s", torch.__version__, torch.backends.cpu.get_cpu_capability())
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,29 +1,77 @@
-"""Logging set-up for the processes dilocox-p2p starts (CLI, launcher, stage workers)."""
+"""Logging set-up for the processes dilocox-p2p starts (CLI, launcher, stage workers, bootstrap).
+
+One line per event, each naming where it happened: the peer (its libp2p id, shortened in
+text), the stage and the round. A stage worker fills these in as it learns them:
+
+    init_logging("info", fmt="json", file=run_dir / "logs" / "stage0.log")
+    set_log_context(stage=0)
+    set_log_context(peer=peer_id)      # once its DHT node is up
+    set_log_context(round=12)          # each round
+
+text:  13:02:11 INFO [peer ..k3Fq stage 0 round 12] dilocox_p2p.worker: resumed from round 12
+json:  {"time": "2026-11-25T13:02:11.532Z", "level": "INFO", "peer": "12D3KooW...k3Fq", "stage": 0,
+        "round": 12, "logger": "dilocox_p2p.worker", "message": "resumed from round 12"}
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["init_logging"]
+__all__ = ["init_logging", "set_log_context"]
 
-_FORMAT = "%(asctime)s %(levelname)s %(prefix)s%(name)s: %(message)s"
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(where)s%(name)s: %(message)s"
+_context: dict[str, Any] = {"peer": None, "stage": None, "round": None}
 
 
-class _PrefixFilter(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
+def set_log_context(**fields: Any) -> None:
+    """Name the peer / stage / round that later log lines of this process belong to (None clears one)."""
+    unknown = set(fields) - set(_context)
+    assert not unknown, f"unknown log context fields {unknown}"
+    _context.update(fields)
 
+
+def _where() -> str:
+    parts = []
+    if _context["peer"]:
+        parts.append(f"peer ..{str(_context['peer'])[-6:]}")
+    for name in ("stage", "round"):
+        if _context[name] is not None:
+            parts.append(f"{name} {_context[name]}")
+    return f"[{' '.join(parts)}] " if parts else ""
+
+
+class _ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        record.prefix = self.prefix
+        record.where = _where()
+        for name, value in _context.items():
+            setattr(record, f"ctx_{name}", value)
         return True
 
 
-def init_logging(level: str = "info", *, prefix: str = "", file: Path | None = None) -> None:
-    """Log to stderr (and optionally a file) with a prefix such as `[stage 1] `.
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO 8601), level, peer, stage, round, logger, message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        out: dict[str, Any] = {"time": stamp, "level": record.levelname}
+        for name in _context:
+            value = getattr(record, f"ctx_{name}", None)
+            if value is not None:
+                out[name] = value
+        out.update(logger=record.name, message=record.getMessage())
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def init_logging(level: str = "info", *, fmt: str = "text", file: Path | None = None) -> None:
+    """Log to stderr (and optionally a file) as text lines or JSON objects (`fmt`).
 
     DILOCOX_LOGLEVEL overrides `level`. hivemind's own loggers are kept at warning unless
     the level is debug, because they are chatty at info.
@@ -36,9 +84,10 @@ def init_logging(level: str = "info", *, prefix: str = "", file: Path | None = N
     if file is not None:
         Path(file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(file))
+    formatter = JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT_FORMAT, datefmt="%H:%M:%S")
     for handler in handlers:
-        handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
-        handler.addFilter(_PrefixFilter(prefix))
+        handler.setFormatter(formatter)
+        handler.addFilter(_ContextFilter())
         root.addHandler(handler)
     root.setLevel(level)
     noisy = "DEBUG" if level == "DEBUG" else "WARNING"

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    init_logging(getattr(args, "log_level", None) or "info")
+    init_logging(getattr(args, "log_level", None) or "info", fmt=getattr(args, "log_format", None) or "text")
     try:
         return int(args.func(args) or 0)
     except DilocoxError as e:

@@ -48,6 +48,10 @@ _FLAG_KEYS = {
     "certificate": "swarm.certificate",
     "progress": "control.progress",
     "log_level": "control.log_level",
+    "log_format": "control.log_format",
+    "control_addr": "control.control_addr",
+    "metrics_addr": "control.metrics_addr",
+    "auto_relay": "swarm.auto_relay",
 }
 
 
@@ -88,6 +92,12 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     )
     g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], help="progress display")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-format", choices=["text", "json"], help="text lines (default) or one JSON object per line")
+    g.add_argument(
+        "--control-addr", metavar="HOST:PORT",
+        help="PeerControl gRPC + health for `dilocox-peer status` (default 127.0.0.1:0, written to RUN_DIR/control.addr)",
+    )  # fmt: skip
+    g.add_argument("--metrics-addr", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics (default: off)")
     g.add_argument(
         "--set",
         action="append",
@@ -109,6 +119,10 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
         s.add_argument(
             "--announce-maddrs", nargs="+", metavar="MADDR", help="addresses other machines should dial (public IP/NAT)"
         )
+        s.add_argument(
+            "--auto-relay", action="store_true", default=None,
+            help="behind a NAT without port forwarding: be reachable through relays among --initial-peers",
+        )  # fmt: skip
         s.add_argument("--min-peers", type=int, metavar="N", help="wait for N peers (this one included) before training")
         s.add_argument("--round-wait", type=float, metavar="S", help="most seconds a fast peer waits for slow ones per round")
         s.add_argument(

@@ -143,6 +143,8 @@ def start_dht(
         identity_path=str(identity_path),
         check_if_identity_free=False,  # hivemind's check reads RSA keys only; the key is this worker's own file
     )
+    if cfg.auto_relay:  # behind NAT: reserve a slot on the relays among the initial peers (bootstrap --relay)
+        kwargs.update(use_auto_relay=True, trusted_relays=list(cfg.initial_peers) or None)
     try:
         return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...

@@ -1,0 +1,112 @@
+"""The local network endpoints an operator points tools at: gRPC servers with health, Prometheus.
+
+    host, port = parse_hostport("127.0.0.1:0", flag="--control-addr")
+    ensure_port_free(host, port, flag="--control-addr")        # ConfigError naming the fix
+    server = GrpcEndpoint.start("127.0.0.1:0", add=lambda s: add_XServicer_to_server(x, s))
+    server.address                                            # "127.0.0.1:41234" (the bound port)
+    server.set_serving(False); server.stop()
+    http = start_metrics_http("0.0.0.0:9400", registry)       # GET /metrics
+
+Every server here also serves the standard `grpc.health.v1.Health` service, so that
+`grpc_health_probe`, Kubernetes and Docker health checks work unchanged.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .errors import ConfigError
+
+__all__ = ["GrpcEndpoint", "ensure_port_free", "format_hostport", "parse_hostport", "start_metrics_http"]
+
+
+def parse_hostport(text: str, *, flag: str) -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 as `[::1]:PORT`) -> (host, port); a ConfigError names `flag` when malformed."""
+    host, sep, port_text = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{flag} {text!r}: expected HOST:PORT, e.g. 127.0.0.1:0 (port 0 picks a free one)")
+    return host, int(port_text)
+
+
+def format_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _family(host: str) -> int:
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return socket.AF_INET  # a host name: resolved by bind
+
+
+def ensure_port_free(host: str, port: int, *, flag: str) -> None:
+    """Raise ConfigError (with the fix) if a TCP listener cannot bind HOST:PORT. Port 0 always passes."""
+    if port == 0:
+        return
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            where = format_hostport(host, port)
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"{flag} {where}: the port is in use by another process; stop it (find it with "
+                    f"`ss -ltnp 'sport = :{port}'`) or pass another port"
+                ) from None
+            raise ConfigError(f"{flag} {where}: cannot listen there ({e.strerror}); pass an address of this machine") from None
+
+
+@dataclass
+class GrpcEndpoint:
+    """A started gRPC server with the health service; `address` holds the port actually bound."""
+
+    server: grpc.Server
+    health: health.HealthServicer
+    address: str
+
+    @classmethod
+    def start(cls, addr: str, *, flag: str, add: Callable[[grpc.Server], Any] = lambda s: None, workers: int = 8) -> GrpcEndpoint:
+        host, port = parse_hostport(addr, flag=flag)
+        ensure_port_free(host, port, flag=flag)
+        server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"))
+        servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        add(server)
+        try:
+            bound = server.add_insecure_port(format_hostport(host, port))
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise ConfigError(f"{flag} {addr}: gRPC could not listen there; pass a free port of this machine")
+        server.start()
+        endpoint = cls(server, servicer, format_hostport(host, bound))
+        endpoint.set_serving(True)
+        return endpoint
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.set_serving(False)
+        self.server.stop(grace).wait(grace + 1.0)
+
+
+def start_metrics_http(addr: str, registry: Any, *, flag: str = "--metrics-addr") -> tuple[Any, str]:
+    """Serve `registry` at http://ADDR/metrics (Prometheus text format); return (server, bound address)."""
+    from prometheus_client import start_http_server
+
+    host, port = parse_hostport(addr, flag=flag)
+    ensure_port_free(host, port, flag=flag)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, format_hostport(host, server.server_port)
