@@ -31,6 +31,7 @@ import torch.distributed as dist
 from . import __version__
 from .checkpoint import latest_common_round
 from .config import Config, config_hash, to_toml
+from .endpoints import ensure_port_free, parse_hostport
 from .errors import CheckpointError, ConfigError, DilocoxError
 from .logs import init_logging, set_log_context
 from .worker import StageWorker, WorkerSpec, resolve_device
@@ -138,8 +139,10 @@ def _default_factory(cfg: Config) -> WorkerFactory:
 def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None) -> int:
     """Run this peer's stages to the end of the run; return the process exit code."""
     factory = factory or _default_factory(cfg)
+    init_logging(cfg.control.log_level, fmt=cfg.control.log_format)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg, resume=resume, factory=factory)
+    _check_control_ports(cfg)  # one clear error now, not a failed stage later
     data_seed = prepare_run_dir(cfg, resume=resume)
     if cfg.swarm.enabled:  # an unsafe key or a closed run's refusal: one clear error before any stage starts
         from .swarm.credentials import Credentials
@@ -154,6 +157,13 @@ def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None)
         proc.start()
         procs.append(proc)
     return _supervise(procs)
+
+
+def _check_control_ports(cfg: Config) -> None:
+    for addr, flag in ((cfg.control.control_addr, "--control-addr"), (cfg.control.metrics_addr, "--metrics-addr")):
+        if addr:
+            host, port = parse_hostport(addr, flag=flag)
+            ensure_port_free(host, port, flag=flag)
 
 
 # Modules every stage process needs: a fork server imports them once per peer, and each stage

@@ -31,7 +31,9 @@ from .config import Config, config_hash
 from .data import BatchSampler, load_corpus, val_batches
 from .errors import CheckpointError
 from .inner import InnerTrainer
-from .fragments import fragment_tensors
+from .control import ControlPlane, StatusBoard
+from .fragments import fragment_tensors, of_round
+from .logs import set_log_context
 from .metrics import MetricsWriter, Progress
 from .average import Averager, LocalAverager
 from .outer import OuterLoop, RoundOutcome
@@ -113,6 +115,14 @@ class StageWorker:
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Restore what `extra_state` saved (a checkpoint's whole dict)."""
 
+    def peer_facts(self) -> dict[str, Any]:
+        """Who this peer is, for the control plane: peer_id, peer_key (hex), multiaddrs."""
+        return {}
+
+    def group_members(self) -> list[str]:
+        """Names of this stage's live group members (this worker included), for the control plane."""
+        return []
+
     def close(self) -> None:
         self.averager.close()
 
@@ -185,9 +195,30 @@ class StageWorker:
     # ----- the loop ---------------------------------------------------------------------
     def run(self) -> int | None:
         """Train until the run's last round; return the signal number if stopped early."""
+        self.board = self.plane = None
+        if self.lead:  # status and metrics from the start, joining included
+            self.board = StatusBoard(self.cfg, rounds=self.rounds, steps=self.steps)
+            self.board.identify(**self.peer_facts())
+            self.plane = ControlPlane.start(self.cfg, self.board, self.run_dir)
+        final = "failed"
+        try:
+            stopped = self._run()
+            final = "stopped" if stopped else "finished"
+            return stopped
+        finally:
+            if self.plane is not None:
+                self.plane.close(final)
+
+    def _set_state(self, state: str) -> None:
+        if self.board is not None:
+            self.board.set_state(state)
+
+    def _run(self) -> int | None:
         cfg = self.cfg
+        self._set_state("joining")
         start = self.restore() if self.spec.resume else 0
         start = self.on_start(start)
+        self._set_state("training")
         self.outer.load_into_model()
         metrics = progress = None
         if self.lead:
@@ -201,10 +232,12 @@ class StageWorker:
         try:
             t = start
             while t < self.rounds:
+                set_log_context(round=t)
                 record, boundary = self.run_round(t, progress)
                 if self.lead and record is not None:
                     metrics.append(record)
                     progress.round_done(record)
+                    self.board.round_done(record, members=self._members)
                 if boundary != t + 1 and self.lead:
                     logger.warning("round %d dropped: this peer took the swarm's state of round %d", t, boundary)
                 every = cfg.run.checkpoint_every * self.syncs
@@ -247,6 +280,8 @@ class StageWorker:
             self.outer.after_inner_step(i + 1)
             if progress is not None:
                 progress.step(t)
+            if self.board is not None:
+                self.board.step(t, i + 1)
         return losses
 
     def run_round(self, t: int, progress: Progress | None) -> tuple[dict[str, Any] | None, int]:
@@ -281,10 +316,13 @@ class StageWorker:
             "compute_window": compute_window,
             "faults": self.take_fault_counts(),
             "compression": self.compression_facts(),
+            "fp32_bytes": 4 * sum(self.trainer.params[i].numel() for i in of_round(self.fragments, t)),
+            "members": self.group_members(),
         }
         gathered = self._gather(facts)
         if not self.lead:
             return None, boundary
+        self._members = [s["members"] for s in gathered]
         record = self._make_record(boundary - 1, gathered)
         record["dropped_round"] = t if jumped else None
         return record, boundary
@@ -313,6 +351,7 @@ class StageWorker:
             "bytes_received": sum(o.bytes_received for o in outcomes),
             # the stages' exchanges run side by side on the peer's link: their rates add up
             "bytes_per_s": sum(o.bytes_per_s for o in outcomes),
+            "fp32_bytes": [s["fp32_bytes"] for s in stages],  # each stage's pseudo-gradient averaged this round
             "params": self.n_params_peer,
             "stage_hashes": [s["hash"] for s in stages],
             "fragment": self.outer.fragment_number(t),

@@ -71,6 +71,7 @@ class SwarmStage:
         key_path = run_dir / "identity" / f"stage{stage}.ed25519"
         worker_key = worker_identity(key_path)
         self.signer = credentials.signer(worker_key, peer_id_of(worker_key), stage=stage, peer_name=peer_name)
+        self.peer_key_hex = credentials.public_hex
         self.gate = credentials.gate()
         self.strikes: collections.Counter[str] = collections.Counter()
         self._refused_seen = 0

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .. import injection
 from ..average import Average, Averager, AverageKind, average_hash
 from ..outer import RoundOutcome
+from ..logs import set_log_context
 from ..state import StageState
 from ..worker import StageWorker
 from .agreement import majority_hash
@@ -64,6 +65,7 @@ class SwarmStageWorker(StageWorker):
             dist.broadcast_object_list(lead_maddrs, src=0, group=self.control_group)
         if not self.lead:
             self.swarm = start(lead_maddrs[0])
+        set_log_context(peer=self.swarm.peer_id)
         self._offered = -1  # the boundary whose state joiners may download (its round record is out)
         self._kept: StageState | None = None  # the offered state, kept past its boundary for a waiting joiner
         self.swarm.averager.set_state_provider(self.offered_state)
@@ -91,6 +93,13 @@ class SwarmStageWorker(StageWorker):
 
     def take_fault_counts(self) -> dict[str, int]:
         return self.swarm.take_faults()
+
+    def peer_facts(self) -> dict[str, Any]:
+        return {"peer_id": self.swarm.peer_id, "peer_key": self.swarm.peer_key_hex, "multiaddrs": self.swarm.maddrs()}
+
+    def group_members(self) -> list[str]:
+        members = self.swarm.membership.members(others_only=False)
+        return sorted(m.record.peer_name or m.peer_id for m in members)
 
     def compression_facts(self) -> dict[str, Any]:
         facts: dict[str, Any] = {}

@@ -1,0 +1,128 @@
+"""The control plane's parts without a peer: the status board, its Prometheus figures, the status CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from dilocox_p2p.cli.__main__ import main
+from dilocox_p2p.config import Config
+from dilocox_p2p.control import StatusBoard, StatusCollector, compression_ratio
+from dilocox_p2p.endpoints import GrpcEndpoint
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _record(round: int, *, sent: int, faults: dict[str, int] | None = None) -> dict:
+    return {
+        "round": round, "train_loss": 2.5, "val_loss": 2.6, "tokens": 1000 * (round + 1), "tokens_per_s": 500.0,
+        "seconds_comm_wait": 0.1, "bytes_sent": sent, "bytes_received": sent, "stage_hashes": ["aa", "bb"],
+        "group_sizes": [3, 3], "kinds": ["exact", "exact"], "fp32_bytes": [3000, 3000], "faults": faults or {},
+    }  # fmt: skip
+
+
+def test_compression_ratio_compares_bytes_sent_with_an_fp32_butterfly_in_the_same_groups():
+    # fp32 butterfly of n=3: each peer sends 2 (n-1)/n of its bytes: 2 stages x 3000 x 4/3 = 8000
+    assert compression_ratio(_record(0, sent=8000)) == pytest.approx(1.0)
+    assert compression_ratio(_record(0, sent=1000)) == pytest.approx(8.0)
+    assert compression_ratio(_record(0, sent=0)) == 0.0
+    assert compression_ratio({**_record(0, sent=100), "group_sizes": [1, None]}) == 0.0  # alone: nothing to compare
+
+
+def test_the_board_adds_up_bytes_and_faults_and_streams_every_round_to_each_watcher():
+    board = StatusBoard(Config(), rounds=10, steps=5)
+    assert math.isnan(board.snapshot().val_loss) and board.snapshot().state == "starting"
+    watcher = board.subscribe(include_current=False)
+    board.set_state("training")
+    board.step(0, 3)
+    assert board.snapshot().step == 3
+    board.round_done(_record(0, sent=1000, faults={"repairs": 1}), members=[["a", "b"], ["a"]])
+    board.round_done(_record(1, sent=500, faults={"repairs": 2}))
+    s = board.snapshot()
+    assert (s.round, s.step, s.bytes_sent, s.faults["repairs"]) == (2, 0, 1500, 3)
+    assert s.stage_hashes == ["aa", "bb"] and s.stage_status[0].group_size == 3
+    events = [watcher.get_nowait() for _ in range(3)]
+    assert [e.event for e in events] == ["state", "round", "round"]
+    assert json.loads(events[2].record_json)["round"] == 1
+    late = board.subscribe(include_current=True)  # a late watcher first gets the last round
+    assert late.get_nowait().round == 1
+    board.close_watchers()
+    assert watcher.get_nowait() is None
+
+
+def test_a_watcher_that_does_not_read_loses_old_events_and_never_blocks_training():
+    board = StatusBoard(Config(), rounds=1000, steps=1)
+    q = board.subscribe(include_current=False)
+    for t in range(300):
+        board.round_done(_record(t, sent=10))
+    assert q.full() and q.get_nowait().round > 0
+
+
+def test_prometheus_figures_are_the_boards():
+    board = StatusBoard(Config(), rounds=10, steps=5)
+    board.set_state("training")
+    board.round_done(_record(0, sent=1000, faults={"repairs": 1}))
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(board))
+    text = generate_latest(registry).decode()
+    assert "dilocox_bytes_sent_total 1000.0" in text and "dilocox_round 1.0" in text
+    assert 'dilocox_faults_total{kind="repairs"} 1.0' in text and 'dilocox_state{dilocox_state="training"} 1.0' in text
+    assert 'dilocox_group_size{stage="1"} 3.0' in text
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_status_of_a_dead_or_wrong_target_is_one_line_and_exit_2(capsys, tmp_path):
+    assert "no dilocox peer answers" in _one_line_error(capsys, ["status", "--target", f"127.0.0.1:{_free_port()}"])
+    assert "not running" in _one_line_error(capsys, ["status", str(tmp_path)])
+    assert "not a directory" in _one_line_error(capsys, ["status", str(tmp_path / "nope")])
+    assert "HOST:PORT" in _one_line_error(capsys, ["status", "--target", "localhost"])
+    assert "name the peer" in _one_line_error(capsys, ["status"])
+    other = GrpcEndpoint.start("127.0.0.1:0", flag="--x")  # a gRPC server that is not a peer's control plane
+    try:
+        assert "not a dilocox peer" in _one_line_error(capsys, ["status", "--target", other.address])
+    finally:
+        other.stop(0)
+
+
+def test_join_refuses_a_control_or_metrics_port_in_use_before_starting_any_stage(capsys, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--control-addr", "--metrics-addr"):
+            err = _one_line_error(capsys, ["join", "--no-swarm", "--run-dir", str(tmp_path / "r"), flag, f"127.0.0.1:{port}"])
+            assert "in use" in err and flag in err
+    assert not (tmp_path / "r").exists()
+    assert "HOST:PORT" in _one_line_error(capsys, ["join", "--no-swarm", "--control-addr", "nowhere"])
