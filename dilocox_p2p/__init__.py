@@ -9,7 +9,6 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .config import Config, config_hash, load_config  # noqa: E402
-from .average import Average, AverageKind  # noqa: E402
 from .errors import (  # noqa: E402
     AdmissionError,
     CheckpointError,
@@ -19,6 +18,18 @@ from .errors import (  # noqa: E402
     SwarmError,
     WireRejected,
 )
+
+
+
+def __getattr__(name: str) -> object:
+    """`Average` and `AverageKind` import torch: loaded on first use, so that light commands
+    (`dilocox-peer status`, `dilocox-bootstrap`) start fast."""
+    if name in ("Average", "AverageKind"):
+        from . import average
+
+        return getattr(average, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AdmissionError",

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from ..config import load_config
 from ..errors import DilocoxError
-from ..launch import wait_for_multiaddrs
 from ..metrics import read_metrics
 from .plot import plot_runs
 
@@ -66,6 +65,8 @@ class _Peer:
                 print(f"[{self.name}] {line}", flush=True)
 
     def maddrs(self) -> list[str]:
+        from ..launch import wait_for_multiaddrs  # imports torch: not for the commands that only read
+
         return wait_for_multiaddrs(self.run_dir, alive=lambda: self.proc.poll() is None)
 
 

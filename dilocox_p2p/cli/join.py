@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..launch import run_peer
 from .options import add_config_flags, config_from_args
 
 HELP = "train as one peer of a run: spawns one process per pipeline stage"
@@ -18,5 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ..launch import run_peer  # torch and the pipeline: only for the commands that train
+
     cfg = config_from_args(args)
     return run_peer(cfg, resume=args.resume)

@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 from ..errors import IdentityError
-from ..identity import certify_peer, load_identity, public_raw, write_identity
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -40,12 +39,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def keygen_main(args: argparse.Namespace) -> int:
+    from ..identity import public_raw, write_identity  # hivemind (and torch) load only for the key commands
+
     key = write_identity(Path(args.out))
     print(public_raw(key).hex())
     return 0
 
 
 def certify_main(args: argparse.Namespace) -> int:
+    from ..identity import certify_peer, load_identity
+
     try:
         peer_key = bytes.fromhex(args.peer_key)
     except ValueError:
