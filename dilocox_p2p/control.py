@@ -36,6 +36,7 @@ __all__ = ["ControlPlane", "StatusBoard", "compression_ratio"]
 
 logger = logging.getLogger(__name__)
 
+RECENT_ROUNDS = 16
 STATES = ("starting", "joining", "training", "finished", "stopped", "failed")
 _WATCH_QUEUE = 256
 
@@ -105,6 +106,11 @@ class StatusBoard:
                     stage=stage, state_hash=state_hash, group_size=(record.get("group_sizes") or [0])[stage] or 0,
                     kind=(record.get("kinds") or [None])[stage] or "", group_members=(members or [[]] * (stage + 1))[stage],
                 )  # fmt: skip
+            s.recent_rounds.add(
+                round=record["round"], stage_hashes=record["stage_hashes"], group_size=record.get("group_size") or 0,
+                val_loss=record["val_loss"],
+            )  # fmt: skip
+            del s.recent_rounds[:-RECENT_ROUNDS]
             for name, count in (record.get("faults") or {}).items():
                 s.faults[name] = s.faults[name] + count
             event = control_pb2.RoundEvent(

@@ -78,6 +78,8 @@ def status_dict(status: control_pb2.PeerStatus) -> dict[str, Any]:
     for key in ("round", "rounds", "step", "steps_per_round", "tokens", "bytes_sent", "bytes_received"):
         data[key] = int(data[key])  # int64 arrives as a string in proto JSON
     data["faults"] = {k: int(v) for k, v in data["faults"].items()}
+    for summary in data["recent_rounds"]:
+        summary["round"] = int(summary["round"])
     return data
 
 

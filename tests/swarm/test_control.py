@@ -54,6 +54,9 @@ def test_a_live_peer_reports_its_round_hashes_health_and_metrics_and_logs_json_l
     assert status["round"] in done, (status["round"], sorted(done))
     assert status["stage_hashes"] == done[status["round"]]["stage_hashes"]
     assert [s["state_hash"] for s in status["stage_status"]] == status["stage_hashes"]
+    recent = status["recent_rounds"]
+    assert recent[-1]["round"] == status["round"] - 1 and recent[-1]["stage_hashes"] == status["stage_hashes"]
+    assert all(done[r["round"] + 1]["stage_hashes"] == r["stage_hashes"] for r in recent)
     assert status["bytes_sent"] > 0 and status["val_loss"] is not None
     text = _status(str(a.run_dir))
     assert text.returncode == 0 and "state training: round" in text.stdout and "stage 1: hash" in text.stdout, text

@@ -58,6 +58,7 @@ def test_the_board_adds_up_bytes_and_faults_and_streams_every_round_to_each_watc
     s = board.snapshot()
     assert (s.round, s.step, s.bytes_sent, s.faults["repairs"]) == (2, 0, 1500, 3)
     assert s.stage_hashes == ["aa", "bb"] and s.stage_status[0].group_size == 3
+    assert [r.round for r in s.recent_rounds] == [0, 1] and s.recent_rounds[1].stage_hashes == ["aa", "bb"]
     events = [watcher.get_nowait() for _ in range(3)]
     assert [e.event for e in events] == ["state", "round", "round"]
     assert json.loads(events[2].record_json)["round"] == 1
@@ -73,6 +74,8 @@ def test_a_watcher_that_does_not_read_loses_old_events_and_never_blocks_training
     for t in range(300):
         board.round_done(_record(t, sent=10))
     assert q.full() and q.get_nowait().round > 0
+    recent = board.snapshot().recent_rounds
+    assert [r.round for r in recent] == list(range(284, 300))  # the last 16, oldest first
 
 
 def test_prometheus_figures_are_the_boards():
