@@ -8,7 +8,7 @@ import sys
 from .. import __version__
 from ..errors import DilocoxError
 from ..logs import init_logging
-from . import config_cmd, demo, join, keys, plot, status
+from . import config_cmd, demo, doctor, health, join, keys, plot, status
 from .options import OneLineParser as _Parser
 
 
@@ -21,10 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     join.add_parser(sub)
     status.add_parser(sub)
+    health.add_parser(sub)
     demo.add_parser(sub)
     config_cmd.add_parser(sub)
     plot.add_parser(sub)
     keys.add_parsers(sub)
+    doctor.add_parser(sub)
     return parser
 
 

@@ -31,14 +31,15 @@ def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupt
     # streaming: the checkpoint also keeps the weights this peer trains from (they differ from theta_g)
     args = ["--rounds", "6", "--inner-steps", "10", "--seed", "3", "--data-seed", "5", *mode]
     syncs = 2 if mode else 1
-    reference = Peer(tmp_path / "reference", args)
+    auto = ["--resume", "auto"] if mode else []  # streaming also checks `--resume auto`: starts afresh, then resumes
+    reference = Peer(tmp_path / "reference", [*args, *auto])
     crashed = Peer(tmp_path / "crashed", args)
     crashed.wait_for_round(2, timeout=180)
     time.sleep(0.3)  # into round 3
     crashed.kill()
     assert not any(r["round"] >= 3 for r in crashed.metrics()), "the kill came too late to be mid-round"
 
-    resumed = Peer(tmp_path / "crashed", [*args, "--resume"])
+    resumed = Peer(tmp_path / "crashed", [*args, *(auto or ["--resume"])])
     assert resumed.wait(timeout=180) == 0, resumed.output()
     assert reference.wait(timeout=180) == 0, reference.output()
     want, got = reference.metrics(), resumed.metrics()

@@ -129,3 +129,18 @@ def test_join_refuses_a_control_or_metrics_port_in_use_before_starting_any_stage
             assert "in use" in err and flag in err
     assert not (tmp_path / "r").exists()
     assert "HOST:PORT" in _one_line_error(capsys, ["join", "--no-swarm", "--control-addr", "nowhere"])
+
+
+def test_health_exits_0_while_serving_and_1_when_not_or_unreachable(capsys, tmp_path):
+    endpoint = GrpcEndpoint.start("127.0.0.1:0", flag="--x")
+    try:
+        (tmp_path / "health.addr").write_text(endpoint.address + "\n")
+        assert main(["health", str(tmp_path)]) == 0
+        endpoint.set_serving(False)
+        assert main(["health", "--target", endpoint.address]) == 1
+        assert "NOT_SERVING" in capsys.readouterr().err
+    finally:
+        endpoint.stop(0)
+    assert main(["health", "--target", f"127.0.0.1:{_free_port()}"]) == 1
+    assert "unavailable" in capsys.readouterr().err
+    assert "holds no control.addr or health.addr" in _one_line_error(capsys, ["health", str(tmp_path / "empty")])
