@@ -39,6 +39,7 @@ from .credentials import Credentials
 from .dht import EnvelopeValidator, Heartbeat, RunRecords, reachable_maddrs, run_keys, start_dht
 from .exchange import ExchangeQueue
 from .faults import FaultCounter
+from .hello import serve_hello
 from .hivemind_patches import check_version
 from .membership import Membership
 
@@ -77,6 +78,7 @@ class SwarmStage:
         self._refused_seen = 0
         validator = EnvelopeValidator(credentials.gate(), run_keys(cfg.run.run_id, self.config_hash))
         self.dht = start_dht(cfg.swarm, stage=stage, identity_path=key_path, validator=validator, extra_peers=extra_peers)
+        serve_hello(self.dht, role="peer", run_id=cfg.run.run_id)  # `dilocox-peer doctor` tells a dilocox node by it
         self.peer_id = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults, signer=self.signer, gate=self.gate)
         # streaming: the tensors each sync round averages (fragments.py); one codec per fragment, each with

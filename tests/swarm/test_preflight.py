@@ -1,0 +1,91 @@
+"""`dilocox-peer doctor` against live nodes: a bootstrap passes; a dead address, a busy port, a loopback
+announce address, a node that is not dilocox and one of another protocol version are each named with a fix.
+
+    pytest tests/swarm/test_preflight.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+
+import hivemind
+import pytest
+
+from dilocox_p2p.cli.__main__ import main
+from tests.swarm.test_bootstrap import Bootstrap, free_port
+
+pytestmark = pytest.mark.swarm
+
+LOCAL = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--preset", "tiny", "--device", "cpu", "--timeout", "3"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """main() calls init_logging(), which rebinds the root logger to this test's stderr."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _line(lines: list[str], *words: str) -> str:
+    found = [line for line in lines if all(w in line for w in words)]
+    assert len(found) == 1, f"no single line with {words}:\n" + "\n".join(lines)
+    return found[0]
+
+
+def test_doctor_passes_against_a_live_bootstrap_and_names_each_problem_with_its_fix(tmp_path, capsys):
+    good = Bootstrap(tmp_path / "good", "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
+    newer = Bootstrap(tmp_path / "newer", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                      env={"DILOCOX_FAULTS": "speak_other_protocol"})  # fmt: skip
+    plain = None
+    try:
+        boot, other = good.maddrs()[0], newer.maddrs()[0]
+        # the real command: exit 0, every line PASS, the bootstrap recognized
+        proc = subprocess.run([sys.executable, "-m", "dilocox_p2p.cli", "doctor", "--initial-peers", boot, *LOCAL,
+                               "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)  # fmt: skip
+        lines = proc.stdout.strip().splitlines()
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert all(line.startswith("PASS") for line in lines[:-1]) and lines[-1].startswith("all checks passed"), lines
+        assert "dilocox bootstrap 0.1.0, protocol 1" in _line(lines, "initial peer", boot)
+
+        plain = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # a libp2p node, not a dilocox one
+        not_dilocox = str(plain.get_visible_maddrs()[0])
+        dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{boot.rsplit('/', 1)[1]}"
+        remote = f"/ip4/203.0.113.7/tcp/31337/p2p/{boot.rsplit('/', 1)[1]}"  # another machine (TEST-NET-3)
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            code = main(["doctor", "--initial-peers", boot, dead, not_dilocox, other, remote, *LOCAL,
+                         "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+                         "--stages", "1", "--run-dir", str(tmp_path / "run")])  # fmt: skip
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert code == 1, lines
+        assert lines[-1] == "6 check(s) failed", lines
+        error = _line(lines, "FAIL", f"port 127.0.0.1:{port}")
+        assert "in use" in error and "pass another port" in error
+        error = _line(lines, "FAIL", "announce address", "loopback")
+        assert "203.0.113.7" in error and "Fix: pass --announce-maddrs /ip4/" in error
+        error = _line(lines, "FAIL", dead)  # a stale address of the live bootstrap: refused, named as such
+        assert "refused: nothing listens there" in error and "Fix: start the node" in error
+        error = _line(lines, "FAIL", not_dilocox)
+        assert "reachable but not a dilocox node" in error and "Fix: point --initial-peers at" in error
+        error = _line(lines, "FAIL", other)
+        assert "runs incompatible version 0.1.0 (protocol 2, ours 1)" in error
+        assert "Fix: upgrade dilocox-p2p on this machine" in error
+        assert _line(lines, remote).startswith("FAIL")  # nothing there (refused, timed out, or a middlebox's TCP)
+        assert _line(lines, "initial peer", boot).startswith("PASS")
+        assert _line(lines, "clock").startswith("PASS")
+    finally:
+        if plain is not None:
+            plain.shutdown()
+        good.kill()
+        newer.kill()
