@@ -38,7 +38,7 @@ from hivemind.dht.node import DHTNode
 
 from .doctor import listen_hostport, parse_peer_maddr
 from .endpoints import GrpcEndpoint, ensure_port_free, parse_hostport, start_metrics_http
-from .errors import ConfigError, IdentityError, SwarmError
+from .errors import ConfigError, IdentityError, SwarmError, SwarmUnreachable
 from .identity import peer_id_of, worker_identity
 from .logs import set_log_context
 from .swarm.dht import reachable_maddrs
@@ -304,7 +304,7 @@ def _start_dht(opts: BootstrapOptions) -> hivemind.DHT:
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, ValueError...
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if opts.initial_peers:
-            raise SwarmError(
+            raise SwarmUnreachable(
                 f"could not reach the other bootstrap nodes --initial-peers {' '.join(opts.initial_peers)}: {text}. "
                 "Start at least one of them first, or start this one without --initial-peers"
             ) from None

@@ -44,6 +44,8 @@ def save_checkpoint(run_dir: Path, stage: int, round: int, state: dict[str, Any]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"round{round:06d}.pt"
     tmp = folder / f".{path.name}.tmp"
+    for stale in folder.glob(".round*.pt.tmp"):  # left by a process killed mid-write: a whole stage state each
+        stale.unlink(missing_ok=True)
     with open(tmp, "wb") as f:
         torch.save({"format": FORMAT, "round": round, "stage": stage, **state}, f)
         f.flush()

@@ -91,6 +91,7 @@ class StatusBoard:
         with self._lock:
             s = self.status
             s.round, s.step, s.updated_at = record["round"] + 1, 0, time.time()
+            s.last_round_at = s.updated_at
             s.train_loss = math.nan if record["train_loss"] is None else record["train_loss"]
             s.val_loss = record["val_loss"]
             s.tokens, s.tokens_per_s = record["tokens"], record["tokens_per_s"]
@@ -213,6 +214,7 @@ class StatusCollector:
             "dilocox_comm_wait_seconds": ("seconds training waited for communication, last round", s.seconds_comm_wait),
             "dilocox_stages": ("pipeline stages of this peer", s.stages),
             "dilocox_start_time_seconds": ("unix time the peer started", s.started_at),
+            "dilocox_last_round_time_seconds": ("unix time the last round completed (0: none yet)", s.last_round_at),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -5,12 +5,14 @@
     +-- DataError            the corpus is missing, empty or too small for the sequence length
     +-- CheckpointError      nothing to resume from, or a checkpoint that does not fit this run
     +-- SwarmError           the swarm could not be joined or refused this peer
+    |   +-- SwarmUnreachable no initial peer answered at start (exit code 75: try again later)
     |   +-- AdmissionError   another peer of the run has a different config hash, or a closed run's
     |                        allowlist and certificate do not admit this peer's key
     +-- IdentityError        a key or certificate file is missing, unsafe (readable by others) or malformed
     +-- WireRejected         bytes from another peer were refused (malformed, oversized...)
 
-The CLI maps every DilocoxError to a one-line message and exit code 2.
+The CLI maps every DilocoxError to a one-line message and its `exit_code`: 2 (fix the command,
+config or files), except SwarmUnreachable's 75 (temporary: a supervisor should retry).
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ __all__ = [
     "DilocoxError",
     "IdentityError",
     "SwarmError",
+    "SwarmUnreachable",
     "WireRejected",
 ]
 
 
 class DilocoxError(Exception):
     """Base class: an error the user can fix; the message names the problem and the fix."""
+
+    exit_code = 2
+    """The process exit code the CLI gives it: 2, a usage error (fix the command or its files)."""
 
 
 class ConfigError(DilocoxError, ValueError):
@@ -45,6 +51,12 @@ class CheckpointError(DilocoxError):
 
 class SwarmError(DilocoxError):
     """The swarm could not be joined or used."""
+
+
+class SwarmUnreachable(SwarmError):
+    """No initial peer could be reached at start: a temporary failure; retrying later may succeed."""
+
+    exit_code = 75  # EX_TEMPFAIL: services restart on it, and stop restarting on 2 (a usage error)
 
 
 class AdmissionError(SwarmError):

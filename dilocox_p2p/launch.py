@@ -60,8 +60,15 @@ def prepare_run_dir(cfg: Config, *, resume: bool) -> int:
         if latest_common_round(run_dir, cfg.model.stages) is None:
             raise CheckpointError(f"--resume: {run_dir} holds no complete checkpoint yet; start it without --resume")
         return int(info["data_seed"])
-    if any((run_dir / "checkpoints").glob("stage*/round*.pt")):
+    found = sorted((run_dir / "checkpoints").glob("stage*/round*.pt"))
+    same_run = info_path.exists() and json.loads(info_path.read_text()).get("config_hash") == config_hash(cfg)
+    if found and (latest_common_round(run_dir, cfg.model.stages) is not None or not same_run):
         raise CheckpointError(f"{run_dir} already holds a run: continue it with --resume, or pass another --run-dir")
+    if found:  # this run crashed while its first checkpoints were written: nothing to resume, nothing to keep
+        logger.warning("%s holds checkpoints of only some stages (%d files): nothing to resume; starting afresh",
+                       run_dir, len(found))  # fmt: skip
+        for path in found:
+            path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     seed = cfg.data.seed if cfg.data.seed >= 0 else secrets.randbelow(2**31)
     (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -119,7 +126,7 @@ def _run_stage(spec: WorkerSpec, factory: WorkerFactory, *, store: Any = None) -
         return 128 + stopped if stopped else 0
     except DilocoxError as e:
         logger.error("%s", e)
-        return EXIT_USAGE
+        return e.exit_code
     except KeyboardInterrupt:
         logger.warning("interrupted")
         return 128 + signal.SIGINT
@@ -142,7 +149,7 @@ def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None)
     init_logging(cfg.control.log_level, fmt=cfg.control.log_format)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg, resume=resume, factory=factory)
-    _check_control_ports(cfg)  # one clear error now, not a failed stage later
+    _check_ports(cfg)  # one clear error now, not a failed stage later
     data_seed = prepare_run_dir(cfg, resume=resume)
     if cfg.swarm.enabled:  # an unsafe key or a closed run's refusal: one clear error before any stage starts
         from .swarm.credentials import Credentials
@@ -159,11 +166,21 @@ def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None)
     return _supervise(procs)
 
 
-def _check_control_ports(cfg: Config) -> None:
+def _check_ports(cfg: Config) -> None:
+    """Every fixed TCP port the peer will listen on (each stage's DHT at PORT + stage, control, metrics) is free."""
     for addr, flag in ((cfg.control.control_addr, "--control-addr"), (cfg.control.metrics_addr, "--metrics-addr")):
         if addr:
             host, port = parse_hostport(addr, flag=flag)
             ensure_port_free(host, port, flag=flag)
+    if cfg.swarm.enabled:
+        from .doctor import listen_hostport
+        from .swarm.dht import stage_maddr
+
+        for maddr in cfg.swarm.host_maddrs:
+            for stage in range(cfg.model.stages):
+                hostport = listen_hostport(stage_maddr(maddr, stage))
+                if hostport is not None:
+                    ensure_port_free(*hostport, flag=f"--host-maddrs (stage {stage} listens on port + {stage})")
 
 
 # Modules every stage process needs: a fork server imports them once per peer, and each stage

@@ -8,7 +8,7 @@ text), the stage and the round. A stage worker fills these in as it learns them:
     set_log_context(peer=peer_id)      # once its DHT node is up
     set_log_context(round=12)          # each round
 
-text:  13:02:11 INFO [peer ..k3Fq stage 0 round 12] dilocox_p2p.worker: resumed from round 12
+text:  2026-11-25 13:02:11 INFO [peer ..k3Fq stage 0 round 12] dilocox_p2p.worker: resumed from round 12
 json:  {"time": "2026-11-25T13:02:11.532Z", "level": "INFO", "peer": "12D3KooW...k3Fq", "stage": 0,
         "round": 12, "logger": "dilocox_p2p.worker", "message": "resumed from round 12"}
 """
@@ -84,7 +84,7 @@ def init_logging(level: str = "info", *, fmt: str = "text", file: Path | None = 
     if file is not None:
         Path(file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(file))
-    formatter = JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT_FORMAT, datefmt="%H:%M:%S")
+    formatter = JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT_FORMAT, datefmt="%Y-%m-%d %H:%M:%S")
     for handler in handlers:
         handler.setFormatter(formatter)
         handler.addFilter(_ContextFilter())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .. import __version__
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except DilocoxError as e:
         print(f"dilocox-peer: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
+    except BrokenPipeError:  # `dilocox-peer status | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("dilocox-peer: interrupted", file=sys.stderr)
         return 130

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         node = BootstrapNode.start(options_from_args(args))
     except DilocoxError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     for maddr in node.maddrs:  # stdout holds only these, reachable ones first: scripts read them
         print(maddr, flush=True)
     try:

@@ -31,7 +31,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from ..config import SwarmConfig
 from ..envelope import ForeignProtocol, Gate, Opened, Signer
-from ..errors import SwarmError, WireRejected
+from ..errors import SwarmError, SwarmUnreachable, WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .faults import FaultCounter, RefusalLog
@@ -149,8 +149,8 @@ def start_dht(
         return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if cfg.initial_peers:
-            raise SwarmError(
+        if cfg.initial_peers and "address already in use" not in str(e):
+            raise SwarmUnreachable(
                 f"could not join the swarm through --initial-peers {' '.join(cfg.initial_peers)}: {text}. "
                 "Check that each address is complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that the peer is running, "
                 "and that its TCP port is open from this machine"

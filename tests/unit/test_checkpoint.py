@@ -133,3 +133,36 @@ def test_another_stages_checkpoint_is_refused(tmp_path):
     foreign.write_bytes(path.read_bytes())
     with pytest.raises(CheckpointError, match=r"not a stage-1 checkpoint"):
         load_checkpoint(tmp_path, 1, 3)
+
+
+def test_a_temp_file_left_by_a_kill_mid_write_is_removed_by_the_next_save(tmp_path):
+    save_checkpoint(tmp_path, 0, 1, _state())
+    stale = tmp_path / "checkpoints" / "stage0" / ".round000002.pt.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path, 0, 3, _state())
+    assert not stale.exists()
+
+
+def _config(tmp_path, **overrides):
+    from dilocox_p2p.config import load_config
+
+    return load_config(None, {"run.run_dir": str(tmp_path / "run"), "model.stages": 2, **overrides})
+
+
+def test_a_run_that_crashed_writing_its_first_checkpoints_starts_afresh_but_another_run_is_never_touched(tmp_path):
+    from dilocox_p2p.launch import prepare_run_dir
+
+    cfg = _config(tmp_path)
+    prepare_run_dir(cfg, resume=False)
+    save_checkpoint(cfg.run.path, 0, 0, _state())  # stage 1 died before writing its own
+    prepare_run_dir(cfg, resume=False)  # nothing to resume: the partial files go, the run starts again
+    assert latest_common_round(cfg.run.path, 2) is None and not any((cfg.run.path / "checkpoints").rglob("*.pt"))
+
+    save_checkpoint(cfg.run.path, 0, 0, _state())
+    other = _config(tmp_path, **{"inner.lr": 0.123})  # another config in the same directory: refused, kept
+    with pytest.raises(CheckpointError, match="already holds a run"):
+        prepare_run_dir(other, resume=False)
+    save_checkpoint(cfg.run.path, 1, 0, _state())
+    with pytest.raises(CheckpointError, match="already holds a run"):  # a complete checkpoint: resume it
+        prepare_run_dir(cfg, resume=False)
+    assert latest_common_round(cfg.run.path, 2) == 0

@@ -88,6 +88,8 @@ def test_prometheus_figures_are_the_boards():
     assert "dilocox_bytes_sent_total 1000.0" in text and "dilocox_round 1.0" in text
     assert 'dilocox_faults_total{kind="repairs"} 1.0' in text and 'dilocox_state{dilocox_state="training"} 1.0' in text
     assert 'dilocox_group_size{stage="1"} 3.0' in text
+    last = next(line for line in text.splitlines() if line.startswith("dilocox_last_round_time_seconds "))
+    assert float(last.split()[1]) == board.snapshot().last_round_at > 0
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
