@@ -48,6 +48,7 @@ class NetLab:
         self.bridge = f"dlx{self.id}br"
         self.procs: list[subprocess.Popen] = []
         self._created_ns: list[str] = []
+        self._forwarding = False
 
     def ns(self, host: int) -> str:
         return f"dlx{self.id}h{host}"
@@ -58,6 +59,7 @@ class NetLab:
     def __enter__(self) -> NetLab:
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
+            self._allow_forwarding()
             _run("ip", "link", "set", self.bridge, "up")
             for host in range(self.n_hosts):
                 self._add_host(host)
@@ -65,6 +67,18 @@ class NetLab:
             self.close()
             raise
         return self
+
+    def _allow_forwarding(self) -> None:
+        """Where dockerd runs, bridged frames pass iptables (br_netfilter) and its FORWARD policy is DROP:
+        the lab's hosts could not reach each other. Accept what crosses this lab's bridge (undone in close)."""
+        if shutil.which("iptables") is None:
+            return
+        for rule in self._forward_rules():
+            _run("iptables", "-I", "FORWARD", *rule)
+        self._forwarding = True
+
+    def _forward_rules(self) -> list[list[str]]:
+        return [["-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]]
 
     def _add_host(self, host: int) -> None:
         ns, outer, inner = self.ns(host), f"dlx{self.id}v{host}", f"dlx{self.id}p{host}"
@@ -81,6 +95,13 @@ class NetLab:
             shape = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", "32kb", "latency", "400ms"]
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *shape)  # upload
             _run("tc", "qdisc", "add", "dev", outer, "root", *shape)  # download
+
+    def set_rate(self, host: int, rate_mbit: float) -> None:
+        """Change host's link rate, both directions (a home link dropping to a crawl, and back)."""
+        shape = ["tbf", "rate", f"{rate_mbit}mbit", "burst", "32kb", "latency", "400ms"]
+        verb = "change" if self.rate_mbit is not None else "replace"
+        _run("ip", "netns", "exec", self.ns(host), "tc", "qdisc", verb, "dev", "eth0", "root", *shape)
+        _run("tc", "qdisc", verb, "dev", f"dlx{self.id}v{host}", "root", *shape)
 
     def popen(self, host: int, cmd: list[str], **kwargs: Any) -> subprocess.Popen:
         """Start `cmd` inside host's namespace, in its own process group."""
@@ -101,6 +122,10 @@ class NetLab:
         for host in range(self.n_hosts):
             subprocess.run(["ip", "link", "del", f"dlx{self.id}v{host}"], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        if self._forwarding:
+            for rule in self._forward_rules():
+                subprocess.run(["iptables", "-D", "FORWARD", *rule], capture_output=True)
+            self._forwarding = False
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
