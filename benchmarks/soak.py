@@ -14,10 +14,11 @@ Chaos, drawn from --seed and triggered when the swarm reaches a round:
 
 Invariants, checked from every peer's metrics.jsonl and logs (`check`):
     agreement    at every round, a peer whose stage hash differs from the majority of the peers that completed
-                 that round is back on the majority's hash one round later (it never trains on a diverged
-                 state for more than one round)
+                 that round (most holders; a tie goes to the smallest peer id, as the swarm's hash checks decide)
+                 is back on the majority's hash one round later: the hash check that finds it runs during the
+                 next round, so it trains one round on a diverged state, never two
     resumption   a killed peer resumes from its last checkpoint ("resumed from round k", k >= the last round it
-                 recorded - 1) and is back in a group of >= 2 within --rejoin-rounds rounds of its restart
+                 recorded) and is back in a group of >= 2 within --rejoin-rounds swarm rounds of its restart
     crashes      every peer process exits 0, except the ones the soak killed
     leftovers    no process whose command line names the soak's directory survives the soak
     learning     the final val loss is below the initial one, and the last quarter's mean below the first's
@@ -46,6 +47,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, write_result  # noqa: E402
+from dilocox_p2p.swarm.agreement import majority_hash  # noqa: E402
 
 KINDS = ("kill", "join", "freeze", "throttle")
 SWARM_FLAGS = [
@@ -197,6 +199,7 @@ class Soak:
         event.done_time = round(self.now(), 2)
         if action == "restart":
             peer.kills[-1]["restart_time"] = event.done_time
+            peer.kills[-1]["restart_round"] = self.swarm_round()
             self.start_peer(index, resume=True)
         elif action == "thaw":
             self.signal_group(peer, signal.SIGCONT)
@@ -264,13 +267,14 @@ def check(soak: Soak) -> dict[str, Any]:
     violations: dict[str, list[str]] = {"agreement": [], "resumption": [], "crashes": [], "learning": []}
     rounds = sorted({t for recs in records.values() for t in recs})
     diverged: dict[tuple[int, int], int] = {}  # (peer, stage) -> last round it held a minority hash
+    ids = {(p.index, s): worker_peer_id(p.run_dir, s) for p in soak.peers for s in range(soak.args.stages)}
     for t in rounds:
         here = {i: recs[t] for i, recs in records.items() if t in recs}
         for stage in range(soak.args.stages):
-            hashes = [r["stage_hashes"][stage] for r in here.values()]
-            majority = max(set(hashes), key=lambda h: (hashes.count(h), h))
+            # the majority as the swarm's own hash checks define it: most holders, a tie to the smallest peer id
+            majority = majority_hash({ids[(i, stage)]: r["stage_hashes"][stage] for i, r in here.items()})
             for i, r in here.items():
-                if r["stage_hashes"][stage] != majority and hashes.count(majority) > 1:
+                if r["stage_hashes"][stage] != majority:
                     if diverged.get((i, stage)) == t - 1:
                         violations["agreement"].append(f"peer{i} stage {stage}: minority hash at rounds {t - 1} and {t}")
                     diverged[(i, stage)] = t
@@ -287,9 +291,10 @@ def check(soak: Soak) -> dict[str, Any]:
                 round(min(records[peer.index][t]["time"] for t in back) - soak.t0_wall - kill["restart_time"], 1)
                 if back and "restart_time" in kill else None
             )  # fmt: skip
-            if not back or kill["back_round"] - kill["last_round"] > soak.args.rejoin_rounds + 1:
+            if not back or kill["back_round"] - kill.get("restart_round", kill["last_round"]) > soak.args.rejoin_rounds:
                 violations["resumption"].append(f"peer{peer.index}: not back in a group within {soak.args.rejoin_rounds} "
-                                                f"rounds of kill {n} (back at {kill.get('back_round')})")  # fmt: skip
+                                                f"rounds of restart {n} (restarted at swarm round "
+                                                f"{kill.get('restart_round')}, back at {kill.get('back_round')})")  # fmt: skip
         if peer.proc is not None and peer.proc.returncode not in (0, None):
             violations["crashes"].append(f"peer{peer.index} exited {peer.proc.returncode}")
     vals = [r["val_loss"] for t, r in sorted(records[0].items())]
@@ -298,6 +303,14 @@ def check(soak: Soak) -> dict[str, Any]:
     if not (vals and vals[-1] < initial and sum(vals[-quarter:]) < sum(vals[:quarter])):
         violations["learning"].append(f"val loss {initial:.3f} -> {vals[-1] if vals else None}")
     return {"violations": violations, "records": records}
+
+
+def worker_peer_id(run_dir: Path, stage: int) -> str:
+    """The libp2p peer id of a peer's stage worker (its key file in RUN_DIR/identity/)."""
+    from dilocox_p2p.identity import peer_id_of, worker_identity
+
+    path = run_dir / "identity" / f"stage{stage}.ed25519"
+    return peer_id_of(worker_identity(path)) if path.exists() else f"~{run_dir.name}"
 
 
 def leftovers(root: Path) -> list[str]:
@@ -409,7 +422,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--down", type=float, default=5.0, help="seconds a killed peer stays down")
     p.add_argument("--freeze", type=float, default=35.0, help="seconds a frozen peer (or a throttled link) lasts")
-    p.add_argument("--rejoin-rounds", type=int, default=4, help="rounds a restarted peer may take to be back in a group")
+    p.add_argument("--rejoin-rounds", type=int, default=6,
+                   help="swarm rounds a restarted peer may take, from its restart, to be back in a group")  # fmt: skip
     p.add_argument("--netns", action="store_true", help="peers in network namespaces (root), links shaped to --rate")
     p.add_argument("--rate", type=float, default=100.0, help="--netns: link rate, Mbit/s")
     p.add_argument("--throttle-mbit", type=float, default=1.0)
