@@ -246,15 +246,9 @@ def schedule(args: argparse.Namespace, rng: random.Random) -> list[Event]:
 
 # ----- reading what happened --------------------------------------------------------------------------
 def read_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    records = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return records
+    from dilocox_p2p.metrics import read_metrics
+
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def peer_logs(run_dir: Path) -> str:

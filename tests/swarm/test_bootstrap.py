@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import signal
 import socket
@@ -236,16 +235,9 @@ def test_health_and_metrics_say_down_and_the_node_exits_1_when_its_dht_process_d
 
 @pytest.fixture
 def in_process():
-    """main() rebinds the root logger and installs SIGTERM/SIGINT handlers: put both back afterwards."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    """main() installs SIGTERM/SIGINT handlers: put them back afterwards (tests/conftest.py restores logging)."""
     signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
     for signum, handler in signals.items():
         signal.signal(signum, handler)
 

@@ -6,7 +6,6 @@ announce address, a node that is not dilocox and one of another protocol version
 
 from __future__ import annotations
 
-import logging
 import socket
 import subprocess
 import sys
@@ -20,19 +19,6 @@ from tests.swarm.test_bootstrap import Bootstrap, free_port
 pytestmark = pytest.mark.swarm
 
 LOCAL = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--preset", "tiny", "--device", "cpu", "--timeout", "3"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """main() calls init_logging(), which rebinds the root logger to this test's stderr."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
 
 
 def _line(lines: list[str], *words: str) -> str:

@@ -8,7 +8,6 @@ Run: python -m pytest tests/unit/test_cli.py -q
 
 from __future__ import annotations
 
-import logging
 import re
 import subprocess
 import sys
@@ -21,19 +20,6 @@ from dilocox_p2p.cli.__main__ import main
 from dilocox_p2p.config import config_hash, load_config
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """main() calls init_logging(), which rebinds the root logger to this test's stderr."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
 
 
 def _run(argv: list[str]) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import socket
 
@@ -16,18 +15,6 @@ from dilocox_p2p.control import StatusBoard, StatusCollector, compression_ratio
 from dilocox_p2p.endpoints import GrpcEndpoint
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
 
 
 def _record(round: int, *, sent: int, faults: dict[str, int] | None = None) -> dict:

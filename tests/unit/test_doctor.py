@@ -7,7 +7,6 @@ Run: python -m pytest tests/unit/test_doctor.py -q
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -33,19 +32,6 @@ from dilocox_p2p.proto_gen.control_pb2 import HelloReply
 pytestmark = pytest.mark.unit
 
 PEER_ID = "12D3KooWSnrTn5ipvycxD4nuWWtjCx1JEG8fdZZBdgyFFhgwiSG5"
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """main() calls init_logging(), which rebinds the root logger to this test's stderr."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
 
 
 @pytest.mark.parametrize(
