@@ -82,7 +82,8 @@ class Soak:
     def __init__(self, args: argparse.Namespace, root: Path, *, chaos: bool):
         self.args, self.root, self.chaos = args, root, chaos
         self.rng = random.Random(args.seed)
-        self.t0 = time.monotonic()
+        self.t0, self.t0_wall = time.monotonic(), time.time()
+        self.syncs = sync_rounds_per_round(args.extra)  # records count sync rounds (rounds x fragments)
         self.peers: list[SoakPeer] = []
         self.events = schedule(args, self.rng) if chaos else []
         self.lab = None
@@ -149,7 +150,7 @@ class Soak:
     def fire_due(self) -> None:
         current = self.swarm_round()
         for event in self.events:
-            if event.time is None and current >= event.round and not self.pending_on_any():
+            if event.time is None and current >= event.round and not self.pending:
                 self.fire(event, current)
                 return  # one event at a time: the next waits for this one to be undone
         now = self.now()
@@ -158,12 +159,8 @@ class Soak:
                 self.pending.remove((due, action, index))
                 self.undo(action, index)
 
-    def pending_on_any(self) -> bool:
-        return bool(self.pending)
-
     def candidates(self) -> list[SoakPeer]:
-        # never peer 0's first life only if it is the sole entry point: everyone knows it, but joiners
-        # also learn others from the DHT, so any live peer may be hit
+        """Live, unfrozen peers: any may be hit (joiners learn the others from the DHT, not only peer 0)."""
         return [p for p in self.peers if self.alive(p) and p.frozen_until is None]
 
     def fire(self, event: Event, current: int) -> None:
@@ -230,6 +227,14 @@ class Soak:
                 peer.proc.wait(30)
             if peer.log is not None:
                 peer.log.close()
+
+
+def sync_rounds_per_round(extra: list[str]) -> int:
+    """Sync rounds per outer round for peers started with the `join` flags `extra` (streaming: its fragments)."""
+    from dilocox_p2p.cli.__main__ import build_parser
+    from dilocox_p2p.cli.options import config_from_args
+
+    return config_from_args(build_parser().parse_args(["join", *extra])).outer.syncs_per_round
 
 
 def schedule(args: argparse.Namespace, rng: random.Random) -> list[Event]:
@@ -387,8 +392,6 @@ def timeline(soak: Soak, checked: dict[str, Any], path: Path, baseline_loss: flo
 
 def run_soak(args: argparse.Namespace, root: Path, *, chaos: bool) -> tuple[Soak, dict[str, Any]]:
     soak = Soak(args, root, chaos=chaos)
-    soak.t0_wall = time.time()
-    soak.syncs = 1  # records count sync rounds; --rounds is outer rounds: streaming P>1 multiplies them
     if args.netns:
         from benchmarks.netlab import NetLab
 

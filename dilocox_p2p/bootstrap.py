@@ -22,7 +22,6 @@ never waits for AutoNAT before serving peers started with --auto-relay.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import signal
 import stat
@@ -37,14 +36,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.node import DHTNode
 
 from .doctor import listen_hostport, parse_peer_maddr
-from .endpoints import GrpcEndpoint, ensure_port_free, parse_hostport, start_metrics_http
+from .endpoints import GrpcEndpoint, ensure_port_free, parse_hostport, start_metrics_http, write_atomically
 from .errors import ConfigError, IdentityError, SwarmError, SwarmUnreachable
 from .identity import peer_id_of, worker_identity
 from .logs import set_log_context
 from .swarm.dht import reachable_maddrs
 from .swarm.hello import serve_hello
 
-__all__ = ["BootstrapNode", "BootstrapOptions", "load_node_identity", "write_atomically"]
+__all__ = ["BootstrapNode", "BootstrapOptions", "load_node_identity"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +76,6 @@ class BootstrapOptions:
     @property
     def identity_path(self) -> Path:
         return self.identity or self.state_dir / "identity.key"
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temp file and a rename: readers see the old or the new file, whole."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def load_node_identity(path: Path) -> Ed25519PrivateKey:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 from . import __version__
 from .config import Config
-from .endpoints import GrpcEndpoint, start_metrics_http
+from .endpoints import GrpcEndpoint, start_metrics_http, write_atomically
 from .proto_gen import control_pb2, control_pb2_grpc
 
 __all__ = ["ControlPlane", "StatusBoard", "compression_ratio"]
@@ -102,11 +101,11 @@ class StatusBoard:
             s.seconds_comm_wait = record["seconds_comm_wait"]
             s.stage_hashes[:] = record["stage_hashes"]
             del s.stage_status[:]
-            for stage, state_hash in enumerate(record["stage_hashes"]):
-                s.stage_status.add(
-                    stage=stage, state_hash=state_hash, group_size=(record.get("group_sizes") or [0])[stage] or 0,
-                    kind=(record.get("kinds") or [None])[stage] or "", group_members=(members or [[]] * (stage + 1))[stage],
-                )  # fmt: skip
+            members = members or [[] for _ in record["stage_hashes"]]
+            for stage, (state_hash, size, kind, names) in enumerate(
+                zip(record["stage_hashes"], record["group_sizes"], record["kinds"], members)
+            ):
+                s.stage_status.add(stage=stage, state_hash=state_hash, group_size=size or 0, kind=kind or "", group_members=names)
             s.recent_rounds.add(
                 round=record["round"], stage_hashes=record["stage_hashes"], group_size=record.get("group_size") or 0,
                 val_loss=record["val_loss"],
@@ -236,9 +235,9 @@ class StatusCollector:
 class ControlPlane:
     """The gRPC and HTTP servers of the lead stage; `close` marks the final state and stops them."""
 
-    def __init__(self, board: StatusBoard, grpc_endpoint: GrpcEndpoint, addr_file: Path, http: Any):
+    def __init__(self, board: StatusBoard, grpc_endpoint: GrpcEndpoint, addr_file: Path, http: Any, stopping: threading.Event):
         self.board, self.grpc, self.addr_file, self.http = board, grpc_endpoint, addr_file, http
-        self.stopping = threading.Event()
+        self.stopping = stopping  # ends the Watch streams
 
     @classmethod
     def start(cls, cfg: Config, board: StatusBoard, run_dir: Path) -> ControlPlane:
@@ -261,13 +260,9 @@ class ControlPlane:
                 raise
             logger.info("Prometheus metrics at http://%s/metrics", metrics_at)
         addr_file = Path(run_dir) / "control.addr"
-        tmp = addr_file.with_suffix(".tmp")
-        tmp.write_text(endpoint.address + "\n")
-        os.replace(tmp, addr_file)
+        write_atomically(addr_file, endpoint.address + "\n")
         logger.info("control plane at %s (dilocox-peer status %s)", endpoint.address, run_dir)
-        plane = cls(board, endpoint, addr_file, http)
-        plane.stopping = stopping
-        return plane
+        return cls(board, endpoint, addr_file, http, stopping)
 
     def close(self, state: str) -> None:
         self.board.set_state(state)

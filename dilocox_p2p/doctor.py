@@ -327,12 +327,13 @@ def clock_check(skews: Mapping[str, float], *, now: float, bound: float = MAX_CL
 
 
 # ----- probes of this machine -------------------------------------------------------------------
-def port_checks(cfg: Config) -> list[Check]:
-    """Every fixed TCP port this peer will listen on is free: each stage's DHT (PORT + stage), control, metrics."""
+def fixed_ports(cfg: Config) -> list[tuple[str, str, str, int]]:
+    """(what, flag, host, port) of every fixed TCP port a peer with `cfg` listens on: each stage's DHT
+    (PORT + stage), control, metrics. Port 0 (any free port) is left out."""
     from .swarm.dht import stage_maddr
 
     wanted: list[tuple[str, str, str, int]] = []
-    for maddr in cfg.swarm.host_maddrs:
+    for maddr in cfg.swarm.host_maddrs if cfg.swarm.enabled else ():
         for stage in range(cfg.model.stages):
             hp = listen_hostport(stage_maddr(maddr, stage))
             if hp is not None:
@@ -343,6 +344,12 @@ def port_checks(cfg: Config) -> list[Check]:
             host, port = parse_hostport(addr, flag=flag)
             if port:
                 wanted.append((name, flag, host, port))
+    return wanted
+
+
+def port_checks(cfg: Config) -> list[Check]:
+    """Every fixed TCP port this peer will listen on is free."""
+    wanted = fixed_ports(cfg)
     if not wanted:
         return [Check("PASS", "ports", "every listen address picks a free port (port 0)")]
     return [_port_check(*w) for w in wanted]

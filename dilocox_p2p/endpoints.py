@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
+import secrets
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import grpc
@@ -25,7 +28,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .errors import ConfigError
 
-__all__ = ["GrpcEndpoint", "ensure_port_free", "format_hostport", "parse_hostport", "start_metrics_http"]
+__all__ = [
+    "GrpcEndpoint", "ensure_port_free", "format_hostport", "parse_hostport", "start_metrics_http", "write_atomically",
+]
 
 
 def parse_hostport(text: str, *, flag: str) -> tuple[str, int]:
@@ -110,3 +115,11 @@ def start_metrics_http(addr: str, registry: Any, *, flag: str = "--metrics-addr"
     ensure_port_free(host, port, flag=flag)
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server, format_hostport(host, server.server_port)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` (an address file) through a temp file and a rename: readers see the old or the new
+    file, whole."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from . import __version__
 from .checkpoint import latest_common_round
 from .config import Config, config_hash, to_toml
-from .endpoints import ensure_port_free, parse_hostport
+from .endpoints import ensure_port_free
 from .errors import CheckpointError, ConfigError, DilocoxError
 from .logs import init_logging, set_log_context
 from .worker import StageWorker, WorkerSpec, resolve_device
@@ -168,19 +168,10 @@ def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None)
 
 def _check_ports(cfg: Config) -> None:
     """Every fixed TCP port the peer will listen on (each stage's DHT at PORT + stage, control, metrics) is free."""
-    for addr, flag in ((cfg.control.control_addr, "--control-addr"), (cfg.control.metrics_addr, "--metrics-addr")):
-        if addr:
-            host, port = parse_hostport(addr, flag=flag)
-            ensure_port_free(host, port, flag=flag)
-    if cfg.swarm.enabled:
-        from .doctor import listen_hostport
-        from .swarm.dht import stage_maddr
+    from .doctor import fixed_ports
 
-        for maddr in cfg.swarm.host_maddrs:
-            for stage in range(cfg.model.stages):
-                hostport = listen_hostport(stage_maddr(maddr, stage))
-                if hostport is not None:
-                    ensure_port_free(*hostport, flag=f"--host-maddrs (stage {stage} listens on port + {stage})")
+    for what, flag, host, port in fixed_ports(cfg):
+        ensure_port_free(host, port, flag=f"{flag} ({what})" if what.startswith("stage") else flag)
 
 
 # Modules every stage process needs: a fork server imports them once per peer, and each stage

@@ -33,6 +33,15 @@ PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the m
 ]
 
 
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of `proc`'s session (started with start_new_session=True), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+
+
 class Peer:
     def __init__(self, run_dir: Path, args: list[str], env: dict[str, str] | None = None):
         self.run_dir = run_dir
@@ -85,11 +94,7 @@ class Peer:
 
     def kill(self) -> None:
         """SIGKILL every process of this peer."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
+        kill_session(self.proc)
 
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)

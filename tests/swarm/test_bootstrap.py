@@ -22,10 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import hivemind
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
@@ -35,61 +33,12 @@ from dilocox_p2p.identity import peer_id_of, public_key_of, worker_identity
 from dilocox_p2p.logs import set_log_context
 from dilocox_p2p.proto_gen import envelope_pb2, swarm_pb2
 from dilocox_p2p.swarm.hello import say_hello
+from tests.helpers.bootstrap import Bootstrap, free_port, health_status
 from tests.helpers.peers import Peer
 
 pytestmark = pytest.mark.swarm
 
 RELAY_HOP = "/libp2p/circuit/relay/0.2.0/hop"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Bootstrap:
-    """A real `dilocox-bootstrap` process in its own session (killed with its DHT and p2pd if a test fails)."""
-
-    def __init__(self, state_dir: Path, *args: str, env: dict[str, str] | None = None):
-        self.state_dir = state_dir
-        self.out, self.err = state_dir.parent / f"{state_dir.name}.out", state_dir.parent / f"{state_dir.name}.err"
-        cmd = [sys.executable, "-m", "dilocox_p2p.cli.bootstrap", "--state-dir", str(state_dir), *args]
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True,
-                                         env={**os.environ, **(env or {})})  # fmt: skip
-
-    def maddrs(self, timeout: float = 60.0) -> list[str]:
-        """The multiaddrs it prints on stdout, one per line, once it serves."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            lines = self.out.read_text().split()
-            if lines:
-                return lines
-            assert self.proc.poll() is None, f"dilocox-bootstrap exited with {self.proc.returncode}:\n{self.log()}"
-            time.sleep(0.1)
-        raise AssertionError(f"dilocox-bootstrap printed no multiaddr in {timeout}s:\n{self.log()}")
-
-    def health(self) -> str:
-        return _health((self.state_dir / "health.addr").read_text().strip())
-
-    def stop(self, timeout: float = 30.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"dilocox-bootstrap ignored SIGTERM for {timeout}s:\n{self.log()}") from None
-
-    def kill(self) -> None:
-        """SIGKILL whatever is left of its session (the DHT process and p2pd may outlive a crashed parent)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
-
-    def log(self) -> str:
-        return self.err.read_text()[-4000:]
 
 
 async def _connect(maddr: str) -> tuple[P2P, PeerID]:
@@ -204,19 +153,13 @@ def test_two_peers_given_only_a_restarted_bootstrap_train_together_and_a_plain_c
                 node.kill()
 
 
-def _health(address: str) -> str:
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
 def test_health_and_metrics_say_down_and_the_node_exits_1_when_its_dht_process_dies(tmp_path):
     opts = BootstrapOptions(state_dir=tmp_path / "state", host_maddrs=("/ip4/127.0.0.1/tcp/0",),
                             metrics_addr="127.0.0.1:0", status_period=0.1)  # fmt: skip
     node = BootstrapNode.start(opts)
     try:
         metrics_url = f"http://127.0.0.1:{node.metrics.server.server_port}/metrics"
-        assert _health(node.health.address) == "SERVING"
+        assert health_status(node.health.address) == "SERVING"
         text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
         assert "dilocox_bootstrap_up 1.0" in text and "dilocox_bootstrap_routing_table_peers 0.0" in text
         assert "dilocox_bootstrap_uptime_seconds" in text
@@ -226,7 +169,7 @@ def test_health_and_metrics_say_down_and_the_node_exits_1_when_its_dht_process_d
         for pid in children:
             os.kill(int(pid), signal.SIGKILL)
         assert node.serve(threading.Event()) == 1
-        assert _health(node.health.address) == "NOT_SERVING"
+        assert health_status(node.health.address) == "NOT_SERVING"
         assert "dilocox_bootstrap_up 0.0" in urllib.request.urlopen(metrics_url, timeout=5).read().decode()
     finally:
         node.stop()

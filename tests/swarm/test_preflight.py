@@ -14,7 +14,7 @@ import hivemind
 import pytest
 
 from dilocox_p2p.cli.__main__ import main
-from tests.swarm.test_bootstrap import Bootstrap, free_port
+from tests.helpers.bootstrap import Bootstrap, free_port
 
 pytestmark = pytest.mark.swarm
 

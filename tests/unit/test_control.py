@@ -13,6 +13,7 @@ from dilocox_p2p.cli.__main__ import main
 from dilocox_p2p.config import Config
 from dilocox_p2p.control import StatusBoard, StatusCollector, compression_ratio
 from dilocox_p2p.endpoints import GrpcEndpoint
+from tests.helpers.bootstrap import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -89,14 +90,8 @@ def _one_line_error(capsys, argv: list[str]) -> str:
     return err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_status_of_a_dead_or_wrong_target_is_one_line_and_exit_2(capsys, tmp_path):
-    assert "no dilocox peer answers" in _one_line_error(capsys, ["status", "--target", f"127.0.0.1:{_free_port()}"])
+    assert "no dilocox peer answers" in _one_line_error(capsys, ["status", "--target", f"127.0.0.1:{free_port()}"])
     assert "not running" in _one_line_error(capsys, ["status", str(tmp_path)])
     assert "not a directory" in _one_line_error(capsys, ["status", str(tmp_path / "nope")])
     assert "HOST:PORT" in _one_line_error(capsys, ["status", "--target", "localhost"])
@@ -130,6 +125,6 @@ def test_health_exits_0_while_serving_and_1_when_not_or_unreachable(capsys, tmp_
         assert "NOT_SERVING" in capsys.readouterr().err
     finally:
         endpoint.stop(0)
-    assert main(["health", "--target", f"127.0.0.1:{_free_port()}"]) == 1
+    assert main(["health", "--target", f"127.0.0.1:{free_port()}"]) == 1
     assert "unavailable" in capsys.readouterr().err
     assert "holds no control.addr or health.addr" in _one_line_error(capsys, ["health", str(tmp_path / "empty")])

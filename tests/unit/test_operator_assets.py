@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from dilocox_p2p import bootstrap
+from dilocox_p2p.cli.bootstrap import build_parser as bootstrap_parser
 from dilocox_p2p.cli.__main__ import build_parser
 from dilocox_p2p.cli.options import config_from_args
 from dilocox_p2p.config import SwarmConfig, config_hash, load_config, shared_fields
@@ -237,7 +239,6 @@ def _systemd_expand(command: str, env: dict[str, str]) -> list[str]:
 
 
 def test_the_bootstrap_units_command_with_its_env_file_parses():
-    bootstrap_cli = pytest.importorskip("dilocox_p2p.cli.bootstrap")
     from dilocox_p2p.doctor import listen_hostport, parse_peer_maddr
 
     service = _unit(BOOT / "dilocox-bootstrap.service")["Service"]
@@ -245,7 +246,7 @@ def test_the_bootstrap_units_command_with_its_env_file_parses():
     env = _env_file((BOOT / "bootstrap.env").read_text())
     argv = _systemd_expand(service["ExecStart"][0], env)
     assert argv[0].endswith("/dilocox-bootstrap")
-    args = bootstrap_cli.build_parser().parse_args(argv[1:])
+    args = bootstrap_parser().parse_args(argv[1:])
     assert str(args.state_dir) == f"/var/lib/{service['StateDirectory'][0]}"
     assert args.relay and args.announce_maddrs
     for maddr in (*args.host_maddrs, *args.announce_maddrs):
@@ -290,9 +291,6 @@ def peer_series() -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def bootstrap_series() -> dict[str, set[str]]:
-    bootstrap = pytest.importorskip("dilocox_p2p.bootstrap")
-    if not hasattr(bootstrap, "_Metrics"):
-        pytest.skip("dilocox_p2p.bootstrap has no _Metrics registry to compare with")
     return _exposition(bootstrap._Metrics.create(time.time()).registry)
 
 
@@ -408,7 +406,6 @@ def _command_lines(text: str) -> list[tuple[list[str], bool]]:
 
 
 def test_every_command_line_in_the_guides_parses():
-    bootstrap_cli = pytest.importorskip("dilocox_p2p.cli.bootstrap")
     commands = [c for guide in GUIDES for c in _command_lines(guide.read_text())]
     assert len(commands) > 10
     for words, runnable in commands:
@@ -416,7 +413,7 @@ def test_every_command_line_in_the_guides_parses():
             if words[0] == "dilocox-peer":
                 _peer_args(words[1:]) if runnable else build_parser().parse_args(words[1:])
             else:
-                bootstrap_cli.build_parser().parse_args(words[1:])
+                bootstrap_parser().parse_args(words[1:])
         except SystemExit as e:  # --version exits 0; a usage error exits 2
             assert e.code == 0, shlex.join(words)
 
