@@ -2,9 +2,14 @@
 
 At every boundary a worker publishes a `RoundRecord` with the hash of its shared state
 (theta_g and momentum) and, once known, of the average it will apply next (delayed mode).
-One boundary later, when every worker has published, it compares its hash with the
-others'; a worker in the minority is repaired at its next boundary (state download). A
-check whose lookup fails is counted (`hash_checks_skipped`) and retried at the next round.
+It then compares its hash with the others' as soon as the comparison is settled: a hash
+held by a strict majority of the workers expected at that boundary (the training members at
+it or one round behind), or every expected worker's record in. Until then it looks again
+every CHECK_POLL_S seconds, at most EARLY_POLLS times; a boundary still open when the next
+one is published is checked with the records there are then. A worker in the minority is
+repaired at its next boundary (state download), so it trains at most one round on a
+diverged state. A check whose lookup fails is counted (`hash_checks_skipped`) and retried
+at later rounds.
 
 A downloaded state is accepted only if its state hash AND the hash of its pending average
 equal what most of the stage group announced for that boundary, not only what the donor
@@ -33,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 RECORDS_KEPT = 2  # a donor may serve the state of the boundary before its current one (worker.py)
 CHECK_ATTEMPTS = 3  # a boundary whose records cannot be read is checked again at this many later rounds
+CHECK_POLL_S = 0.5  # while the latest boundary's check is not settled, its records are read again this often
+EARLY_POLLS = 40  # ... at most this many times; then it waits for the next boundary (the records there are then)
 
 
 def majority_hash(hashes: dict[str, str]) -> str | None:
@@ -62,7 +69,8 @@ class _Check:
     boundary: int
     state_hash: str
     epoch: int
-    attempts: int = 0
+    attempts: int = 0  # lookups that failed, or checks run with the records there were
+    polls: int = 0  # early looks at the latest boundary's records that did not settle it
 
 
 class Agreement:
@@ -97,11 +105,9 @@ class Agreement:
 
     # ----- publishing ---------------------------------------------------------------------------
     def publish(self, boundary: int, state_hash: str, *, check: bool = True, **facts: object) -> None:
-        """Publish the state held at `boundary`; check the earlier boundaries' hashes in the background.
-
-        The check of a boundary runs when the next one is published, when every worker has
-        published its own record, so it costs one DHT lookup per round instead of polling.
-        """
+        """Publish the state held at `boundary`; check it against the stage group's in the background
+        (module docstring: as soon as the comparison is settled, at the latest when the next boundary
+        is published)."""
         record = swarm_pb2.RoundRecord(boundary=boundary, state_hash=state_hash, **facts)
         with self._lock:
             self._records[boundary] = record
@@ -139,36 +145,49 @@ class Agreement:
     # ----- checking -----------------------------------------------------------------------------
     def _run_checks(self) -> None:
         while not self._closed.is_set():
-            self._wake.wait()
+            with self._lock:
+                early = any(c.polls < EARLY_POLLS for c in self._checks)
+            self._wake.wait(CHECK_POLL_S if early else None)
             self._wake.clear()
             with self._lock:
                 latest = max(self._records, default=-1)
-                due = [c for c in self._checks if c.boundary < latest]
+                due = list(self._checks)
             for check in due:
                 if self._closed.is_set():
                     return
-                done = self._check(check)
+                settle_only = check.boundary >= latest  # the next boundary is not out yet: decide only if settled
+                if settle_only and check.polls >= EARLY_POLLS:
+                    continue
+                outcome = self._check(check, settle_only=settle_only)
                 with self._lock:
+                    if outcome == "open":
+                        check.polls += 1
+                        continue
                     check.attempts += 1
-                    if done or check.attempts >= CHECK_ATTEMPTS or check.epoch != self._epoch:
+                    if outcome == "done" or check.attempts >= CHECK_ATTEMPTS or check.epoch != self._epoch:
                         self._checks = [c for c in self._checks if c is not check]
 
-    def _check(self, check: _Check) -> bool:
-        """Compare `check` with the others' records; False if it could not be done (retried later)."""
+    def _check(self, check: _Check, *, settle_only: bool = False) -> str:
+        """Compare `check` with the others' records: "done", "retry" (the lookup failed, or no other
+        record was there: tried again later) or, with `settle_only`, "open" (not settled yet)."""
         try:
             records = self.records.round_records(check.boundary)
         except Exception as e:
+            if settle_only:
+                return "open"
             self.faults.count("hash_checks_skipped", "hash check of round %d skipped: lookup failed (%r)", check.boundary, e)
-            return False
+            return "retry"
         voters = self.membership.voters()
         hashes = {peer: r.state_hash for peer, r in records.items() if peer in voters}
-        if not any(peer != self.peer_id for peer in hashes) and self._others_held(check.boundary):
+        hashes[self.peer_id] = check.state_hash
+        if settle_only and not self._settled(check.boundary, hashes):
+            return "open"
+        if len(hashes) == 1 and self._others_held(check.boundary):
             self.faults.count(
                 "hash_checks_skipped", "hash check of round %d skipped: no other worker's record was found",
                 check.boundary,
             )
-            return False
-        hashes[self.peer_id] = check.state_hash
+            return "retry"
         winner = majority_hash(hashes)
         if winner is not None and winner != check.state_hash:
             holders = sorted(p for p, h in hashes.items() if h == winner)
@@ -180,7 +199,17 @@ class Agreement:
             with self._lock:
                 if check.epoch == self._epoch:
                     self._repair = Repair(check.boundary, winner, holders)
-        return True
+        return "done"
+
+    def _settled(self, boundary: int, hashes: dict[str, str]) -> bool:
+        """Whether the records in `hashes` (this worker's included) decide the majority at `boundary` already:
+        a hash held by a strict majority of the workers expected there, or every expected worker's record in."""
+        expected = {m.peer_id for m in self.membership.members(training_only=True) if m.record.boundary >= boundary - 1}
+        expected.add(self.peer_id)
+        counts: dict[str, int] = {}
+        for peer, h in hashes.items():
+            counts[h] = counts.get(h, 0) + 1
+        return max(counts.values()) * 2 > len(expected | set(hashes)) or expected <= set(hashes)
 
     def _others_held(self, boundary: int) -> bool:
         """Other training members are at or past `boundary` (so they published a record of it)."""
