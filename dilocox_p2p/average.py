@@ -85,6 +85,8 @@ class Average:
     """Coordinates not averaged: the outer step leaves them (theta_g and momentum) exactly as they were."""
     group: tuple[str, ...] = ()
     """Peer ids of the group whose average this is (empty for a group of one)."""
+    group_id: bytes = b""
+    """The id hivemind's matchmaking gave that group (empty for a group of one)."""
     bytes_sent: int = 0
     bytes_received: int = 0
     window: tuple[float, float] | None = None

@@ -10,6 +10,11 @@ Armed through the environment of the peer's processes, several separated by `;`:
 - `withhold_average:round=R:stage=S` makes stage S's reducer keep the averaged parts of round
   R from the member after it in the group's order (it still counts that member's data):
   that member sees this reducer fail, the others do not, an asymmetric failure.
+- `hoard_average:round=R:stage=S` makes stage S's reducer keep the averaged parts of round R
+  from every other member and lend its copy of that round to nobody (a reducer whose uplink
+  collapses once it has everyone's data): it holds the whole average, the others miss its span.
+- `skip_mending:round=R:stage=S` makes stage S keep round R's average with the spans that
+  missed it, without asking the other members for them (its requests would all time out).
 - `corrupt_state:round=R:stage=S` flips the lowest bit of theta_g's first value on stage S
   right after round R's outer step, as a memory error or a buggy peer would.
 - `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,
@@ -38,7 +43,7 @@ __all__ = ["KNOWN", "armed", "flip_last_bit", "kill_peer"]
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
-    "kill_peer_in_allreduce", "withhold_average", "corrupt_state", "nan_pseudo_gradient",
+    "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "flip_served_bit", "speak_other_protocol",
     "ignore_admission",
 )  # fmt: skip

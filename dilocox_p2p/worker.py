@@ -358,6 +358,8 @@ class StageWorker:
             "fragment_hashes": [s["fragment_hashes"] for s in stages] if self.syncs > 1 else None,
             "group_size": min((o.group_size for o in outcomes if o.group_size is not None), default=None),
             "group_sizes": [o.group_size for o in outcomes],
+            # per stage, the id of the group whose average was applied: members of one group hold one state after it
+            "groups": [o.last.group_id.hex()[:16] if o.last is not None and o.last.group_id else None for o in outcomes],
             "kinds": [o.kind.value if o.kind is not None else None for o in outcomes],
             "applied_round": outcomes[0].applied_round,
             "compute_windows": [s["compute_window"] for s in stages],

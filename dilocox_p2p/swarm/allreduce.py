@@ -18,8 +18,8 @@ hivemind_patches.py with the versions checked):
    that are not finite or whose norm is far above the part's median; a member refuses averaged
    parts that are not finite (that reducer counts as failed). Both name the offender in
    `offenders`, and the stage strikes it.
-6. Fault injection for tests (injection.py): `withhold_average`, `kill_peer_in_allreduce`,
-   `send_nan_average`.
+6. Fault injection for tests (injection.py): `withhold_average`, `hoard_average`,
+   `kill_peer_in_allreduce`, `send_nan_average`.
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         *,
         kill_on_first_part: bool = False,
         withhold: bool = False,
+        hoard: bool = False,
         nan_average: bool = False,
         max_norm_ratio: float = 10.0,
         **kwargs: Any,
@@ -147,6 +148,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         me = self.ordered_peer_ids.index(self.peer_id)
         after_me = self.ordered_peer_ids[(me + 1) % len(self.ordered_peer_ids)]
         self.withhold_from = self.sender_peer_ids.index(after_me) if withhold and after_me != self.peer_id else None
+        self.hoard = hoard
         register_failed = container.register_failed_reducer
 
         def on_failed_reducer(peer_index: int) -> None:
@@ -233,7 +235,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except BannedException:
                     logger.debug("sender %d is already banned", sender_index)
                     break
-                if sender_index == self.withhold_from:
+                if sender_index == self.withhold_from or self.hoard:
                     continue  # fault injection: this sender's data counts, but it never gets the average
                 if self.nan_average:  # fault injection: a byzantine reducer
                     averaged_part = torch.full_like(averaged_part, float("nan"))

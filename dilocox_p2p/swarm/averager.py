@@ -48,7 +48,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from .. import injection
-from ..average import Average, AverageKind, Spans, fill_missing
+from ..average import Average, AverageKind, Spans, average_hash, fill_missing
 from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..fragments import as_fragments, of_round
@@ -87,7 +87,9 @@ class HeldAverage:
     group_id: bytes
 
     def to_average(self, **extra: Any) -> Average:
-        return Average(kind=self.kind, tensors=self.tensors, missing=self.missing, group=self.group, **extra)
+        return Average(
+            kind=self.kind, tensors=self.tensors, missing=self.missing, group=self.group, group_id=self.group_id, **extra
+        )
 
     def info(self) -> swarm_pb2.AverageInfo:
         return swarm_pb2.AverageInfo(
@@ -291,9 +293,18 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
     def _unstage(self, size: int) -> bytes:
         return self._outbox[:size].numpy().tobytes()
 
-    def hold_buffers(self, round: int, kind: AverageKind, group: Sequence[str], group_id: bytes) -> None:
+    def hold_buffers(
+        self, round: int, kind: AverageKind, group: Sequence[str], group_id: bytes, missing: Spans = ()
+    ) -> None:
         """Keep (and serve to the group) the average the worker wrote into the averaged tensors."""
-        self._call("_hold_buffers", 30.0, round=round, kind=kind, group=tuple(group), group_id=group_id)
+        kwargs = dict(round=round, kind=kind, group=tuple(group), group_id=group_id, missing=tuple(missing))
+        self._call("_hold_buffers", 30.0, **kwargs)
+
+    def adopt(self, round: int, peers: Sequence[str], average_hash: str, *, wait_s: float, deadline_s: float) -> Collected:
+        """Download round `round`'s average from `peers` in order until one's copy hashes to `average_hash`
+        (average.average_hash), and keep it as this worker's (what it applies and serves from now on)."""
+        kwargs = dict(round=round, peers=list(peers), want=average_hash, wait_s=wait_s, deadline_s=deadline_s)
+        return self._call("_adopt", deadline_s + wait_s + 30.0, **kwargs)
 
     def collect(
         self, round: int, peers: Sequence[str], *, start: HeldAverage | None, wait_s: float, deadline_s: float
@@ -399,6 +410,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             kill_on_first_part=injection.armed("kill_peer_in_allreduce", round=round, stage=self.stage),
             withhold=injection.armed("withhold_average", round=round, stage=self.stage),
+            hoard=injection.armed("hoard_average", round=round, stage=self.stage),
             nan_average=injection.armed("send_nan_average", round=round, stage=self.stage),
             max_norm_ratio=self.max_norm_ratio,
             **kwargs,
@@ -459,12 +471,12 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             future.set_exception(e)
 
     async def _hold_buffers(
-        self, round: int, kind: AverageKind, group: tuple[str, ...], group_id: bytes, future: MPFuture
+        self, round: int, kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans, future: MPFuture
     ) -> None:
         try:
             with self.lock_averaged_tensors:
                 tensors = [t.clone() for t in self._of_round(round, self._averaged_tensors)]
-            self._hold(HeldAverage(round, kind, tensors, (), group, group_id))
+            self._hold(HeldAverage(round, kind, tensors, missing, group, group_id))
             future.set_result(None)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
@@ -526,6 +538,30 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             self._hold(out.average)  # what this worker applies is what it serves from now on
         return out
 
+    async def _adopt(
+        self, round: int, peers: list[str], want: str, wait_s: float, deadline_s: float, future: MPFuture
+    ) -> None:
+        try:
+            out, deadline = Collected(average=None), time.monotonic() + deadline_s
+            for peer in peers:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    out.failures.append(f"{peer}: no time left")
+                    break
+                got, reason, size = await self._fetch_average(peer, round, min(wait_s, remaining), remaining)
+                out.bytes_received += size
+                if got is not None and average_hash(got.tensors, got.missing) != want:
+                    got, reason = None, "its copy is not the one its record announced"
+                if got is None:
+                    out.failures.append(f"{peer}: {reason}")
+                    continue
+                out.average, out.answered, out.mended_from = got, [peer], [peer]
+                self._hold(got)
+                break
+            future.set_result(out)
+        except Exception as e:  # pragma: no cover - reported to the caller
+            future.set_exception(e)
+
     def _reply_limits(self, wait_s: float, total_s: float) -> dict[str, float]:
         """How long a reply may take: the server's wait plus one chunk timeout for its header, one chunk
         timeout between chunks, `total_s` in all."""
@@ -574,7 +610,12 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             header.reason = "another run, config or stage"
             yield self._head(header, nonce=nonce)
             return
+        if injection.armed("hoard_average", round=request.round, stage=self.stage):
+            header.status = swarm_pb2.STATE_NOT_READY
+            yield self._head(header, nonce=nonce)
+            return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
+
         def lacking() -> bool:
             return self._current_round > request.round or self._failed_round.value == request.round
 

@@ -5,6 +5,7 @@ proto/dilocox/v1/swarm.proto, signed by the worker whose peer id is the subkey, 
 they are stored under):
     {run}:members:s{stage}        MemberRecord per live worker, refreshed by a heartbeat
     {run}:round:s{stage}:{b}      RoundRecord: the state (and pending average) hashes each worker holds at b
+    {run}:average:s{stage}:{r}    AverageRecord: the hash of round r's average each member of its group holds
     {run}:config:{hash}           ConfigRecord: the shared config behind a hash
 
 Records are checked twice: by the DHT node itself (`EnvelopeValidator`, a hivemind
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,9 @@ logger = logging.getLogger(__name__)
 MEMBER_TTL_S = 15.0
 HEARTBEAT_S = 5.0
 ROUND_RECORD_TTL_S = 600.0
+JOIN_ATTEMPTS = 3  # an initial peer that is busy or restarting is tried again, JOIN_RETRY_S x attempt later
+JOIN_RETRY_S = 2
+AVERAGE_RECORD_TTL_S = 300.0
 
 
 def stage_maddr(maddr: str, stage: int) -> str:
@@ -145,17 +150,34 @@ def start_dht(
     )
     if cfg.auto_relay:  # behind NAT: reserve a slot on the relays among the initial peers (bootstrap --relay)
         kwargs.update(use_auto_relay=True, trusted_relays=list(cfg.initial_peers) or None)
-    try:
-        return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
-    except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if cfg.initial_peers and "address already in use" not in str(e):
-            raise SwarmUnreachable(
-                f"could not join the swarm through --initial-peers {' '.join(cfg.initial_peers)}: {text}. "
-                "Check that each address is complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that the peer is running, "
-                "and that its TCP port is open from this machine"
-            ) from None
-        raise SwarmError(f"could not start the DHT node on {' '.join(cfg.host_maddrs)}: {text}") from None
+    for attempt in range(JOIN_ATTEMPTS):
+        try:
+            return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
+        except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
+            unreachable = bool(cfg.initial_peers) and "address already in use" not in str(e)
+            if unreachable and attempt + 1 < JOIN_ATTEMPTS:  # a busy or restarting initial peer: try again shortly
+                logger.warning("could not reach the initial peers (%s); trying again in %d s",
+                               _first_line(e), JOIN_RETRY_S * (attempt + 1))  # fmt: skip
+                time.sleep(JOIN_RETRY_S * (attempt + 1))
+                continue
+            _raise_start_error(cfg, e, unreachable=unreachable)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _raise_start_error(cfg: SwarmConfig, e: Exception, *, unreachable: bool) -> None:
+    """Turn a DHT start failure into the error that names the failing address."""
+    text = _first_line(e)
+    if unreachable:
+        raise SwarmUnreachable(
+            f"could not join the swarm through --initial-peers {' '.join(cfg.initial_peers)}: {text}. "
+            "Check that each address is complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that the peer is running, "
+            "and that its TCP port is open from this machine"
+        ) from None
+    raise SwarmError(f"could not start the DHT node on {' '.join(cfg.host_maddrs)}: {text}") from None
 
 
 def reachable_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -247,6 +269,14 @@ class RunRecords:
     def round_records(self, boundary: int) -> dict[str, swarm_pb2.RoundRecord]:
         records = self._get(f"{self.run_id}:round:s{self.stage}:{boundary}", swarm_pb2.RoundRecord, round=boundary)
         return {peer: o.message for peer, (o, _) in records.items() if o.message.boundary == boundary}
+
+    def publish_average(self, record: swarm_pb2.AverageRecord) -> bool:
+        key = f"{self.run_id}:average:s{self.stage}:{record.round}"
+        return self._store(key, record, AVERAGE_RECORD_TTL_S, round=record.round)
+
+    def average_records(self, round: int) -> dict[str, swarm_pb2.AverageRecord]:
+        records = self._get(f"{self.run_id}:average:s{self.stage}:{round}", swarm_pb2.AverageRecord, round=round)
+        return {peer: o.message for peer, (o, _) in records.items() if o.message.round == round}
 
     def publish_config(self, config_hash: str, shared_json: str) -> None:
         record = swarm_pb2.ConfigRecord(config_hash=config_hash, shared_json=shared_json)

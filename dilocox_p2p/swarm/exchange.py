@@ -7,6 +7,8 @@
     Phase 3: mend the spans that missed this worker from the group's other members, or,
              if the all-reduce failed, take the whole average from members that finished it
     Phase 4: suspect the members that failed, and say what happened: the Average's kind
+    Phase 5: agree: the group's members compare the averages they hold (AverageRecords in the
+             DHT) before any of them uses its own; one in the minority takes the majority's copy
 
 A pseudo-gradient holding NaN or Inf is never sent: the round is dropped from this worker's
 side (logged as an error, counted as `nonfinite_dropped`) and it takes its group's average.
@@ -24,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, TimeoutError
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +34,10 @@ import torch
 from hivemind.averaging.control import AveragingStage
 
 from .. import injection
-from ..average import Average, AverageKind
+from ..average import Average, AverageKind, Spans, average_hash, intersect_spans, spans_by_tensor
 from ..compression.codec import is_finite
+from ..wire import swarm_pb2
+from .agreement import majority_hash
 from .averager import Collected, HeldAverage, RoundResult
 
 if TYPE_CHECKING:
@@ -41,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["ExchangeQueue", "RoundExchange"]
 
 logger = logging.getLogger(__name__)
+
+AGREE_POLL_S = 0.2  # phase 5 reads the group's average records this often until the majority is settled
 
 
 class RoundExchange:
@@ -83,8 +90,8 @@ class RoundExchange:
             return Average(kind=AverageKind.ALONE, tensors=self.tensors)
         self._window_start = time.time()
         if not finite:  # the others average without it (matchmaking waits up to round_wait for it first)
-            return self._borrow("this worker's pseudo-gradient was not finite",
-                                wait_s=self.sw.round_wait + self.sw.allreduce_timeout)
+            return self._agree(self._borrow("this worker's pseudo-gradient was not finite",
+                                            wait_s=self.sw.round_wait + self.sw.allreduce_timeout))
         # Phase 2: all-reduce with them
         if self.stage.codec_for(self.round) is not None:
             return self._compressed(expected=1 + len(others))
@@ -98,7 +105,8 @@ class RoundExchange:
             average = self._borrow(failure)
         # Phase 4: say what happened
         self._log(average, expected=1 + len(others))
-        return average
+        # Phase 5: agree with the group on one average
+        return self._agree(average)
 
     def _play_hostile(self) -> None:
         """Fault injection: send what this worker's own checks would have kept back (docs/security.md)."""
@@ -159,7 +167,7 @@ class RoundExchange:
         if result is None or result.messages is None:
             # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
             # average rather than strand this worker (members that failed too answer at once that they lack it)
-            return self._borrow(failure, wait_s=self.sw.allreduce_timeout)
+            return self._agree(self._borrow(failure, wait_s=self.sw.allreduce_timeout))
         messages, failures = result.messages, list(result.failures)
         sent, received = result.bytes_sent, result.bytes_received
         if codec.phases == 2:
@@ -186,17 +194,20 @@ class RoundExchange:
         average = Average(
             kind=AverageKind.AVERAGED, tensors=decoded.tensors, group=used, bytes_sent=sent, bytes_received=received,
             window=(self._window_start, time.time()),
+            group_id=result.group_id,
             note=f"{len(decoded.rejected)} of {len(result.group)} messages left out" if decoded.rejected else "",
         )  # fmt: skip
         self._log(average, expected=expected)
-        return average
+        return self._agree(average, voters=result.group)  # the whole group votes, also members left out
 
-    def _hold(self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes) -> None:
+    def _hold(
+        self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans = ()
+    ) -> None:
         """Keep `tensors` as this round's average, served to members that ask for it."""
         with self.averager.get_tensors() as buffers:
             for buf, t in zip(self._buffers(buffers), tensors, strict=True):
                 buf.copy_(t)
-        self.averager.hold_buffers(self.round, kind, group, group_id)
+        self.averager.hold_buffers(self.round, kind, group, group_id, missing)
 
     def _buffers(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """The averager's buffers of the tensors this round averages (a streaming fragment's, or all)."""
@@ -211,7 +222,8 @@ class RoundExchange:
         bytes_received = result.bytes_received
         answered: list[str] = []
         mended_from: list[str] = []
-        if result.missing:  # ask the members whose reducers delivered first; a "failed" one may be alive
+        skip = injection.armed("skip_mending", round=self.round, stage=self.stage.stage)
+        if result.missing and not skip:  # ask the members whose reducers delivered first; a "failed" one may be alive
             failed = set(result.failed_reducers)
             order = sorted((p for p in result.group if p != self.stage.peer_id), key=lambda p: p in failed)
             collected = self._collect(order, start=raw)
@@ -255,6 +267,121 @@ class RoundExchange:
         for failure in collected.failures:
             self.stage.faults.count("downloads_failed", "round %d: no average from %s", self.round, failure)
         return collected
+
+    # ----- phase 5 -------------------------------------------------------------------------
+    def _agree(self, average: Average, voters: Sequence[str] | None = None) -> Average:
+        """Make this worker's average the one most of its group holds, before anyone uses it.
+
+        Mending can reach some members and not others (a reducer on a crawling link delivers
+        to a few before their timeouts), so copies of one group's average can differ. Each
+        member (the `voters`: the group; a borrower votes in none) announces the hash of its
+        copy and reads the others'. It is settled as soon as a strict majority of the group
+        holds one hash, or every other member has announced its copy or is past this round
+        without one (it took another copy). After `chunk_timeout`, members that failed in the
+        round (suspects) or left are not waited for, members still mending are; after
+        `allreduce_timeout` it decides with the records there are (a split left then is found
+        by the hash check and repaired at the next boundary). The majority's copy (a tie: the
+        smallest peer id's, as in agreement.py) is made from this worker's own where it covers
+        more (the majority's missing spans left out again: no download), else downloaded from
+        a holder and checked against its hash. A clean round costs one DHT store and a read or
+        two, overlapped with training in every mode but `sync`.
+        """
+        voters = set(average.group if voters is None else voters)
+        me = self.stage.peer_id
+        if not average.kind.applies or len(voters) < 2 or self.abandoned():
+            return average
+        mine = average_hash(average.tensors, average.missing)
+        if me in voters:
+            self._announce(average, mine)
+        records = self._group_records(average.group_id, voters, mine if me in voters else None)
+        hashes = {p: r.average_hash for p, r in records.items()}
+        if me in voters:
+            hashes[me] = mine
+        winner = majority_hash(hashes)
+        if winner is None or winner == mine:
+            return average
+        holders = sorted(p for p, h in hashes.items() if h == winner and p != me)
+        adopted = self._restricted(average, records[holders[0]], winner) or self._downloaded(average, holders, winner)
+        if adopted is None:
+            return average  # counted as downloads_failed; the hash check repairs this worker if it is off
+        self.stage.faults.count(
+            "averages_adopted", "round %d: this worker's average (%s, %.1f%% of coordinates) differed from its group's "
+            "majority (%d of %d hold %s): took theirs (%s, %.1f%%)", self.round, average.kind.value,
+            100 * average.coverage, len(holders), len(hashes), winner[:12], adopted.kind.value, 100 * adopted.coverage,
+        )  # fmt: skip
+        if me in voters:
+            self._announce(adopted, winner)  # members still deciding count this worker in the majority now
+        return adopted
+
+    def _announce(self, average: Average, average_hash_: str) -> None:
+        record = swarm_pb2.AverageRecord(
+            round=self.round, group_id=average.group_id, average_hash=average_hash_, kind=average.kind.value,
+            missing=[swarm_pb2.Span(start=a, end=b) for a, b in average.missing],
+        )  # fmt: skip
+        self.stage.records.publish_average(record)
+
+    def _group_records(self, group_id: bytes, voters: set[str], mine: str | None) -> dict[str, swarm_pb2.AverageRecord]:
+        """The other voters' AverageRecords for `group_id`, read until the majority is settled (this worker's
+        own copy, `mine`, counts if it votes)."""
+        started = time.monotonic()
+        deadline, others = started + self.sw.allreduce_timeout, voters - {self.stage.peer_id}
+        records: dict[str, swarm_pb2.AverageRecord] = {}
+        while not self.abandoned():
+            try:
+                found = self.stage.records.average_records(self.round)
+                records = {p: r for p, r in found.items() if p in others and r.group_id == group_id}
+            except Exception as e:
+                self.stage.faults.count("lookups_failed", "round %d: the group's average records could not be read: %r",
+                                        self.round, e)  # fmt: skip
+            hashes = [r.average_hash for r in records.values()] + ([mine] if mine is not None else [])
+            top = max((hashes.count(h) for h in set(hashes)), default=0)
+            if 2 * top > len(voters) or not self._awaited(others - set(records), time.monotonic() - started):
+                break
+            if time.monotonic() >= deadline:
+                logger.info("round %d: %d of %d members' average records in after %.0fs; deciding with them",
+                            self.round, len(records), len(voters), self.sw.allreduce_timeout)  # fmt: skip
+                break
+            time.sleep(AGREE_POLL_S)
+        return records
+
+    def _awaited(self, silent: set[str], waited: float) -> set[str]:
+        """Those of the `silent` voters that may still announce their copy: not the ones whose member record
+        shows them past this round (they took another group's average: a borrower announces nothing), and
+        after one chunk timeout, not the ones that failed in this round (suspects) or left."""
+        members = {m.peer_id: m for m in self.membership.members(others_only=False)}
+        return {
+            p for p in silent
+            if not (p in members and self.membership.finished(members[p], self.round))
+            and (waited < self.sw.chunk_timeout or p in members)
+        }  # fmt: skip
+
+    def _restricted(self, average: Average, record: swarm_pb2.AverageRecord, winner: str) -> Average | None:
+        """This worker's copy with the majority's missing spans left out, if that gives the majority's bits."""
+        target = tuple((s.start, s.end) for s in record.missing)
+        if intersect_spans(average.missing, target) != average.missing or not average.tensors:
+            return None  # the majority covers coordinates this copy lacks
+        tensors = [t.clone() for t in average.tensors]
+        for index, a, b in spans_by_tensor(target, [t.numel() for t in tensors]):
+            tensors[index].view(-1)[a:b] = 0.0
+        if average_hash(tensors, target) != winner:
+            return None
+        kind = AverageKind(record.kind)
+        self._hold(tensors, kind, average.group, average.group_id, target)
+        return dataclasses.replace(average, kind=kind, tensors=tensors, missing=target)
+
+    def _downloaded(self, average: Average, holders: list[str], winner: str) -> Average | None:
+        """The majority's copy from one of its `holders`, checked against its hash (None: counted)."""
+        got = self.averager.adopt(self.round, holders, winner, wait_s=self.sw.chunk_timeout,
+                                  deadline_s=self.sw.state_timeout)  # fmt: skip
+        for failure in got.failures:
+            self.stage.faults.count("downloads_failed", "round %d: no majority average from %s", self.round, failure)
+        if got.average is None:
+            return None
+        return got.average.to_average(
+            bytes_sent=average.bytes_sent, bytes_received=average.bytes_received + got.bytes_received,
+            window=(average.window[0] if average.window else self._window_start, time.time()),
+            note=average.note, mended_from=tuple(got.mended_from),
+        )  # fmt: skip
 
     # ----- phase 4 -------------------------------------------------------------------------
     def _log(self, average: Average, expected: int) -> None:

@@ -32,6 +32,8 @@ FAULTS = {
     "records_refused": "a DHT record could not be decoded or did not belong to this run",
     "publishes_failed": "a record of this worker (heartbeat, round record) could not be stored in the DHT",
     "pending_dropped": "an average lost with a checkpoint could not be had from any member and was skipped",
+    "averages_adopted": "this worker's average of a round differed from most of its group's copies before use: it took "
+    "the majority's (its own with their missing spans left out, or downloaded)",
     "nonfinite_dropped": "this worker's pseudo-gradient held NaN or Inf: not sent; the group's average was taken",
     "messages_left_out": "a member's compressed message was not received or did not decode: left out of the average",
     "contributions_refused": "a member's contribution was not finite or its norm far above the group's median, or a "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.soak import worker_peer_id
 from tests.helpers.cpu import capabilities
 
 pytestmark = pytest.mark.swarm
@@ -55,9 +56,10 @@ def test_a_corrupted_state_is_found_by_the_hash_check_and_repaired_from_the_majo
     # the flipped bit shows in stage 1's hash right after round 1 ...
     assert c[1]["stage_hashes"][0] == a[1]["stage_hashes"][0]
     assert c[1]["stage_hashes"][1] != a[1]["stage_hashes"][1]
-    # ... the check of that boundary (one round later) finds it, and the next boundary repairs it
+    # ... the check of that boundary runs as soon as the others' records are in, during round 2, and the next
+    # boundary repairs it: one round trained on the diverged state, never two
     repaired = [t for t, r in sorted(c.items()) if r["faults"]["repairs"]]
-    assert repaired and repaired[0] <= 4, f"repaired at rounds {repaired}"
+    assert repaired and repaired[0] == 2, f"repaired at rounds {repaired}"
     assert all(c[t]["stage_hashes"] == a[t]["stage_hashes"] for t in c if t >= repaired[0])
     assert max(c) == 6, "the repaired peer did not finish the run"
     for peer in healthy:
@@ -84,3 +86,49 @@ def test_members_that_each_miss_a_different_reducers_parts_mend_them_into_one_av
     for peer in peers:
         assert _faults(peer, "repairs") == 0
         assert "parts that missed this worker were taken from" in peer.stage_log(0)
+
+
+def test_a_member_holding_more_than_its_group_takes_the_groups_copy_without_a_download(swarm):
+    # Stage 0's reducer on the third peer keeps round 1's averaged parts from both others and lends its copy to
+    # nobody (a reducer whose uplink collapsed once it had everyone's data): it holds the whole average, the
+    # others cannot mend its span. Before phase 5 it alone kept the whole average (a split, repaired a round
+    # later); now it takes the majority's copy by leaving their missing span out of its own.
+    args = ("--mode", "sync", "--rounds", "4", "--min-peers", "3", "--stages", "1")
+    others = [swarm.start_peer(*args) for _ in range(2)]
+    hoarder = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "hoard_average:round=1:stage=0"})
+    for peer in [*others, hoarder]:
+        assert peer.wait(timeout=240) == 0, peer.output()
+
+    a, b, c = (_by_round(p) for p in (*others, hoarder))
+    for t in range(4):
+        assert a[t]["stage_hashes"] == b[t]["stage_hashes"] == c[t]["stage_hashes"], f"round {t}: the group split"
+    assert [r[1]["kinds"] for r in (a, b, c)] == [["partial"]] * 3
+    assert a[1]["coverage"] == b[1]["coverage"] == c[1]["coverage"] < 1.0
+    assert c[1]["faults"]["averages_adopted"] == 1 and c[1]["faults"]["downloads_failed"] == 0
+    assert a[1]["groups"] == b[1]["groups"] == c[1]["groups"]
+    for peer in (*others, hoarder):
+        assert _faults(peer, "repairs") == 0
+    assert a[1]["faults"]["averages_adopted"] == b[1]["faults"]["averages_adopted"] == 0
+
+
+def test_members_left_with_three_different_copies_all_take_the_one_of_the_smallest_peer_id(swarm):
+    # Every reducer keeps round 1's average from the member after it, and no member mends: three copies, each
+    # missing another span. No majority: the tie goes to the smallest peer id's copy (as the hash check's
+    # does), which the other two download and check against its announced hash.
+    faults = {"DILOCOX_FAULTS": "withhold_average:round=1:stage=0;skip_mending:round=1:stage=0"}
+    args = ("--mode", "sync", "--rounds", "3", "--min-peers", "3", "--stages", "1")
+    peers = [swarm.start_peer(*args, env=faults) for _ in range(3)]
+    for peer in peers:
+        assert peer.wait(timeout=240) == 0, peer.output()
+
+    rounds = [_by_round(p) for p in peers]
+    for t in range(3):
+        assert len({tuple(r[t]["stage_hashes"]) for r in rounds}) == 1, f"round {t}: the peers disagree"
+    adopted = sorted(r[1]["faults"]["averages_adopted"] for r in rounds)
+    assert adopted == [0, 1, 1], adopted
+    assert all(r[1]["kinds"] == ["partial"] and r[1]["coverage"] < 1.0 for r in rounds)
+    ids = [worker_peer_id(p.run_dir, 0) for p in peers]
+    kept = [i for i, r in zip(ids, rounds) if r[1]["faults"]["averages_adopted"] == 0]
+    assert kept == [min(ids)], "the copy kept is not the smallest peer id's"
+    for peer in peers:
+        assert _faults(peer, "repairs") == 0

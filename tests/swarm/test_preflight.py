@@ -14,6 +14,7 @@ import hivemind
 import pytest
 
 from dilocox_p2p.cli.__main__ import main
+from dilocox_p2p.wire import PROTOCOL_VERSION
 from tests.helpers.bootstrap import Bootstrap, free_port
 
 pytestmark = pytest.mark.swarm
@@ -40,7 +41,7 @@ def test_doctor_passes_against_a_live_bootstrap_and_names_each_problem_with_its_
         lines = proc.stdout.strip().splitlines()
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert all(line.startswith("PASS") for line in lines[:-1]) and lines[-1].startswith("all checks passed"), lines
-        assert "dilocox bootstrap 0.1.0, protocol 1" in _line(lines, "initial peer", boot)
+        assert f"dilocox bootstrap 0.1.0, protocol {PROTOCOL_VERSION}" in _line(lines, "initial peer", boot)
 
         plain = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # a libp2p node, not a dilocox one
         not_dilocox = str(plain.get_visible_maddrs()[0])
@@ -66,7 +67,7 @@ def test_doctor_passes_against_a_live_bootstrap_and_names_each_problem_with_its_
         error = _line(lines, "FAIL", not_dilocox)
         assert "reachable but not a dilocox node" in error and "Fix: point --initial-peers at" in error
         error = _line(lines, "FAIL", other)
-        assert "runs incompatible version 0.1.0 (protocol 2, ours 1)" in error
+        assert f"runs incompatible version 0.1.0 (protocol {PROTOCOL_VERSION + 1}, ours {PROTOCOL_VERSION})" in error
         assert "Fix: upgrade dilocox-p2p on this machine" in error
         assert _line(lines, remote).startswith("WARN")  # nothing there (refused, timed out, or a middlebox's TCP)
         assert _line(lines, "initial peer", boot).startswith("PASS")

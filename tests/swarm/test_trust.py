@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from dilocox_p2p.cli.__main__ import main as cli
+from dilocox_p2p.wire import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.swarm
 
@@ -109,7 +110,8 @@ def test_a_bit_flipped_message_is_refused_and_a_peer_speaking_another_protocol_i
     # a newcomer of another release, waiting for peers of its own, is turned away once the run trains
     other = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "speak_other_protocol"})
     assert other.wait(timeout=120) == 2, other.output()
-    assert "speaks wire protocol version 1" in other.output() and "this peer speaks 2" in other.output()
+    ours, theirs = PROTOCOL_VERSION, PROTOCOL_VERSION + 1
+    assert f"speaks wire protocol version {ours}" in other.output() and f"this peer speaks {theirs}" in other.output()
     for peer in honest:
         assert peer.wait(timeout=300) == 0, peer.output()
     flipper.kill()
@@ -118,7 +120,7 @@ def test_a_bit_flipped_message_is_refused_and_a_peer_speaking_another_protocol_i
     for peer in honest:
         log = peer.stage_log(0)
         assert "does not match its author's signed SHA-256 (altered)" in log
-        assert "protocol version 2" in log, "the other protocol's records were not refused with the reason"
+        assert f"protocol version {theirs}" in log, "the other protocol's records were not refused with the reason"
         assert _faults(peer, "contributions_refused") >= 1 and _faults(peer, "peers_banned") == 1
     assert all(r["group_size"] <= 2 for r in honest[0].metrics()), "a tampered message was averaged"
 

@@ -136,7 +136,7 @@ MESSAGE_CLASSES = [
     getattr(module, name)
     for module in (swarm_pb2, envelope_pb2, compression_pb2)
     for name in module.DESCRIPTOR.message_types_by_name
-]  # 23 classes
+]  # 24 classes
 
 
 @pytest.mark.parametrize("cls", MESSAGE_CLASSES, ids=lambda c: c.DESCRIPTOR.name)
@@ -169,6 +169,7 @@ CERT_B = certify_worker(PEER_B, ID_B, run_id=RUN, stage=1, peer_name="b")
 ADMISSION_A = certify_peer(RUN_KEY, public_raw(PEER_A), run_id=RUN, note="a")
 POLICY = Policy(run_id=RUN, closed=True, allowlist=frozenset({public_raw(PEER_B)}), run_key=public_raw(RUN_KEY))
 MEMBERS_KEY, ROUND_KEY, CONFIG_KEY = f"{RUN}:members:s0", f"{RUN}:round:s0:7", f"{RUN}:config:{'0' * 64}"
+AVERAGE_KEY = f"{RUN}:average:s0:6"
 NONCE = bytes(range(16))
 
 
@@ -202,6 +203,8 @@ SEALED = [
     _seal(swarm_pb2.MemberRecord(run_id=RUN, config_hash="cd" * 32, boundary=7, joined_at=1.5, peer_name="b",
                                  training=True), worker="b", topic=MEMBERS_KEY),  # fmt: skip
     _seal(swarm_pb2.ConfigRecord(config_hash="0" * 64, shared_json='{"a": 1}'), topic=CONFIG_KEY),
+    _seal(swarm_pb2.AverageRecord(round=6, group_id=b"g", average_hash="ef" * 32, kind="partial",
+                                  missing=[swarm_pb2.Span(start=2, end=9)]), worker="b", topic=AVERAGE_KEY, round=6),
     _seal(swarm_pb2.StateRequest(run_id=RUN, boundary=7, wait_s=2.0, at_least=True), topic=ID_B, round=7),
     _seal(swarm_pb2.StateHeader(boundary=7, n_tensors=3, has_pending=True, sha256=b"\x01" * 32,
                                 pending=swarm_pb2.AverageInfo(round=6, group=[ID_A, ID_B], missing=[swarm_pb2.Span(end=4)])),
