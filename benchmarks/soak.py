@@ -1,7 +1,7 @@
 """Churn soak: many peers, many rounds, seeded chaos; the swarm must stay in agreement and keep learning.
 
     python benchmarks/soak.py                                  # 6 peers x 2 stages, 50 rounds, 12 events
-    python benchmarks/soak.py --peers 4 --rounds 15 --events 3 # the short soak (tests/swarm/test_soak.py)
+    python benchmarks/soak.py --peers 4 --rounds 26 --events 3 # the short soak (tests/swarm/test_soak.py)
     sudo python benchmarks/soak.py --netns                     # peers in network namespaces, + link throttling
     python benchmarks/soak.py --baseline                       # also a churn-free run of the same peers
 
@@ -13,13 +13,18 @@ Chaos, drawn from --seed and triggered when the swarm reaches a round:
     throttle (--netns) one peer's link drops to --throttle-mbit for --freeze seconds, then is restored
 
 Invariants, checked from every peer's metrics.jsonl and logs (`check`):
+    group        peers that applied the average of one group (the record's `groups`) and held one state before
+                 it hold one state after it: a group never splits (exchange.py, phase 5)
     agreement    at every round, a peer whose stage hash differs from the majority of the peers that completed
                  that round (most holders; a tie goes to the smallest peer id, as the swarm's hash checks decide)
                  is back on the majority's hash one round later: the hash check that finds it runs during the
                  next round, so it trains one round on a diverged state, never two
     resumption   a killed peer resumes from its last checkpoint ("resumed from round k", k >= the last round it
-                 recorded) and is back in a group of >= 2 within --rejoin-rounds swarm rounds of its restart
-    crashes      every peer process exits 0, except the ones the soak killed
+                 recorded) and is back in a group of >= 2 within --rejoin-rounds swarm rounds of resuming (its
+                 process start-up, reported as `seconds_to_resume`, is the machine's, not the swarm's); a restart
+                 killed again before it was back is superseded by the next one
+    crashes      every peer process exits 0, except the ones the soak killed; a start that found no initial peer
+                 (exit 75, temporary) is restarted as a supervisor would, at most MAX_RETRIES times
     leftovers    no process whose command line names the soak's directory survives the soak
     learning     the final val loss is below the initial one, and the last quarter's mean below the first's
 
@@ -46,10 +51,12 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, write_result  # noqa: E402
+from benchmarks import common  # noqa: E402
 from dilocox_p2p.swarm.agreement import majority_hash  # noqa: E402
 
 KINDS = ("kill", "join", "freeze", "throttle")
+MAX_RETRIES = 2  # starts of one peer that may exit 75 (no initial peer answered) before it counts as a crash
+SETTLE_ROUNDS = 8  # no event fires in the run's last rounds: a restarted peer needs that long to be back and judged
 SWARM_FLAGS = [
     "--round-wait", "10", "--set", "swarm.chunk_timeout=5.0", "--set", "swarm.allreduce_timeout=30.0",
     "--set", "inner.threads=1",
@@ -64,6 +71,7 @@ class Event:
     time: float | None = None  # seconds since the soak started
     fired_round: int | None = None
     done_time: float | None = None  # restart / thaw / restore
+    skipped: bool = False  # its turn came within the last SETTLE_ROUNDS rounds (events run one at a time)
 
 
 @dataclass
@@ -74,6 +82,7 @@ class SoakPeer:
     proc: subprocess.Popen | None = None
     log: Any = None
     kills: list[dict] = field(default_factory=list)  # {time, last_round, restart_time}
+    retries: int = 0  # exits with 75 (no initial peer answered), restarted as a supervisor would
     frozen_until: float | None = None
     joined_at: float = 0.0
 
@@ -93,7 +102,7 @@ class Soak:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def start_peer(self, index: int, *, resume: bool = False) -> SoakPeer:
+    def start_peer(self, index: int, *, resume: bool | str = False) -> SoakPeer:
         if index < len(self.peers):
             peer = self.peers[index]
         else:
@@ -106,18 +115,18 @@ class Soak:
                 "--data-seed", str(index), "--host-maddrs", f"/ip4/{self.host_ip(index)}/tcp/0", *SWARM_FLAGS,
                 *self.args.extra,
             ]  # fmt: skip
-            if self.peers:
-                cmd += ["--initial-peers", *self.initial()]
             peer = SoakPeer(index, run_dir, cmd, joined_at=self.now())
             self.peers.append(peer)
             if index < self.args.peers:  # the first peers start round 0 together; joiners and restarts never wait
                 peer.log = open(peer.run_dir.parent / f"peer{index}.out", "a")
                 return self._spawn(peer, cmd + ["--min-peers", str(self.args.peers)])
         peer.log = open(peer.run_dir.parent / f"peer{index}.out", "a")
-        return self._spawn(peer, peer.cmd + (["--resume"] if resume else []))
+        return self._spawn(peer, peer.cmd + (["--resume"] if resume is True else ["--resume", resume] if resume else []))
 
     def _spawn(self, peer: SoakPeer, cmd: list[str]) -> SoakPeer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if peer.index > 0:  # the first peer starts the swarm; everyone else joins through live peers
+            cmd = [*cmd, "--initial-peers", *self.initial()]
         if self.lab is not None:
             peer.proc = self.lab.popen(peer.index, cmd, stdout=peer.log, stderr=subprocess.STDOUT, env=env)
         else:
@@ -128,10 +137,17 @@ class Soak:
         return self.lab.ip(index) if self.lab is not None else "127.0.0.1"
 
     def initial(self) -> list[str]:
+        """--initial-peers for a peer that starts now: the first multiaddr of up to three live peers, as an
+        operator lists several bootstrap nodes (peer 0 is waited for at the start)."""
         from dilocox_p2p.launch import wait_for_multiaddrs
 
         first = self.peers[0]
-        return wait_for_multiaddrs(first.run_dir, alive=lambda: first.proc.poll() is None)[:1]
+        found = wait_for_multiaddrs(first.run_dir, alive=lambda: first.proc.poll() is None)[:1] if self.alive(first) else []
+        for peer in self.peers[1:]:
+            path = peer.run_dir / "multiaddrs.txt"
+            if len(found) < 3 and self.alive(peer) and peer.frozen_until is None and path.exists():
+                found += path.read_text().split()[:1]
+        return found
 
     def alive(self, peer: SoakPeer) -> bool:
         return peer.proc is not None and peer.proc.poll() is None
@@ -150,7 +166,11 @@ class Soak:
     def fire_due(self) -> None:
         current = self.swarm_round()
         for event in self.events:
-            if event.time is None and current >= event.round and not self.pending:
+            if event.time is None and not event.skipped and current >= event.round and not self.pending:
+                if current >= self.args.rounds * self.syncs - SETTLE_ROUNDS:
+                    event.skipped = True
+                    print(f"[soak] {self.now():7.1f}s round {current}: {event.kind} skipped (too late to settle)")
+                    continue
                 self.fire(event, current)
                 return  # one event at a time: the next waits for this one to be undone
         now = self.now()
@@ -192,6 +212,9 @@ class Soak:
 
     def undo(self, action: str, index: int) -> None:
         peer = self.peers[index]
+        if action == "retry":
+            self.start_peer(index, resume="auto")
+            return
         event = next(e for e in reversed(self.events) if e.peer == index and e.time is not None)
         event.done_time = round(self.now(), 2)
         if action == "restart":
@@ -205,6 +228,17 @@ class Soak:
             self.lab.set_rate(index, self.args.rate)
         print(f"[soak] {event.done_time:7.1f}s {action} peer{index}", flush=True)
 
+    def supervise(self) -> None:
+        """Restart, --down seconds later, a peer that exited 75 (no initial peer answered at start: temporary,
+        the exit code services restart on), with --resume as its unit would."""
+        for peer in self.peers:
+            code = peer.proc.poll() if peer.proc is not None else None
+            if code == 75 and not any(i == peer.index for _, _, i in self.pending) and self.candidates():
+                peer.retries += 1
+                print(f"[soak] {self.now():7.1f}s peer{peer.index} exited 75 (swarm unreachable): restarting", flush=True)
+                peer.proc = None
+                self.pending.append((self.now() + self.args.down, "retry", peer.index))
+
     # ----- the run -----------------------------------------------------------------------------------
     def run(self) -> None:
         for index in range(self.args.peers):
@@ -212,7 +246,8 @@ class Soak:
         deadline = time.monotonic() + self.args.timeout
         while time.monotonic() < deadline:
             self.fire_due()
-            if not self.pending and all(e.time is not None for e in self.events) and all(
+            self.supervise()
+            if not self.pending and all(e.time is not None or e.skipped for e in self.events) and all(
                 not self.alive(p) for p in self.peers
             ):
                 return
@@ -244,7 +279,7 @@ def schedule(args: argparse.Namespace, rng: random.Random) -> list[Event]:
     if args.events > len(kinds):
         picks = kinds + [rng.choice(kinds) for _ in range(args.events - len(kinds))]
     rng.shuffle(picks)
-    first, last = 2, max(3, args.rounds - 4)  # leave the last rounds to settle
+    first, last = 2, max(3, args.rounds - 2 * SETTLE_ROUNDS)  # events run one at a time: leave room to settle
     rounds = sorted(rng.randint(first, last) for _ in picks)
     return [Event(round=r, kind=k) for r, k in zip(rounds, picks)]
 
@@ -256,52 +291,98 @@ def read_records(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-def peer_logs(run_dir: Path) -> str:
-    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("stage*.log")))
-
-
 def check(soak: Soak) -> dict[str, Any]:
     """The invariants (module docstring) as {name: list of violations}, and the figures of the report."""
     records = {p.index: {r["round"]: r for r in read_records(p.run_dir)} for p in soak.peers}
-    violations: dict[str, list[str]] = {"agreement": [], "resumption": [], "crashes": [], "learning": []}
-    rounds = sorted({t for recs in records.values() for t in recs})
-    diverged: dict[tuple[int, int], int] = {}  # (peer, stage) -> last round it held a minority hash
+    violations: dict[str, list[str]] = {"group": [], "agreement": [], "resumption": [], "crashes": [], "learning": []}
     ids = {(p.index, s): worker_peer_id(p.run_dir, s) for p in soak.peers for s in range(soak.args.stages)}
-    for t in rounds:
-        here = {i: recs[t] for i, recs in records.items() if t in recs}
-        for stage in range(soak.args.stages):
-            # the majority as the swarm's own hash checks define it: most holders, a tie to the smallest peer id
-            majority = majority_hash({ids[(i, stage)]: r["stage_hashes"][stage] for i, r in here.items()})
-            for i, r in here.items():
-                if r["stage_hashes"][stage] != majority:
-                    if diverged.get((i, stage)) == t - 1:
-                        violations["agreement"].append(f"peer{i} stage {stage}: minority hash at rounds {t - 1} and {t}")
-                    diverged[(i, stage)] = t
+    for stage in range(soak.args.stages):
+        violations["group"] += group_splits(records, stage)
+        violations["agreement"] += minority_streaks(records, stage, {i: ids[(i, stage)] for i in records})
     for peer in soak.peers:
-        logs = peer_logs(peer.run_dir)
-        resumed = [int(k) for k in re.findall(r"resumed from round (\d+)", logs)]
-        for n, kill in enumerate(peer.kills):
-            if n >= len(resumed) or resumed[n] < kill["last_round"]:  # checkpoint k starts round k: last + 1
-                violations["resumption"].append(f"peer{peer.index}: kill {n} at round {kill['last_round']}, resumed {resumed}")
-            back = [t for t, r in records[peer.index].items() if r["time"] > soak.t0_wall + kill.get("restart_time", 0)
-                    and (r.get("group_size") or 0) >= 2]  # fmt: skip
-            kill["back_round"] = min(back) if back else None
-            kill["seconds_to_rejoin"] = (
-                round(min(records[peer.index][t]["time"] for t in back) - soak.t0_wall - kill["restart_time"], 1)
-                if back and "restart_time" in kill else None
-            )  # fmt: skip
-            if not back or kill["back_round"] - kill.get("restart_round", kill["last_round"]) > soak.args.rejoin_rounds:
-                violations["resumption"].append(f"peer{peer.index}: not back in a group within {soak.args.rejoin_rounds} "
-                                                f"rounds of restart {n} (restarted at swarm round "
-                                                f"{kill.get('restart_round')}, back at {kill.get('back_round')})")  # fmt: skip
+        violations["resumption"] += check_rejoins(soak, peer, records)
         if peer.proc is not None and peer.proc.returncode not in (0, None):
             violations["crashes"].append(f"peer{peer.index} exited {peer.proc.returncode}")
+        if peer.retries > MAX_RETRIES:
+            violations["crashes"].append(f"peer{peer.index} could not reach the swarm at {peer.retries} starts")
     vals = [r["val_loss"] for t, r in sorted(records[0].items())]
     quarter = max(1, len(vals) // 4)
     initial = json.loads((soak.peers[0].run_dir / "run.json").read_text())["initial_val_loss"]
     if not (vals and vals[-1] < initial and sum(vals[-quarter:]) < sum(vals[:quarter])):
         violations["learning"].append(f"val loss {initial:.3f} -> {vals[-1] if vals else None}")
     return {"violations": violations, "records": records}
+
+
+def group_splits(records: dict[int, dict[int, dict]], stage: int) -> list[str]:
+    """Rounds where two peers that held one state applied one group's average and then held different ones."""
+    found = []
+    for t in sorted({t for recs in records.values() for t in recs}):
+        members: dict[tuple[str, str], dict[int, str]] = {}  # (group, hash before) -> {peer: hash after}
+        for i, recs in records.items():
+            r, before = recs.get(t), recs.get(t - 1)
+            if r is None or before is None or not r.get("groups") or r["groups"][stage] is None or r["replaced_stages"]:
+                continue
+            members.setdefault((r["groups"][stage], before["stage_hashes"][stage]), {})[i] = r["stage_hashes"][stage]
+        for (group, _), after in members.items():
+            if len(set(after.values())) > 1:
+                camps = ", ".join(f"peer{i} {h[:8]}" for i, h in sorted(after.items()))
+                found.append(f"stage {stage} round {t}: group {group[:8]} split ({camps})")
+    return found
+
+
+def minority_streaks(records: dict[int, dict[int, dict]], stage: int, ids: dict[int, str]) -> list[str]:
+    """Peers holding a minority hash at two rounds running (the majority as the swarm's hash checks define
+    it: most holders, a tie to the smallest peer id)."""
+    found, diverged = [], {}  # peer -> last round it held a minority hash
+    for t in sorted({t for recs in records.values() for t in recs}):
+        here = {i: recs[t] for i, recs in records.items() if t in recs}
+        majority = majority_hash({ids[i]: r["stage_hashes"][stage] for i, r in here.items()})
+        for i, r in here.items():
+            if r["stage_hashes"][stage] != majority:
+                if diverged.get(i) == t - 1:
+                    found.append(f"peer{i} stage {stage}: minority hash at rounds {t - 1} and {t}")
+                diverged[i] = t
+    return found
+
+
+def check_rejoins(soak: Soak, peer: SoakPeer, records: dict[int, dict[int, dict]]) -> list[str]:
+    """Each restart of `peer` resumed from its last checkpoint and was back in a group within --rejoin-rounds
+    swarm rounds of resuming; fills in each kill's figures (seconds to resume and to rejoin, rounds)."""
+    found, resumed = [], resumptions(peer.run_dir)
+    mine = records[peer.index]
+    for n, kill in enumerate(peer.kills):
+        restart = soak.t0_wall + kill.get("restart_time", float("inf"))
+        after = [(when, k) for when, k in resumed if when >= restart - 1.0]  # log times have whole seconds
+        if n + 1 < len(peer.kills) and (not after or after[0][0] > soak.t0_wall + peer.kills[n + 1]["time"]):
+            kill["superseded"] = True  # killed again while starting: the next restart is the one to judge
+            continue
+        if not after:
+            found.append(f"peer{peer.index}: restart {n} never resumed (kill at round {kill['last_round']})")
+            continue
+        when, k = after[0]
+        kill["resumed_from_round"], kill["seconds_to_resume"] = k, round(when - restart, 1)
+        if k < kill["last_round"]:  # checkpoint k starts round k: the last round recorded is at most lost
+            found.append(f"peer{peer.index}: kill {n} at round {kill['last_round']}, resumed from round {k}")
+        back = sorted(t for t, r in mine.items() if r["time"] > when and (r.get("group_size") or 0) >= 2)
+        swarm_round = 1 + max((t for recs in records.values() for t, r in recs.items() if r["time"] <= when), default=-1)
+        kill["resumed_at_swarm_round"], kill["back_round"] = swarm_round, back[0] if back else None
+        kill["seconds_to_rejoin"] = round(mine[back[0]]["time"] - when, 1) if back else None
+        if n + 1 < len(peer.kills) and (not back or mine[back[0]]["time"] > soak.t0_wall + peer.kills[n + 1]["time"]):
+            kill["superseded"] = True  # killed again before it was back: the next restart is the one to judge
+        elif not back or back[0] - swarm_round > soak.args.rejoin_rounds:
+            found.append(f"peer{peer.index}: not back in a group within {soak.args.rejoin_rounds} rounds of resuming "
+                         f"(restart {n}: resumed at swarm round {swarm_round}, back at {kill['back_round']})")  # fmt: skip
+    return found
+
+
+def resumptions(run_dir: Path) -> list[tuple[float, int]]:
+    """(unix time, round) of every "resumed from round k" line of stage 0's log."""
+    path = run_dir / "logs" / "stage0.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return [
+        (time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")), int(k))
+        for stamp, k in re.findall(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) .*resumed from round (\d+)", text, re.M)
+    ]
 
 
 def worker_peer_id(run_dir: Path, stage: int) -> str:
@@ -339,6 +420,8 @@ def summarize(soak: Soak, checked: dict[str, Any]) -> dict[str, Any]:
             "rounds_lost": len(set(range(first, soak.args.rounds * soak.syncs)) - trained),
             "repairs": sum(r["faults"].get("repairs", 0) for r in recs.values()),
             "catch_ups": sum(r["faults"].get("catch_ups", 0) for r in recs.values()),
+            "averages_adopted": sum(r["faults"].get("averages_adopted", 0) for r in recs.values()),
+            "retries": peer.retries,
             "bytes_sent": sum(r["bytes_sent"] for r in recs.values()),
             "bytes_received": sum(r["bytes_received"] for r in recs.values()),
             "kills": peer.kills,
@@ -419,15 +502,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--down", type=float, default=5.0, help="seconds a killed peer stays down")
     p.add_argument("--freeze", type=float, default=35.0, help="seconds a frozen peer (or a throttled link) lasts")
-    p.add_argument("--rejoin-rounds", type=int, default=6,
-                   help="swarm rounds a restarted peer may take, from its restart, to be back in a group")  # fmt: skip
+    p.add_argument("--rejoin-rounds", type=int, default=3,
+                   help="swarm rounds a restarted peer may take, from resuming, to be back in a group")  # fmt: skip
     p.add_argument("--netns", action="store_true", help="peers in network namespaces (root), links shaped to --rate")
     p.add_argument("--rate", type=float, default=100.0, help="--netns: link rate, Mbit/s")
     p.add_argument("--throttle-mbit", type=float, default=1.0)
     p.add_argument("--baseline", action="store_true", help="also run the same peers churn-free and compare")
     p.add_argument("--run-id", default="soak")
     p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--name", default="soak", help="results: benchmarks/results/NAME.json and .png")
+    p.add_argument("--name", default="soak", help="results: OUT/NAME.json and .png")
+    p.add_argument("--out", type=Path, default=common.RESULTS, help="results directory (default benchmarks/results)")
     p.add_argument("--keep", action="store_true", help="keep the peers' directories (printed)")
     p.add_argument("extra", nargs="*", help="after --: more `join` flags for every peer, e.g. -- --mode delayed")
     return p.parse_args(argv)
@@ -449,9 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         report["final_val_loss_vs_baseline"] = round(report["final_val_loss"] / baseline - 1, 4)
     report["violations"] = checked["violations"]
     report["passed"] = not any(checked["violations"].values())
-    report["settings"] = {k: v for k, v in vars(args).items() if k != "extra"} | {"extra": args.extra}
-    path = write_result(args.name, report)
-    timeline(soak, checked, RESULTS / f"{args.name}.png", baseline)
+    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    path = common.write_result(args.name, report, directory=args.out)
+    timeline(soak, checked, args.out / f"{args.name}.png", baseline)
     print(json.dumps({k: report[k] for k in ("final_val_loss", "baseline_final_val_loss", "violations", "passed")}, indent=2))
     print(f"[soak] results: {path}")
     if args.keep:

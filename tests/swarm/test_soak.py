@@ -1,0 +1,33 @@
+"""The short churn soak (benchmarks/soak.py): 4 peers x 2 stages, 26 rounds, a kill, a late joiner and a freeze.
+
+    pytest tests/swarm/test_soak.py -q          # about 3 minutes
+
+The long soak (6 peers, 50 rounds, 12 events, network namespaces) is a documented command
+in the README; both check the same invariants from every peer's records and logs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import soak
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.mark.timeout(900)
+def test_a_short_churn_soak_keeps_every_group_in_agreement_rejoins_killed_peers_and_keeps_learning(tmp_path):
+    args = soak.parse_args(["--peers", "4", "--rounds", "26", "--events", "3", "--seed", "1", "--timeout", "720"])
+    run, checked = soak.run_soak(args, tmp_path / "churn", chaos=True)
+
+    assert sorted(e.kind for e in run.events if e.time is not None) == ["freeze", "join", "kill"]
+    report = soak.summarize(run, checked)
+    assert not any(checked["violations"].values()), json.dumps(
+        {"violations": checked["violations"], "events": report["events"], "peers": report["peers"]}, indent=1
+    )
+    killed = [kill for peer in run.peers for kill in peer.kills if not kill.get("superseded")]
+    assert killed and all(k["back_round"] is not None and k["resumed_from_round"] >= k["last_round"] for k in killed)
+    joiner = run.peers[args.peers]  # the late joiner trained in a group before the end
+    assert any((r.get("group_size") or 0) >= 2 for r in checked["records"][joiner.index].values())
