@@ -151,6 +151,8 @@ def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None)
         return _run_under_torchrun(cfg, resume=resume, factory=factory)
     _check_ports(cfg)  # one clear error now, not a failed stage later
     data_seed = prepare_run_dir(cfg, resume=resume)
+    if resume:
+        _warn_if_alone_again(cfg)
     if cfg.swarm.enabled:  # an unsafe key or a closed run's refusal: one clear error before any stage starts
         from .swarm.credentials import Credentials
 
@@ -164,6 +166,23 @@ def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None)
         proc.start()
         procs.append(proc)
     return _supervise(procs)
+
+
+def _warn_if_alone_again(cfg: Config) -> None:
+    """A peer resumed without --initial-peers starts a swarm of its own: say so if it averaged with others
+    before (the first peer of a run, restarted with the command that started the run, would train alone)."""
+    if not cfg.swarm.enabled or cfg.swarm.initial_peers:
+        return
+    from .metrics import read_metrics
+
+    records = read_metrics(cfg.run.path / "metrics.jsonl")
+    size = max((r.get("group_size") or 0 for r in records[-3:]), default=0)
+    if size >= 2:
+        logger.warning(
+            "resuming a run whose last rounds averaged in groups of %d, without --initial-peers: this peer starts a "
+            "swarm of its own and trains alone; to rejoin, pass --initial-peers with a live peer's or a bootstrap "
+            "node's multiaddr", size,
+        )  # fmt: skip
 
 
 def _check_ports(cfg: Config) -> None:

@@ -5,6 +5,8 @@ Run: python -m pytest tests/unit/test_checkpoint.py -q
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -166,3 +168,21 @@ def test_a_run_that_crashed_writing_its_first_checkpoints_starts_afresh_but_anot
     with pytest.raises(CheckpointError, match="already holds a run"):  # a complete checkpoint: resume it
         prepare_run_dir(cfg, resume=False)
     assert latest_common_round(cfg.run.path, 2) == 0
+
+
+def test_resuming_a_peer_that_averaged_with_others_without_initial_peers_warns_that_it_will_train_alone(tmp_path, caplog):
+    from dilocox_p2p.config import load_config
+    from dilocox_p2p.launch import _warn_if_alone_again
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [json.dumps({"round": t, "group_size": size}) for t, size in enumerate([None, 3, 3])]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    alone = load_config(overrides={"run.run_dir": str(run_dir)})
+    peer = "/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWECBTr6v59UqZ1z4a9ZLPdpuBco1DEUzNKmK1xo6iPVjn"
+    joined = load_config(overrides={"run.run_dir": str(run_dir), "swarm.initial_peers": [peer]})
+    with caplog.at_level("WARNING"):
+        _warn_if_alone_again(joined)
+        assert not caplog.records
+        _warn_if_alone_again(alone)
+    assert "averaged in groups of 3, without --initial-peers" in caplog.text
+    assert "pass --initial-peers with a live peer's or a bootstrap node's multiaddr" in caplog.text
