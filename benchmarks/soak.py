@@ -125,8 +125,8 @@ class Soak:
 
     def _spawn(self, peer: SoakPeer, cmd: list[str]) -> SoakPeer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if peer.index > 0:  # the first peer starts the swarm; everyone else joins through live peers
-            cmd = [*cmd, "--initial-peers", *self.initial()]
+        if peer.index > 0 or peer.kills or peer.retries:  # the first start of peer 0 starts the swarm; every
+            cmd = [*cmd, "--initial-peers", *self.initial()]  # other start joins it through live peers
         if self.lab is not None:
             peer.proc = self.lab.popen(peer.index, cmd, stdout=peer.log, stderr=subprocess.STDOUT, env=env)
         else:
@@ -160,8 +160,10 @@ class Soak:
 
     # ----- chaos ---------------------------------------------------------------------------------
     def swarm_round(self) -> int:
-        """The swarm's progress: the most rounds any peer has recorded."""
-        return max((len(read_records(p.run_dir)) for p in self.peers), default=0)
+        """The swarm's progress: the last round recorded by the median live peer (a peer racing ahead on its own
+        does not move it)."""
+        ends = sorted(max((r["round"] + 1 for r in read_records(p.run_dir)), default=0) for p in self.candidates())
+        return ends[len(ends) // 2] if ends else 0
 
     def fire_due(self) -> None:
         current = self.swarm_round()
@@ -197,7 +199,8 @@ class Soak:
             peer = self.rng.choice(live)
             event.peer = peer.index
             if event.kind == "kill":
-                peer.kills.append({"time": event.time, "last_round": len(read_records(peer.run_dir)) - 1})
+                last = max((r["round"] for r in read_records(peer.run_dir)), default=-1)
+                peer.kills.append({"time": event.time, "last_round": last})
                 self.signal_group(peer, signal.SIGKILL)
                 peer.proc.wait(30)
                 self.pending.append((self.now() + self.args.down, "restart", peer.index))
@@ -247,9 +250,9 @@ class Soak:
         while time.monotonic() < deadline:
             self.fire_due()
             self.supervise()
-            if not self.pending and all(e.time is not None or e.skipped for e in self.events) and all(
-                not self.alive(p) for p in self.peers
-            ):
+            if not self.pending and all(not self.alive(p) for p in self.peers):  # the run is over
+                for event in self.events:
+                    event.skipped = event.skipped or event.time is None
                 return
             time.sleep(0.5)
         raise SystemExit(f"soak did not finish within {self.args.timeout}s")
@@ -305,12 +308,29 @@ def check(soak: Soak) -> dict[str, Any]:
             violations["crashes"].append(f"peer{peer.index} exited {peer.proc.returncode}")
         if peer.retries > MAX_RETRIES:
             violations["crashes"].append(f"peer{peer.index} could not reach the swarm at {peer.retries} starts")
-    vals = [r["val_loss"] for t, r in sorted(records[0].items())]
+    vals = [r["val_loss"] for t, r in sorted(records[reference_peer(soak, records)].items())]
     quarter = max(1, len(vals) // 4)
     initial = json.loads((soak.peers[0].run_dir / "run.json").read_text())["initial_val_loss"]
     if not (vals and vals[-1] < initial and sum(vals[-quarter:]) < sum(vals[:quarter])):
         violations["learning"].append(f"val loss {initial:.3f} -> {vals[-1] if vals else None}")
     return {"violations": violations, "records": records}
+
+
+def reference_peer(soak: Soak, records: dict[int, dict[int, dict]]) -> int:
+    """The peer whose curve stands for the swarm's: the first of those holding the majority's state at the last
+    round recorded by most (with a tie, the smallest peer id's), among the peers that recorded it."""
+    last = max(t for recs in records.values() for t in recs)
+    here = {i: recs[last] for i, recs in records.items() if last in recs}
+    ids = {i: ":".join(worker_peer_id(soak.peers[i].run_dir, s) for s in range(soak.args.stages)) for i in here}
+    majority = majority_hash({ids[i]: "|".join(r["stage_hashes"]) for i, r in here.items()})
+    return min(i for i, r in here.items() if "|".join(r["stage_hashes"]) == majority)
+
+
+def final_val_loss(soak: Soak, records: dict[int, dict[int, dict]]) -> float | None:
+    if not any(records.values()):
+        return None
+    recs = records[reference_peer(soak, records)]
+    return recs[max(recs)]["val_loss"]
 
 
 def group_splits(records: dict[int, dict[int, dict]], stage: int) -> list[str]:
@@ -428,7 +448,7 @@ def summarize(soak: Soak, checked: dict[str, Any]) -> dict[str, Any]:
             "final_val_loss": recs[max(recs)]["val_loss"] if recs else None,
         }
     return {"events": [asdict(e) for e in soak.events], "peers": peers,
-            "final_val_loss": max(records[0].items())[1]["val_loss"] if records[0] else None}  # fmt: skip
+            "final_val_loss": final_val_loss(soak, records)}  # fmt: skip
 
 
 def timeline(soak: Soak, checked: dict[str, Any], path: Path, baseline_loss: float | None) -> None:

@@ -505,20 +505,9 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self, round: int, peers: list[str], start: HeldAverage | None, wait_s: float, deadline: float
     ) -> Collected:
         out = Collected(average=start)
-        for peer in peers:
-            if out.average is not None and not out.average.missing:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                out.failures.append(f"{peer}: no time left")
-                continue
-            got, reason, size = await self._fetch_average(peer, round, min(wait_s, remaining), remaining)
-            out.bytes_received += size
-            if got is None:
-                out.failures.append(f"{peer}: {reason}")
-                if reason.startswith(swarm_pb2.StateStatus.Name(swarm_pb2.STATE_LACKING)):
-                    out.lacking.append(peer)
-                continue
+        if start is not None and not start.missing:
+            return out
+        async for peer, got in self._copies(round, peers, wait_s, deadline, out):
             out.answered.append(peer)
             mine = out.average
             if mine is None:
@@ -530,6 +519,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
                     out.average = HeldAverage(round, mine.kind, tensors, missing, mine.group, mine.group_id)
             else:
                 out.failures.append(f"{peer}: holds another group's average")
+            if not out.average.missing:
+                break
         if out.average is not None:
             if start is None:
                 out.average.kind = AverageKind.BORROWED
@@ -542,18 +533,10 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self, round: int, peers: list[str], want: str, wait_s: float, deadline_s: float, future: MPFuture
     ) -> None:
         try:
-            out, deadline = Collected(average=None), time.monotonic() + deadline_s
-            for peer in peers:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    out.failures.append(f"{peer}: no time left")
-                    break
-                got, reason, size = await self._fetch_average(peer, round, min(wait_s, remaining), remaining)
-                out.bytes_received += size
-                if got is not None and average_hash(got.tensors, got.missing) != want:
-                    got, reason = None, "its copy is not the one its record announced"
-                if got is None:
-                    out.failures.append(f"{peer}: {reason}")
+            out = Collected(average=None)
+            async for peer, got in self._copies(round, peers, wait_s, time.monotonic() + deadline_s, out):
+                if average_hash(got.tensors, got.missing) != want:
+                    out.failures.append(f"{peer}: its copy is not the one its record announced")
                     continue
                 out.average, out.answered, out.mended_from = got, [peer], [peer]
                 self._hold(got)
@@ -561,6 +544,25 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             future.set_result(out)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
+
+    async def _copies(
+        self, round: int, peers: list[str], wait_s: float, deadline: float, out: Collected
+    ) -> AsyncIterator[tuple[str, HeldAverage]]:
+        """Each of `peers`' copies of round `round`'s average, asked in turn until `deadline` (what failed, who
+        lacks one too and the bytes received are noted in `out`)."""
+        for peer in peers:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                out.failures.append(f"{peer}: no time left")
+                continue
+            got, reason, size = await self._fetch_average(peer, round, min(wait_s, remaining), remaining)
+            out.bytes_received += size
+            if got is None:
+                out.failures.append(f"{peer}: {reason}")
+                if reason.startswith(swarm_pb2.StateStatus.Name(swarm_pb2.STATE_LACKING)):
+                    out.lacking.append(peer)
+                continue
+            yield peer, got
 
     def _reply_limits(self, wait_s: float, total_s: float) -> dict[str, float]:
         """How long a reply may take: the server's wait plus one chunk timeout for its header, one chunk
