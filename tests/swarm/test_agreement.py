@@ -100,14 +100,17 @@ def test_a_member_holding_more_than_its_group_takes_the_groups_copy_without_a_do
         assert peer.wait(timeout=240) == 0, peer.output()
 
     a, b, c = (_by_round(p) for p in (*others, hoarder))
-    for t in range(4):
+    for t in (0, 1):
         assert a[t]["stage_hashes"] == b[t]["stage_hashes"] == c[t]["stage_hashes"], f"round {t}: the group split"
+    # the others suspect the hoarder (it failed them as a reducer) and may average without it for a round or two
+    assert all(a[t]["stage_hashes"] == b[t]["stage_hashes"] for t in range(4))
     assert [r[1]["kinds"] for r in (a, b, c)] == [["partial"]] * 3
     assert a[1]["coverage"] == b[1]["coverage"] == c[1]["coverage"] < 1.0
     assert c[1]["faults"]["averages_adopted"] == 1 and c[1]["faults"]["downloads_failed"] == 0
     assert a[1]["groups"] == b[1]["groups"] == c[1]["groups"]
-    for peer in (*others, hoarder):
+    for peer in others:
         assert _faults(peer, "repairs") == 0
+    assert c[1]["faults"]["repairs"] == c[2]["faults"]["repairs"] == 0, "the hoarder's round-1 state was repaired"
     assert a[1]["faults"]["averages_adopted"] == b[1]["faults"]["averages_adopted"] == 0
 
 
@@ -122,7 +125,7 @@ def test_members_left_with_three_different_copies_all_take_the_one_of_the_smalle
         assert peer.wait(timeout=240) == 0, peer.output()
 
     rounds = [_by_round(p) for p in peers]
-    for t in range(3):
+    for t in (0, 1):  # later rounds may leave out members suspected for the parts they withheld
         assert len({tuple(r[t]["stage_hashes"]) for r in rounds}) == 1, f"round {t}: the peers disagree"
     adopted = sorted(r[1]["faults"]["averages_adopted"] for r in rounds)
     assert adopted == [0, 1, 1], adopted
