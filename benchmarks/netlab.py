@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import uuid
+from pathlib import Path
 from typing import Any
 
 __all__ = ["NetLab", "NetLabError"]
@@ -102,6 +103,14 @@ class NetLab:
         verb = "change" if self.rate_mbit is not None else "replace"
         _run("ip", "netns", "exec", self.ns(host), "tc", "qdisc", verb, "dev", "eth0", "root", *shape)
         _run("tc", "qdisc", verb, "dev", f"dlx{self.id}v{host}", "root", *shape)
+
+    def counters(self, host: int) -> tuple[int, int]:
+        """(rx_bytes, tx_bytes) of host's eth0 since the lab started: what crossed its link, headers included.
+
+        Read from the host side of its veth pair, whose counters mirror eth0's (a frame eth0 sends is one
+        the host side receives), so no process enters the namespace and it can be polled cheaply."""
+        stats = Path(f"/sys/class/net/dlx{self.id}v{host}/statistics")
+        return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
     def popen(self, host: int, cmd: list[str], **kwargs: Any) -> subprocess.Popen:
         """Start `cmd` inside host's namespace, in its own process group."""
