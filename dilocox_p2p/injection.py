@@ -26,6 +26,9 @@ Hostile peers (docs/security.md), which skip this peer's own checks:
 - `send_nan_average:round=R:stage=S` makes stage S's reducer hand NaN averages to the others.
 - `flip_served_bit:stage=S` flips one bit of every compressed message and average stage S
   serves to another member (after signing it, as a faulty relay or link would).
+- `cut_served_message:stage=S:serve=K` ends the K-th compressed message stage S serves halfway
+  through (as a connection reset mid-reply reads in hivemind: a clean end of the stream); without
+  `serve`, every one.
 - `speak_other_protocol` signs with the next protocol version (a peer running other code).
 - `ignore_admission` joins a closed run without the key or certificate it asks for.
 
@@ -44,8 +47,8 @@ logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
     "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "corrupt_state", "nan_pseudo_gradient",
-    "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "flip_served_bit", "speak_other_protocol",
-    "ignore_admission",
+    "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "flip_served_bit", "cut_served_message",
+    "speak_other_protocol", "ignore_admission",
 )  # fmt: skip
 
 

@@ -588,10 +588,11 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         tensors, size = reply.tensors, reply.size
         if header.status != swarm_pb2.STATE_OK:
             return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
+        # shapes first: a reply cut short (a connection reset ends the stream cleanly) is a failure, not a fault
+        if len(tensors) != header.n_tensors or not _same_shapes(tensors, self._of_round(round, self._averaged_tensors)):
+            return None, "the tensors do not fit this stage (cut short or malformed)", size
         if reply.sha256 != header.sha256:
             return None, "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)", size
-        if len(tensors) != header.n_tensors or not _same_shapes(tensors, self._of_round(round, self._averaged_tensors)):
-            return None, "the tensors do not fit this stage", size
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             return None, "refused: the average holds NaN or Inf", size
         info = header.average
@@ -777,16 +778,16 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         tensors = reply.tensors
         if header.status != swarm_pb2.STATE_OK:
             return StateDownload(status=header.status, boundary=header.boundary, donor=donor, reason=header.reason)
-        if reply.sha256 != header.sha256:
-            reason = "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)"
-            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason=reason)
         n = len(self._averaged_tensors)
         pending_like = self._of_round(header.pending.round, self._averaged_tensors) if header.has_pending else []
         if len(tensors) != header.n_tensors or len(tensors) != 2 * n + len(pending_like):
             return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="truncated or malformed reply")
         like = [*self._averaged_tensors, *self._averaged_tensors, *pending_like]
-        if not _same_shapes(tensors, like):
+        if not _same_shapes(tensors, like):  # before the hash: a reply cut short is a failure, not a fault
             return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="the tensors do not fit this stage")
+        if reply.sha256 != header.sha256:
+            reason = "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)"
+            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason=reason)
         pending = None
         if header.has_pending:
             p = header.pending

@@ -50,6 +50,7 @@ PAYLOAD_PART = 1 << 19  # bytes per streamed part
 KEYS_KEPT = 2  # (group, phase) inboxes kept: this phase and the one before, for members a step behind
 DELIVERY_WAIT_S = 3.0  # how long a member waits for the others to pull its message
 RELAY_WAIT_S = 2.0  # how long a holder is asked to wait for a message it may still be pulling itself
+CUT_SHORT = "cut short"  # a pull whose stream ended before the whole message came: asked again, never a strike
 
 
 @dataclass
@@ -82,6 +83,7 @@ class MessageGather:
         self._max_message_bytes = max_message_bytes
         self._served: dict[tuple[bytes, int], int] = collections.defaultdict(int)  # bytes served per inbox
         self._delivered: dict[tuple[bytes, int], set[str]] = collections.defaultdict(set)  # who pulled my message
+        self._messages_served = 0  # replies that carried a message, counted for fault injection
 
     def _box(self, group_id: bytes, phase: int) -> dict[str, tuple[bytes, bytes]]:
         key = (group_id, phase)
@@ -105,7 +107,7 @@ class MessageGather:
         box[me] = (payload, self.signer.seal(digest))
         result = GatherResult(messages=[])
         others = [p for p in peers if p != me]
-        pulls = [self._pull(p, group_id, phase, p, deadline) for p in others]
+        pulls = [self._pull_whole(p, group_id, phase, p, deadline) for p in others]
         answered = []
         for peer, (got, reason, size) in zip(others, await asyncio.gather(*pulls)):
             result.bytes_received += size
@@ -119,7 +121,7 @@ class MessageGather:
         for sender in [p for p in others if p not in box]:  # relay what missed this worker
             for holder in answered:
                 until = min(deadline, time.monotonic() + RELAY_WAIT_S)
-                got, reason, size = await self._pull(holder, group_id, phase, sender, until)
+                got, reason, size = await self._pull_whole(holder, group_id, phase, sender, until)
                 result.bytes_received += size
                 if got is not None:
                     box[sender] = got
@@ -133,6 +135,18 @@ class MessageGather:
             await asyncio.sleep(0.02)
         result.bytes_sent = self._served[key]
         return result
+
+    async def _pull_whole(
+        self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float
+    ) -> tuple[tuple[bytes, bytes] | None, str, int]:
+        """`_pull`, asked once more when the stream ended before the whole message came (a connection reset
+        mid-reply ends hivemind's stream without an error): a short message is a failure, not a fault."""
+        got, reason, size = await self._pull(holder, group_id, phase, sender, deadline)
+        if got is None and reason.startswith(CUT_SHORT):
+            logger.info("phase %d: %s's message from %s %s: asking again", phase, sender, holder, reason)
+            got, reason, more = await self._pull(holder, group_id, phase, sender, deadline)
+            size += more
+        return got, reason, size
 
     async def _pull(
         self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float
@@ -182,6 +196,8 @@ class MessageGather:
             return None, f"refused: {sender}'s message came behind a digest signed by {opened.sender}", size
         if (digest.group_id, digest.phase) != (group_id, phase):
             return None, f"refused: {sender}'s digest is of another group or phase (replayed)", size
+        if len(blob) < digest.size:  # the stream ended early: a reset connection reads as a clean end in hivemind
+            return None, f"{CUT_SHORT}: {len(blob)} of {digest.size} bytes before the stream ended", size
         if len(blob) != digest.size or hashlib.sha256(blob).digest() != digest.sha256:
             return None, f"refused: {sender}'s message does not match its author's signed SHA-256 (altered)", size
         return (blob, head), "", size
@@ -212,6 +228,9 @@ class MessageGather:
         blob, digest = held
         if injection.armed("flip_served_bit", stage=self.stage):
             blob = injection.flip_last_bit(blob)
+        self._messages_served += 1
+        if injection.armed("cut_served_message", stage=self.stage, serve=self._messages_served):
+            blob = blob[: len(blob) // 2]  # then the stream ends, as a connection reset mid-reply reads
         first = swarm_pb2.Chunk(head=digest)  # the author's signed digest: the header of a message sent
         self._served[key] += first.ByteSize()
         yield first
