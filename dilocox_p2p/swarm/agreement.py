@@ -19,9 +19,10 @@ neither write under a member's name nor add votes of its own.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..config import SwarmConfig
@@ -32,7 +33,7 @@ from .dht import RunRecords
 from .faults import FaultCounter
 from .membership import Membership
 
-__all__ = ["Agreement", "Repair", "majority_hash"]
+__all__ = ["Agreement", "Repair", "held_by_most", "majority_hash"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,11 @@ def majority_hash(hashes: dict[str, str]) -> str | None:
     if not holders:
         return None
     return min(holders, key=lambda h: (-len(holders[h]), min(holders[h])))
+
+
+def held_by_most(hashes: Iterable[str]) -> int:
+    """How many of `hashes` equal the one held most often (0 for none): a strict majority of n is 2 x this > n."""
+    return max(collections.Counter(hashes).values(), default=0)
 
 
 @dataclass(frozen=True)
@@ -206,10 +212,7 @@ class Agreement:
         a hash held by a strict majority of the workers expected there, or every expected worker's record in."""
         expected = {m.peer_id for m in self.membership.members(training_only=True) if m.record.boundary >= boundary - 1}
         expected.add(self.peer_id)
-        counts: dict[str, int] = {}
-        for peer, h in hashes.items():
-            counts[h] = counts.get(h, 0) + 1
-        return max(counts.values()) * 2 > len(expected | set(hashes)) or expected <= set(hashes)
+        return 2 * held_by_most(hashes.values()) > len(expected | set(hashes)) or expected <= set(hashes)
 
     def _others_held(self, boundary: int) -> bool:
         """Other training members are at or past `boundary` (so they published a record of it)."""

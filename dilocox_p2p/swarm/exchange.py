@@ -37,7 +37,7 @@ from .. import injection
 from ..average import Average, AverageKind, Spans, average_hash, intersect_spans, spans_by_tensor
 from ..compression.codec import is_finite
 from ..wire import swarm_pb2
-from .agreement import majority_hash
+from .agreement import held_by_most, majority_hash
 from .averager import Collected, HeldAverage, RoundResult
 
 if TYPE_CHECKING:
@@ -334,8 +334,7 @@ class RoundExchange:
                 self.stage.faults.count("lookups_failed", "round %d: the group's average records could not be read: %r",
                                         self.round, e)  # fmt: skip
             hashes = [r.average_hash for r in records.values()] + ([mine] if mine is not None else [])
-            top = max((hashes.count(h) for h in set(hashes)), default=0)
-            if 2 * top > len(voters) or not self._awaited(others - set(records), time.monotonic() - started):
+            if 2 * held_by_most(hashes) > len(voters) or not self._awaited(others - set(records), time.monotonic() - started):
                 break
             if time.monotonic() >= deadline:
                 logger.info("round %d: %d of %d members' average records in after %.0fs; deciding with them",

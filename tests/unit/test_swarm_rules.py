@@ -14,7 +14,7 @@ import logging
 import pytest
 
 from dilocox_p2p import injection
-from dilocox_p2p.swarm.agreement import majority_hash
+from dilocox_p2p.swarm.agreement import held_by_most, majority_hash
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
 from dilocox_p2p.swarm.membership import config_diff
 
@@ -28,6 +28,12 @@ def test_the_majority_is_the_most_held_hash_and_a_tie_goes_to_the_smallest_peer_
     assert majority_hash({"z": "h1", "a": "h2", "b": "h2", "c": "h1"}) == "h2"
     assert majority_hash({"a": "", "b": "h3"}) == "h3"  # an empty hash (not known yet) does not vote
     assert majority_hash({}) is None and majority_hash({"a": ""}) is None
+
+
+def test_a_strict_majority_is_counted_from_the_hash_held_most_often():
+    assert held_by_most(["h1", "h2", "h1"]) == 2  # 2 x 2 > 3: settled
+    assert held_by_most(["h1", "h2"]) == 1  # 2 x 1 > 2 fails: a pair that differs has no majority
+    assert held_by_most([]) == 0
 
 
 def test_faults_are_counted_per_take_and_every_counter_is_reported(caplog):
