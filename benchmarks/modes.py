@@ -25,7 +25,6 @@ import argparse
 import json
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
 from benchmarks.netlab import NetLab  # noqa: E402
+from benchmarks.netns.runner import run_peers  # noqa: E402
 from dilocox_p2p.config import OuterConfig  # noqa: E402
-from dilocox_p2p.launch import wait_for_multiaddrs  # noqa: E402
 
 TAU = 5  # streaming's overlap steps here, as in convergence.py's sweep
 # mode name -> (join flags, the convergence.py configuration whose best lr/momentum it runs at)
@@ -78,24 +77,10 @@ def peer_cmd(args: argparse.Namespace, mode: str, lr: float, momentum: float, la
 
 
 def run_mode(args: argparse.Namespace, mode: str, rate: float, lr: float, momentum: float, tmp: Path) -> list[list[dict]]:
-    name = f"{mode}@{rate:g}"
-    with NetLab(args.peers, rate) as lab:
-        procs = []
-        for host in range(args.peers):
-            run_dir = tmp / name / f"peer{host}"
-            run_dir.mkdir(parents=True)
-            cmd = peer_cmd(args, mode, lr, momentum, lab, host, run_dir)
-            if host > 0:
-                cmd += ["--initial-peers", wait_for_multiaddrs(tmp / name / "peer0", alive=lambda: procs[0].poll() is None)[0]]
-            log = open(run_dir.parent / f"peer{host}.out", "w")
-            procs.append(lab.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT))
-        for host, proc in enumerate(procs):
-            if proc.wait(args.timeout) != 0:
-                raise SystemExit(f"{name} peer{host} failed:\n{(tmp / name / f'peer{host}.out').read_text()[-3000:]}")
-    return [
-        [json.loads(line) for line in (tmp / name / f"peer{h}" / "metrics.jsonl").read_text().splitlines()]
-        for h in range(args.peers)
-    ]
+    dirs = [tmp / f"{mode}@{rate:g}" / f"peer{host}" for host in range(args.peers)]
+    run = run_peers(lambda lab, host: peer_cmd(args, mode, lr, momentum, lab, host, dirs[host]), peers=args.peers,
+                    rate_mbit=rate, run_dirs=dirs, announces=True, timeout=args.timeout)  # fmt: skip
+    return run.records
 
 
 def curve(records: list[dict], syncs: int) -> list[tuple[float, float]]:
@@ -169,7 +154,7 @@ def main() -> int:
     quality = json.loads(args.quality.read_text()) if args.quality.exists() else {}
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(args.keep or tmp)
+        tmp = Path(args.keep or tmp).resolve()
         for rate in args.rates:
             modes = {}
             for mode in args.modes:

@@ -25,7 +25,6 @@ import argparse
 import json
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
 from benchmarks.netlab import NetLab  # noqa: E402
+from benchmarks.netns.runner import run_peers  # noqa: E402
 from dilocox_p2p.config import SwarmConfig, load_config  # noqa: E402
-from dilocox_p2p.launch import wait_for_multiaddrs  # noqa: E402
 
 VARIANTS = ("disabled", "delayed", "sync")
 
@@ -55,23 +54,10 @@ def peer_cmd(args: argparse.Namespace, variant: str, nice: int, lab: NetLab, hos
 
 
 def run_variant(args: argparse.Namespace, variant: str, nice: int, name: str, tmp: Path) -> list[list[dict]]:
-    with NetLab(args.peers, args.rate_mbit) as lab:
-        procs, logs = [], []
-        for host in range(args.peers):
-            run_dir = tmp / name / f"peer{host}"
-            run_dir.mkdir(parents=True)
-            cmd = peer_cmd(args, variant, nice, lab, host, run_dir)
-            if host > 0 and variant != "disabled":
-                cmd += ["--initial-peers", _first_maddr(tmp / name / "peer0", procs[0])]
-            logs.append(open(run_dir.parent / f"peer{host}.out", "w"))
-            procs.append(lab.popen(host, cmd, stdout=logs[-1], stderr=subprocess.STDOUT))
-        for host, proc in enumerate(procs):
-            if proc.wait(args.timeout) != 0:
-                raise SystemExit(f"{name} peer{host} failed:\n{(tmp / name / f'peer{host}.out').read_text()[-3000:]}")
-    return [
-        [json.loads(line) for line in (tmp / name / f"peer{h}" / "metrics.jsonl").read_text().splitlines()]
-        for h in range(args.peers)
-    ]
+    dirs = [tmp / name / f"peer{host}" for host in range(args.peers)]
+    run = run_peers(lambda lab, host: peer_cmd(args, variant, nice, lab, host, dirs[host]), peers=args.peers,
+                    rate_mbit=args.rate_mbit, run_dirs=dirs, announces=variant != "disabled", timeout=args.timeout)  # fmt: skip
+    return run.records
 
 
 def variant_names(args: argparse.Namespace) -> list[tuple[str, int, str]]:
@@ -84,10 +70,6 @@ def variant_names(args: argparse.Namespace) -> list[tuple[str, int, str]]:
             named = variant != "disabled" and len(args.helper_nice) > 1
             runs.append((variant, nice, f"{variant} (helper_nice {nice})" if named else variant))
     return runs
-
-
-def _first_maddr(run_dir: Path, proc: subprocess.Popen) -> str:
-    return wait_for_multiaddrs(run_dir, alive=lambda: proc.poll() is None)[0]
 
 
 def summarize(records: list[list[dict]], tokens_per_round: int) -> dict:
@@ -155,7 +137,7 @@ def main() -> int:
     tokens_per_round = args.inner_steps * cfg.inner.batch_size * cfg.model.shape.seq_len
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = args.keep or tmp
+        tmp = Path(args.keep or tmp).resolve()
         for repeat in range(args.repeats):  # interleaved: a slow spell of the machine hits every variant
             for variant, nice, name in variant_names(args):
                 records = run_variant(args, variant, nice, name, Path(tmp) / f"repeat{repeat}")

@@ -49,7 +49,7 @@ from benchmarks.common import RESULTS, write_result  # noqa: E402
 from benchmarks.netlab import NetLabError, check_available  # noqa: E402
 from benchmarks.netns import allreduce, report  # noqa: E402
 from benchmarks.netns.gpu import GpuSetting, lab_rate_mbit, ring_bytes  # noqa: E402
-from benchmarks.netns.runner import run_peers  # noqa: E402
+from benchmarks.netns.runner import GLOO_ON_LAB_LINK, run_peers  # noqa: E402
 from benchmarks.netns.variants import VARIANTS, RunShape, Variant, mode_and_compression, outer_choice, peer_cmd  # noqa: E402
 
 OURS = [name for name, v in VARIANTS.items() if v.kind == "ours"]
@@ -93,8 +93,8 @@ def run_variant(args: argparse.Namespace, variant: Variant, shape: RunShape, rat
     def cmd(lab, host: int) -> list[str]:
         return peer_cmd(shape, variant, outer, host=host, ip=lab.ip(host), leader_ip=lab.ip(0), run_dir=dirs[host])
 
-    run = run_peers(cmd, peers=shape.peers, rate_mbit=rate, run_dirs=dirs,
-                    announces=variant.kind in ("ours", "hivemind"), timeout=args.timeout)  # fmt: skip
+    run = run_peers(cmd, peers=shape.peers, rate_mbit=rate, run_dirs=dirs, announces=variant.kind in ("ours", "hivemind"),
+                    timeout=args.timeout, env=GLOO_ON_LAB_LINK)  # fmt: skip
     mode, compression, syncs = mode_and_compression(variant)
     summary = report.summarize(run, tokens_per_round=shape.tokens_per_round, ring_sent=_ring_sent(args), syncs=syncs,
                                shared=variant.kind != "nocomm")  # fmt: skip
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):  # the network lab is torn down on the way out
         signal.signal(signum, _exit_cleanly)
     with tempfile.TemporaryDirectory(prefix="netns-bench-") as tmp:
-        out = run_all(args, Path(args.keep or tmp))
+        out = run_all(args, Path(args.keep or tmp).resolve())
     gpus = out["gpus"]
     first = gpus[0].name
     payload = {

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.netns.gpu import ring_seconds  # noqa: E402
-from benchmarks.netns.runner import run_peers  # noqa: E402
+from benchmarks.netns.runner import GLOO_ON_LAB_LINK, run_peers  # noqa: E402
 
 __all__ = ["STRATEGIES", "measure"]
 
@@ -156,7 +156,7 @@ def measure(
                 "--timeout", str(exchange_timeout)]  # fmt: skip
 
     run_peers(cmd, peers=peers, rate_mbit=rate_mbit, run_dirs=[tmp / f"peer{h}" for h in range(peers)],
-              announces=False, timeout=timeout)  # fmt: skip
+              announces=False, timeout=timeout, env=GLOO_ON_LAB_LINK)  # fmt: skip
     rows = [json.loads(line) for h in range(peers) for line in (tmp / f"peer{h}.jsonl").read_text().splitlines()]
     return summarize(rows, peers=peers, rate_mbit=rate_mbit, numel=_numel(preset, stages))
 

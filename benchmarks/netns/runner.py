@@ -24,9 +24,10 @@ from benchmarks.netlab import NetLab
 from dilocox_p2p.launch import wait_for_multiaddrs
 from dilocox_p2p.metrics import read_metrics
 
-__all__ = ["PeerRun", "ROOT", "run_peers"]
+__all__ = ["GLOO_ON_LAB_LINK", "PeerRun", "ROOT", "run_peers"]
 
 ROOT = Path(__file__).resolve().parents[2]
+GLOO_ON_LAB_LINK = {"GLOO_SOCKET_IFNAME": "eth0"}  # gloo across namespaces: its pairs must use the shaped link
 SAMPLE_S = 0.25
 
 
@@ -80,9 +81,11 @@ def run_peers(
     run_dirs: list[Path],
     announces: bool,
     timeout: float,
+    env: dict[str, str] | None = None,
 ) -> PeerRun:
-    """Start `cmd(lab, host)` for every host, wait (at most `timeout` s in all) for every one to exit 0."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": str(ROOT)}
+    """Start `cmd(lab, host)` for every host, wait (at most `timeout` s in all) for every one to exit 0.
+    `run_dirs` must be absolute (the peers run from the repository root); `env` is added to theirs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     started = time.monotonic()
     with NetLab(peers, rate_mbit) as lab, _Sampler(lab) as sampler:
         procs: list[subprocess.Popen] = []
