@@ -219,13 +219,11 @@ class Agreement:
         return any(m.record.boundary >= boundary for m in self.membership.members(training_only=True))
 
     # ----- verified state downloads ---------------------------------------------------------------
-    def fetch_state(self, boundary: int, donors: Sequence[str], *, at_least: bool = False) -> StateDownload | None:
-        """Download the state at `boundary` (or later, with `at_least`) from the first donor whose state
-        matches the stage group's majority hashes; None if none did (each failure counted)."""
+    def fetch_state(self, boundary: int, donors: Sequence[str]) -> StateDownload | None:
+        """Download the state at `boundary` from the first donor whose state matches the stage group's
+        majority hashes; None if none did (each failure counted)."""
         for donor in donors:
-            got = self.averager.download_round(
-                donor, boundary, wait_s=self.sw.allreduce_timeout, timeout=self.sw.state_timeout, at_least=at_least
-            )
+            got = self.averager.download_round(donor, boundary, wait_s=self.sw.allreduce_timeout, timeout=self.sw.state_timeout)
             if got.status != swarm_pb2.STATE_OK or got.state is None:
                 status = swarm_pb2.StateStatus.Name(got.status) if got.status >= 0 else "error"
                 self.faults.count("downloads_failed", "state of round %d not taken from %s: %s (donor at %d) %s",

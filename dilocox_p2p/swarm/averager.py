@@ -314,10 +314,9 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         kwargs = dict(round=round, peers=list(peers), start=start, wait_s=wait_s, deadline_s=deadline_s)
         return self._call("_collect", deadline_s + wait_s + 30.0, **kwargs)
 
-    def download_round(
-        self, peer_id: str, boundary: int, *, wait_s: float, timeout: float, at_least: bool = False
-    ) -> StateDownload:
-        kwargs = dict(peer_id=peer_id, boundary=boundary, wait_s=wait_s, timeout=timeout, at_least=at_least)
+    def download_round(self, peer_id: str, boundary: int, *, wait_s: float, timeout: float) -> StateDownload:
+        """Download `peer_id`'s state at exactly `boundary`, waiting up to `wait_s` for it to be complete."""
+        kwargs = dict(peer_id=peer_id, boundary=boundary, wait_s=wait_s, timeout=timeout)
         return self._call("_download_round", timeout + wait_s + 30.0, **kwargs)
 
     # ----- averager process: the all-reduce -------------------------------------------------
@@ -678,8 +677,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
     async def rpc_download_round(
         self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
     ) -> AsyncIterator[swarm_pb2.Chunk]:
-        """Stream this worker's state at `request.boundary` (or later, with `at_least`),
-        waiting up to `wait_s` for it to be complete."""
+        """Stream this worker's state at `request.boundary`, waiting up to `wait_s` for it to be complete."""
         header = swarm_pb2.StateHeader(status=swarm_pb2.STATE_REFUSED)
         opened, header.reason = self._open_request(sealed, swarm_pb2.StateRequest, context)
         if opened is None:
@@ -726,31 +724,23 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             yield chunk
 
     async def _wait_for_state(self, request: swarm_pb2.StateRequest, deadline: float) -> tuple[Any, Any, int]:
-        """This worker's complete state at `request.boundary` (or later, with `at_least`): the current one
-        once its pending average is in, or, if the worker moved on before that happened (its all-reduce
-        is slower than training), the earlier one it kept for a waiting joiner."""
-        arrived_at = self._boundary.value
+        """This worker's complete state at `request.boundary`: the current one once its pending average is
+        in, or, if the worker moved on before the request was served (its all-reduce is slower than
+        training, or the request came late), the one it kept because a request was waiting."""
         while True:
             boundary, ready, kept = self._boundary.value, self._state_ready.value, self._kept_boundary.value
-            if boundary > request.boundary and not request.at_least and kept != request.boundary:
+            if boundary > request.boundary and kept != request.boundary:
                 return None, None, swarm_pb2.STATE_GONE
-            if request.at_least:  # the current state is newer: wait for it unless the worker moved on
-                fits = kept >= request.boundary and boundary > arrived_at
-            else:
-                fits = kept == request.boundary
-            if (boundary >= request.boundary and ready) or fits:
+            if (boundary == request.boundary and ready) or kept == request.boundary:
                 blob, tensors, _ = await self._get_current_state_from_host_process()
                 metadata = self.serializer.loads(blob)
-                got = metadata.get("boundary", -1)
-                if got == request.boundary or (request.at_least and got > request.boundary):
+                if metadata.get("boundary", -1) == request.boundary:
                     return metadata, tensors, swarm_pb2.STATE_OK
             if time.monotonic() >= deadline:
                 return None, None, swarm_pb2.STATE_NOT_READY
             await asyncio.sleep(0.2)
 
-    async def _download_round(
-        self, peer_id: str, boundary: int, wait_s: float, timeout: float, at_least: bool, future: MPFuture
-    ) -> None:
+    async def _download_round(self, peer_id: str, boundary: int, wait_s: float, timeout: float, future: MPFuture) -> None:
         try:
             request = swarm_pb2.StateRequest(
                 run_id=self.run_id,
@@ -758,7 +748,6 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
                 stage=self.stage,
                 boundary=boundary,
                 wait_s=wait_s,
-                at_least=at_least,
             )
             sealed = self.signer.seal_message(request, topic=peer_id, round=boundary)
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)

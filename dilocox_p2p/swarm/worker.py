@@ -184,31 +184,31 @@ class SwarmStageWorker(StageWorker):
     def _resync(self, boundary: int, *, reason: str) -> int | None:
         """All stages of this peer take the swarm's state at one common boundary >= `boundary`.
 
-        Each stage asks its donors (holders of the majority hash first) for a complete state no
-        older than the one before the newest boundary any donor announced: a donor serves its
-        current state once its pending average is in, or else the one before it, which it keeps
-        for a waiting joiner. If the stages got different boundaries, those behind ask again for
-        the newest one. Returns the boundary the peer continues from, or None if nobody could
+        The stages first agree on the target: the newest boundary any of their donors announced. Each
+        then asks its donors (holders of the majority hash first) for the state of exactly that
+        boundary: a donor serves it once its pending average is in, or, if it moved on meanwhile, the
+        copy it kept because the request was waiting. Asking each for "a state no older than" let the
+        stages chase donors that moved on while they downloaded (one stage took a newer state than the
+        other, round after round, until the run ended). If a stage could not get the target, all ask
+        again for the newest. Returns the boundary the peer continues from, or None if nobody could
         serve a state. `reason` is the fault counter it counts as: "repairs" or "catch_ups".
         """
         result: StateDownload | None = None
-        need = boundary
         for attempt in range(RESYNC_ATTEMPTS):
             if attempt:
                 time.sleep(0.5 * attempt)
             self.swarm.membership.refresh()
-            donors = [m for m in self.swarm.membership.donors() if m.record.boundary >= need]
-            newest = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
-            if newest < need:
+            donors = [m for m in self.swarm.membership.donors() if m.record.boundary >= boundary]
+            target = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
+            if target < boundary:
                 continue  # the others' records may not show this boundary yet
-            floor = max(need, newest - 1)
-            if result is None or result.boundary < floor:
-                result = self.swarm.agreement.fetch_state(floor, self._donor_order(donors, floor), at_least=True)
+            if result is None or result.boundary != target:
+                result = self.swarm.agreement.fetch_state(target, self._donor_order(donors, target))
             got = self._all_gather(result.boundary if result is not None else -1)
-            if min(got) >= 0 and len(set(got)) == 1:
+            if all(g == target for g in got):
+                assert result is not None
                 self._install(result, reason=reason, was=boundary)
-                return result.boundary
-            need = max(need, *got)
+                return target
         if self.lead:
             logger.warning("could not take the swarm's state after %d attempts; training on from round %d",
                            RESYNC_ATTEMPTS, boundary)

@@ -57,9 +57,13 @@ def test_a_corrupted_state_is_found_by_the_hash_check_and_repaired_from_the_majo
     assert c[1]["stage_hashes"][0] == a[1]["stage_hashes"][0]
     assert c[1]["stage_hashes"][1] != a[1]["stage_hashes"][1]
     # ... the check of that boundary runs as soon as the others' records are in, during round 2, and the next
-    # boundary repairs it: one round trained on the diverged state, never two
+    # boundary repairs it: one round trained on the diverged state, never two. The repair takes the state of
+    # that boundary, or of a later one where the others moved on while it downloaded (under load): then
+    # round 2, the one trained on the diverged state, is dropped and nothing else was trained on it
     repaired = [t for t, r in sorted(c.items()) if r["faults"]["repairs"]]
-    assert repaired and repaired[0] == 2, f"repaired at rounds {repaired}"
+    after = min(t for t in c if t > 1)
+    assert repaired and repaired[0] == after, f"repaired at rounds {repaired}, the first record after 1 is {after}"
+    assert after == 2 or c[after]["dropped_round"] == 2, f"rounds 2..{after - 1} were trained on the diverged state"
     assert all(c[t]["stage_hashes"] == a[t]["stage_hashes"] for t in c if t >= repaired[0])
     assert max(c) == 6, "the repaired peer did not finish the run"
     for peer in healthy:

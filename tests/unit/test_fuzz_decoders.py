@@ -205,7 +205,7 @@ SEALED = [
     _seal(swarm_pb2.ConfigRecord(config_hash="0" * 64, shared_json='{"a": 1}'), topic=CONFIG_KEY),
     _seal(swarm_pb2.AverageRecord(round=6, group_id=b"g", average_hash="ef" * 32, kind="partial",
                                   missing=[swarm_pb2.Span(start=2, end=9)]), worker="b", topic=AVERAGE_KEY, round=6),
-    _seal(swarm_pb2.StateRequest(run_id=RUN, boundary=7, wait_s=2.0, at_least=True), topic=ID_B, round=7),
+    _seal(swarm_pb2.StateRequest(run_id=RUN, boundary=7, wait_s=2.0), topic=ID_B, round=7),
     _seal(swarm_pb2.StateHeader(boundary=7, n_tensors=3, has_pending=True, sha256=b"\x01" * 32,
                                 pending=swarm_pb2.AverageInfo(round=6, group=[ID_A, ID_B], missing=[swarm_pb2.Span(end=4)])),
           worker="b", topic=ID_A, round=7, in_reply_to=b"\x09" * 16),  # fmt: skip
