@@ -31,7 +31,7 @@ from typing import Any, Literal
 from multiaddr import Multiaddr
 
 from .config import Config, ModelShape
-from .endpoints import ensure_port_free, format_hostport, parse_hostport
+from .endpoints import ensure_port_free, format_hostport, parse_hostport, stage_maddr
 from .errors import ConfigError
 
 __all__ = [
@@ -330,8 +330,6 @@ def clock_check(skews: Mapping[str, float], *, now: float, bound: float = MAX_CL
 def fixed_ports(cfg: Config) -> list[tuple[str, str, str, int]]:
     """(what, flag, host, port) of every fixed TCP port a peer with `cfg` listens on: each stage's DHT
     (PORT + stage), control, metrics. Port 0 (any free port) is left out."""
-    from .swarm.dht import stage_maddr
-
     wanted: list[tuple[str, str, str, int]] = []
     for maddr in cfg.swarm.host_maddrs if cfg.swarm.enabled else ():
         for stage in range(cfg.model.stages):

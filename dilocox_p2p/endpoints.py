@@ -123,3 +123,12 @@ def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def stage_maddr(maddr: str, stage: int) -> str:
+    """Stage s listens on PORT + s when a fixed TCP port is given (port 0 stays random)."""
+    parts = maddr.split("/")
+    for i in range(len(parts) - 1):
+        if parts[i] in ("tcp", "udp") and parts[i + 1].isdigit() and int(parts[i + 1]) != 0:
+            parts[i + 1] = str(int(parts[i + 1]) + stage)
+    return "/".join(parts)

@@ -32,6 +32,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from ..config import SwarmConfig
+from ..endpoints import stage_maddr
 from ..envelope import ForeignProtocol, Gate, Opened, Signer
 from ..errors import SwarmError, SwarmUnreachable, WireRejected
 from ..proto_gen import envelope_pb2
@@ -49,15 +50,6 @@ ROUND_RECORD_TTL_S = 600.0
 JOIN_ATTEMPTS = 3  # an initial peer that is busy or restarting is tried again, JOIN_RETRY_S x attempt later
 JOIN_RETRY_S = 2
 AVERAGE_RECORD_TTL_S = 300.0
-
-
-def stage_maddr(maddr: str, stage: int) -> str:
-    """Stage s listens on PORT + s when a fixed TCP port is given (port 0 stays random)."""
-    parts = maddr.split("/")
-    for i in range(len(parts) - 1):
-        if parts[i] in ("tcp", "udp") and parts[i + 1].isdigit() and int(parts[i + 1]) != 0:
-            parts[i + 1] = str(int(parts[i + 1]) + stage)
-    return "/".join(parts)
 
 
 class HelperDHT(hivemind.DHT):

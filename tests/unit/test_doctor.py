@@ -7,6 +7,8 @@ Run: python -m pytest tests/unit/test_doctor.py -q
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,15 @@ def test_doctor_without_initial_peers_passes_and_prints_json(capsys, tmp_path):
     whats = " | ".join(c["what"] for c in checks)
     for topic in ("ports", "announce address", "clock", "RAM", "disk for checkpoints"):
         assert topic in whats
+
+
+def test_a_peer_without_a_swarm_checks_its_ports_without_loading_hivemind(tmp_path):
+    # `join --no-swarm` (one cluster alone; the benchmarks on a GPU machine) runs where hivemind is not installed
+    code = (
+        "import sys; from dilocox_p2p.config import load_config; from dilocox_p2p.launch import _check_ports; "
+        "_check_ports(load_config(overrides={'swarm.enabled': False, 'run.run_dir': sys.argv[1]})); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'hivemind'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dilocox_p2p.endpoints import stage_maddr
 from dilocox_p2p.errors import WireRejected
-from dilocox_p2p.swarm.dht import stage_maddr
 from dilocox_p2p.wire import decode, encode, swarm_pb2
 
 pytestmark = pytest.mark.unit
