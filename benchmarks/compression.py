@@ -52,7 +52,7 @@ def make_delta(args: argparse.Namespace, tmp: Path) -> Path:
     run_dir = tmp / "run"
     cmd = [
         sys.executable, "-m", "dilocox_p2p.cli", "join", "--no-swarm", "--run-dir", str(run_dir),
-        "--preset", args.preset, "--stages", str(args.stages), "--device", "cpu", "--mode", "delayed",
+        "--preset", args.preset, "--stages", str(args.stages), "--device", args.device, "--mode", "delayed",
         "--rounds", "2", "--inner-steps", str(args.inner_steps), "--batch-size", str(args.batch_size),
         "--microbatches", str(args.microbatches), "--progress", "off", "--log-level", "warning", "--data-seed", "0",
         "--set", "inner.warmup_steps=0",
@@ -161,6 +161,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the round that makes the pseudo-gradient trains (the codecs run on the CPU, "
+                        "as in the averager process)")
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=2)
@@ -188,7 +191,7 @@ def main() -> int:
                   f"err {r['relative_error_first_round']:.3f}  codec {r['total_s']:.2f}s/round  "
                   f"peak +{r['peak_extra_fp32_copies']:.1f} copies (codec +{r['codec_peak_fp32_copies']:.1f})", flush=True)
     path = write_result(args.name, {
-        "preset": args.preset, "stage": 0, "stages": args.stages, "inner_steps": args.inner_steps,
+        "preset": args.preset, "stage": 0, "stages": args.stages, "device": args.device, "inner_steps": args.inner_steps,
         "group_size": GROUP, "inner_step_s": step_s, "strategies": results,
     })  # fmt: skip
     print(f"one inner step of the whole peer: {step_s:.2f}s; wrote {path}")

@@ -31,6 +31,7 @@ def run(stages: int, args: argparse.Namespace, tmp: Path) -> dict:
         "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
         "--batch-size", str(args.batch_size), "--microbatches", str(args.microbatches),
         "--progress", "off", "--log-level", "warning", "--data-seed", "0",
+        *(f for kv in args.set for f in ("--set", kv)),
     ]
     subprocess.run(cmd, check=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -53,6 +54,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--name", default="inner_throughput")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override passed to join (e.g. run.checkpoint_every=100: a 1b checkpoint is 16 GB)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = []
