@@ -145,7 +145,7 @@ class StateDownload:
     reason: str = ""
 
 
-StateProvider = Callable[[], StageState | None]
+StateProvider = Callable[[int], StageState | None]  # the complete state of a boundary, if held
 
 
 async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
@@ -187,6 +187,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._state_ready = mp.Value(ctypes.c_bool, False)
         self._kept_boundary = mp.Value(ctypes.c_int64, -1)  # a complete earlier state kept for a joiner
         self._state_wanted = mp.Value(ctypes.c_int64, 0)  # state downloads waiting in the averager process
+        self._state_asked = mp.Value(ctypes.c_int64, -1)  # the boundary a state fetch from the host is for
+        self._state_fetch: asyncio.Lock | None = None  # one fetch at a time (averager process): _state_asked is shared
         self._failed_round = mp.Value(ctypes.c_int64, -1)  # the latest round whose exchange failed here
         self._state_provider: StateProvider | None = None
         self._current_round = -1
@@ -231,8 +233,10 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._kept_boundary.value = boundary
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
-        """Runs in the host process when a peer downloads state: a consistent copy of it."""
-        state = self._state_provider() if self._state_provider is not None else None
+        """Runs in the host process when a peer downloads state: a consistent copy of the complete state of
+        the boundary asked for (`_fetch_state`), or {"boundary": -1} if this worker holds none."""
+        asked = self._state_asked.value
+        state = self._state_provider(asked) if self._state_provider is not None else None
         if state is None:
             return {"boundary": -1}, [], None
         metadata: dict[str, Any] = {"boundary": state.boundary, "state_hash": state.hash(), "pending": None}
@@ -732,13 +736,23 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             if boundary > request.boundary and kept != request.boundary:
                 return None, None, swarm_pb2.STATE_GONE
             if (boundary == request.boundary and ready) or kept == request.boundary:
-                blob, tensors, _ = await self._get_current_state_from_host_process()
-                metadata = self.serializer.loads(blob)
+                metadata, tensors = await self._fetch_state(request.boundary)
                 if metadata.get("boundary", -1) == request.boundary:
                     return metadata, tensors, swarm_pb2.STATE_OK
             if time.monotonic() >= deadline:
                 return None, None, swarm_pb2.STATE_NOT_READY
             await asyncio.sleep(0.2)
+
+    async def _fetch_state(self, boundary: int) -> tuple[dict[str, Any], Sequence[torch.Tensor]]:
+        """The host's copy of its complete state of `boundary` (metadata {"boundary": -1} if it holds none).
+        Asking for the boundary, not for "the current state", matters once the worker moved on: its newer
+        state may be complete too, and a copy of it would not do for a request waiting for the kept one."""
+        if self._state_fetch is None:
+            self._state_fetch = asyncio.Lock()
+        async with self._state_fetch:
+            self._state_asked.value = boundary
+            blob, tensors, _ = await self._get_current_state_from_host_process()
+        return self.serializer.loads(blob), tensors
 
     async def _download_round(self, peer_id: str, boundary: int, wait_s: float, timeout: float, future: MPFuture) -> None:
         try:

@@ -72,12 +72,17 @@ class SwarmStageWorker(StageWorker):
         lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
         return self.swarm
 
-    def offered_state(self) -> StageState | None:
-        """The state joiners may download: that of the boundary offered (announced) last, so that a
-        joiner always finds the round record to check it against; or, while it is incomplete, the
-        one kept for a waiting joiner."""
+    def offered_state(self, boundary: int) -> StageState | None:
+        """The complete state of `boundary` a joiner may download, if this worker holds one: the one kept
+        past its boundary for a waiting joiner, or the current one once offered (announced, so that a
+        joiner always finds the round record to check it against)."""
+        kept = self._kept
+        if kept is not None and kept.boundary == boundary:
+            return kept
+        if boundary != self._offered:
+            return None
         state = self.outer.state()
-        return state if state is not None and state.boundary == self._offered else self._kept
+        return state if state is not None and state.boundary == boundary else None
 
     def _keep_for_joiner(self) -> None:
         """Runs under the outer lock just before the state moves on. Where the all-reduce is slower
