@@ -97,6 +97,12 @@ class StageWorker:
     def after_boundary(self, boundary: int, state_hash: str, outcome: RoundOutcome) -> None:
         """After the boundary's state hash (theta_g and momentum) is known (publish it)."""
 
+    def settle_final(self, boundary: int, state_hash: str) -> bool:
+        """After the last boundary is published: take the others' state if most hold another (whether
+        this worker's state was replaced). No later hash check would find a split left by the last
+        exchanges, and the final state is the model the run hands over."""
+        return False
+
     def on_finish(self, boundary: int) -> None:
         """After the last round, before leaving."""
 
@@ -297,13 +303,15 @@ class StageWorker:
             outcome = outcome.then(self.outer.drain())
         seconds_round = time.perf_counter() - started
         boundary, replaced = self.on_boundary(t + 1, outcome)
-        self.outer.load_into_model()
-        with self.outer.theta_g_in_model():  # the shared model's loss, in every mode
-            val_loss = self.trainer.evaluate(self.val)
         state_hash = self.outer.hash()
         jumped = boundary != t + 1  # this peer took the swarm's state of a later boundary: round t is dropped
         if not jumped:
             self.after_boundary(t + 1, state_hash, outcome)
+            if t + 1 == self.rounds and self.settle_final(t + 1, state_hash):
+                replaced, state_hash = True, self.outer.hash()
+        self.outer.load_into_model()
+        with self.outer.theta_g_in_model():  # the shared model's loss, in every mode
+            val_loss = self.trainer.evaluate(self.val)
         facts = {
             "hash": state_hash,
             "fragment_hashes": self.outer.fragment_hashes() if self.syncs > 1 else None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -177,15 +178,12 @@ class Agreement:
         """Compare `check` with the others' records: "done", "retry" (the lookup failed, or no other
         record was there: tried again later) or, with `settle_only`, "open" (not settled yet)."""
         try:
-            records = self.records.round_records(check.boundary)
+            hashes = self._voted_hashes(check.boundary, check.state_hash)
         except Exception as e:
             if settle_only:
                 return "open"
             self.faults.count("hash_checks_skipped", "hash check of round %d skipped: lookup failed (%r)", check.boundary, e)
             return "retry"
-        voters = self.membership.voters()
-        hashes = {peer: r.state_hash for peer, r in records.items() if peer in voters}
-        hashes[self.peer_id] = check.state_hash
         if settle_only and not self._settled(check.boundary, hashes):
             return "open"
         if len(hashes) == 1 and self._others_held(check.boundary):
@@ -194,18 +192,50 @@ class Agreement:
                 check.boundary,
             )
             return "retry"
-        winner = majority_hash(hashes)
-        if winner is not None and winner != check.state_hash:
-            holders = sorted(p for p, h in hashes.items() if h == winner)
-            logger.warning(
-                "the state at round %d differed from the majority (%d of %d workers hold %s, this one %s): "
-                "repairing at the next round",
-                check.boundary, len(holders), len(hashes), winner[:12], check.state_hash[:12],
-            )
-            with self._lock:
-                if check.epoch == self._epoch:
-                    self._repair = Repair(check.boundary, winner, holders)
+        repair = self._decide(check.boundary, check.state_hash, hashes, when="at the next round")
+        with self._lock:
+            if repair is not None and check.epoch == self._epoch:
+                self._repair = repair
         return "done"
+
+    def settle(self, boundary: int, state_hash: str, *, deadline: float) -> Repair | None:
+        """Wait until the comparison at `boundary` is settled (or `deadline`, a time.monotonic(), then
+        decide with the records there are); the repair to make now if this worker is in the minority.
+        For the run's last boundary, which no later boundary checks."""
+        hashes = {self.peer_id: state_hash}
+        while True:
+            try:
+                hashes = self._voted_hashes(boundary, state_hash)
+            except Exception as e:
+                self.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
+            else:
+                if self._settled(boundary, hashes):
+                    break
+            if time.monotonic() >= deadline:
+                logger.info("round %d: %d workers' records in by the deadline; deciding with them", boundary, len(hashes))
+                break
+            time.sleep(CHECK_POLL_S)
+            self.membership.refresh()
+        return self._decide(boundary, state_hash, hashes, when="now")
+
+    def _voted_hashes(self, boundary: int, state_hash: str) -> dict[str, str]:
+        """The state hashes the members announced for `boundary`, this worker's (`state_hash`) included."""
+        records = self.records.round_records(boundary)
+        voters = self.membership.voters()
+        hashes = {peer: r.state_hash for peer, r in records.items() if peer in voters}
+        hashes[self.peer_id] = state_hash
+        return hashes
+
+    def _decide(self, boundary: int, state_hash: str, hashes: dict[str, str], *, when: str) -> Repair | None:
+        winner = majority_hash(hashes)
+        if winner is None or winner == state_hash:
+            return None
+        holders = sorted(p for p, h in hashes.items() if h == winner)
+        logger.warning(
+            "the state at round %d differed from the majority (%d of %d workers hold %s, this one %s): repairing %s",
+            boundary, len(holders), len(hashes), winner[:12], state_hash[:12], when,
+        )  # fmt: skip
+        return Repair(boundary, winner, holders)
 
     def _settled(self, boundary: int, hashes: dict[str, str]) -> bool:
         """Whether the records in `hashes` (this worker's included) decide the majority at `boundary` already:

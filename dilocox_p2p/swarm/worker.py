@@ -6,7 +6,8 @@ lacks the average that was in flight), download the state of the swarm's current
 boundary from a live worker of the same stage (all local stages agree on the boundary).
 Each boundary: repair from the majority if a hash check said so, catch up if this worker
 fell two rounds behind or was stranded, then publish the new hashes and offer the state
-to joiners once it is complete.
+to joiners once it is complete. The last boundary, which no later check looks at, is compared
+at once (settle_final) and repaired before the final record and checkpoint.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class SwarmStageWorker(StageWorker):
             self.swarm = start(lead_maddrs[0])
         set_log_context(peer=self.swarm.peer_id)
         self._offered = -1  # the boundary whose state joiners may download (its round record is out)
+        self._leave_by: float | None = None  # time.monotonic() by which it leaves after the last round
         self._kept: StageState | None = None  # the offered state, kept past its boundary for a waiting joiner
         self.swarm.averager.set_state_provider(self.offered_state)
         lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
@@ -282,11 +284,29 @@ class SwarmStageWorker(StageWorker):
         with self.outer.lock:
             self.outer.theta_g[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1)
 
+    def settle_final(self, boundary: int, state_hash: str) -> bool:
+        """Compare the last boundary's state with the stage group's as soon as that is settled, and take
+        the majority's if this worker (or another stage of this peer) is in the minority: the last
+        exchanges (a copy that failed to adopt the group's average, a member stranded) have no later
+        hash check to repair them. Bounded by the same deadline as `on_finish`."""
+        self._leave_by = time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
+        repair = self.swarm.agreement.settle(boundary, state_hash, deadline=self._leave_by)
+        if not any(self._all_gather(repair is not None)):
+            return False
+        if self.lead:
+            logger.warning("round %d: the final state differs from the swarm's majority; taking theirs", boundary - 1)
+        self.swarm.set_state(boundary, ready=False, training=False)
+        if self._resync(boundary, reason="repairs") is None:
+            self.swarm.set_state(boundary, ready=False, training=True)
+            self._publish(boundary)  # it keeps its own state, offered again
+            return False
+        return True
+
     def on_finish(self, boundary: int) -> None:
         """Keep serving the final state until the stage's other workers hold it too (or left), those still
         resyncing included: they need a donor most."""
         ours = self.outer.hash()
-        deadline = time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
+        deadline = self._leave_by or time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
         while time.monotonic() < deadline:
             others = {m.peer_id for m in self.swarm.membership.members()}
             try:
@@ -306,11 +326,13 @@ class SwarmStageWorker(StageWorker):
     def _publish(self, boundary: int, *, state_hash: str = "", outcome: RoundOutcome | None = None) -> None:
         """Announce the state held at `boundary` (its round record), and offer it to joiners once it is
         complete (delayed: once the pending average is in and its hash announced, so that a joiner can
-        check it against the stage group's)."""
+        check it against the stage group's). The last boundary is checked by settle_final, not in the
+        background."""
         average = outcome.last if outcome is not None else None
         self.swarm.agreement.publish(
             boundary,
             state_hash or self.outer.hash(),
+            check=boundary < self.rounds,
             group_size=(outcome.group_size if outcome is not None else None) or 0,
             coverage=outcome.coverage if outcome is not None else 1.0,
             kind=average.kind.value if average is not None else "",
