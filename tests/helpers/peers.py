@@ -110,6 +110,25 @@ class Peer:
         path = self.run_dir / "logs" / f"stage{stage}.log"
         return path.read_text() if path.exists() else ""
 
+    def account(self, round: int) -> str:
+        """What this peer recorded of `round` and the last of what its stages logged of the swarm or above
+        INFO: evidence for the message of a failed check."""
+        record = next((r for r in self.metrics() if r["round"] == round), None)
+        lines = [f"{self.run_dir.name} round {round}: " + (
+            "no record" if record is None else
+            ", ".join(f"{k}={record[k]}" for k in ("kinds", "group_sizes", "groups", "coverage", "stage_hashes"))
+            + ", faults " + str({k: v for k, v in record["faults"].items() if v})
+        )]
+        logs = (self.run_dir / "logs").glob("stage*.log")
+        lines += [line for path in sorted(logs) for line in path.read_text().splitlines()
+                  if " INFO " not in line or "dilocox_p2p.swarm" in line][-30:]
+        return "\n".join(lines)
+
+
+def accounts(peers: list[Peer], round: int) -> str:
+    """Every peer's account of `round` (Peer.account), for the message of a failed agreement check."""
+    return "\n".join(peer.account(round) for peer in peers)
+
 
 class Swarm:
     """Peers of one run; the first starts the swarm, the others join through its multiaddrs."""

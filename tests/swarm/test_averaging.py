@@ -11,6 +11,8 @@ import json
 
 import pytest
 
+from tests.helpers.peers import accounts
+
 pytestmark = pytest.mark.swarm
 
 ROUNDS = 5
@@ -42,7 +44,7 @@ def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
     for t, records in rounds.items():
         assert len(records) == 3, f"round {t}: {len(records)} records"
         hashes = {tuple(r["stage_hashes"]) for r in records}
-        assert len(hashes) == 1, f"round {t}: the state differs across peers: {hashes}"
+        assert len(hashes) == 1, f"round {t}: the state differs across peers:\n{accounts(peers, t)}"
     applied = [r for records in rounds.values() for r in records if r["applied_round"] is not None]
     outcomes = [(r["round"], r["kinds"], r["coverage"], r["group_sizes"]) for r in applied]
     # hivemind's matchmaking may, under load, assemble a group before the third member's request
@@ -86,7 +88,7 @@ def test_peers_that_start_from_their_own_correction_still_hold_identical_theta_g
     # plus its own correction, which never reaches the shared state, its hash or what a joiner downloads
     peers, rounds = _three_peers(swarm, "--mode", mode, "--stages", "1")
     for t, records in rounds.items():
-        assert len({tuple(r["stage_hashes"]) for r in records}) == 1, f"round {t}: the state differs across peers"
+        assert len({tuple(r["stage_hashes"]) for r in records}) == 1, f"round {t}: the state differs:\n{accounts(peers, t)}"
         want = t if t == ROUNDS - 1 else (t - 1 if t else None)  # applied one round late, the last drained
         assert {r["applied_round"] for r in records} == {want}
     initial = json.loads((peers[0].run_dir / "run.json").read_text())["initial_val_loss"]
@@ -101,7 +103,7 @@ def test_streaming_peers_sync_one_fragment_at_a_time_and_hold_identical_theta_g_
     peers, rounds = _three_peers(swarm, *args, syncs=2)
     last = 2 * ROUNDS - 1
     for t, records in rounds.items():
-        assert len({tuple(r["stage_hashes"]) for r in records}) == 1, f"sync {t}: the state differs across peers"
+        assert len({tuple(r["stage_hashes"]) for r in records}) == 1, f"sync {t}: the state differs:\n{accounts(peers, t)}"
         assert {r["fragment"] for r in records} == {(t + 1) % 2}
         want = t if t == last else (t - 1 if t else None)
         assert {r["applied_round"] for r in records} == {want}
