@@ -208,5 +208,9 @@ def test_an_overlapped_swarm_loses_a_killed_peer_and_takes_in_a_late_joiner_in_a
     assert min(mine) >= 3, "the joiner started from round 0, not from the swarm's state"
     joined = [t for t in mine if t in a and t in b]
     assert joined and all(mine[t] == a[t] for t in joined), "the joiner differs from the survivors"
-    records = {r["round"]: r for r in survivors[0].metrics()}
-    assert any(r["group_sizes"] == [2] for r in records.values()), "the survivors never averaged as a pair"
+    # the survivors went on without the victim: every later exchange was the pair's, or the joiner's too (a
+    # joiner quick to catch up can be in the very next one, so that the two never average as a pair)
+    later = [r for r in survivors[0].metrics() if (r["applied_round"] or 0) > 2]
+    assert later and all(r["group_sizes"] == [2] or r["applied_round"] in mine for r in later), [
+        (r["applied_round"], r["group_sizes"]) for r in later
+    ]
