@@ -270,14 +270,19 @@ class SwarmStageWorker(StageWorker):
         if self.lead:
             why = [name for i, name in enumerate(("hash mismatch", "stranded", "behind")) if any(r[i] for r in reasons)]
             logger.warning("round %d: resyncing with the swarm (%s)", boundary - 1, ", ".join(why))
-        # while resyncing this worker is not in the stage's groups: nobody should wait for it, and the
-        # exchange it just launched would only pull one member away from the others' group
+        # the exchange it just launched would only pull one member away from the others' group
         self.swarm.exchanges.abandon_before(boundary)
+        new = self._resync_aside(boundary, reason="repairs" if any(r[0] for r in reasons) else "catch_ups")
+        return (boundary, False) if new is None else (new, True)  # failed: after_boundary offers the state
+
+    def _resync_aside(self, boundary: int, *, reason: str) -> int | None:
+        """`_resync`, out of the stage's groups meanwhile (nobody should wait for a worker that resyncs);
+        back in them if it failed."""
         self.swarm.set_state(boundary, ready=False, training=False)
-        new = self._resync(boundary, reason="repairs" if any(r[0] for r in reasons) else "catch_ups")
+        new = self._resync(boundary, reason=reason)
         if new is None:
-            self.swarm.set_state(boundary, ready=False, training=True)  # after_boundary offers the state
-        return (boundary, False) if new is None else (new, True)
+            self.swarm.set_state(boundary, ready=False, training=True)
+        return new
 
     @torch.no_grad()
     def _corrupt_theta_g(self) -> None:
@@ -295,9 +300,7 @@ class SwarmStageWorker(StageWorker):
             return False
         if self.lead:
             logger.warning("round %d: the final state differs from the swarm's majority; taking theirs", boundary - 1)
-        self.swarm.set_state(boundary, ready=False, training=False)
-        if self._resync(boundary, reason="repairs") is None:
-            self.swarm.set_state(boundary, ready=False, training=True)
+        if self._resync_aside(boundary, reason="repairs") is None:
             self._publish(boundary)  # it keeps its own state, offered again
             return False
         return True
