@@ -14,8 +14,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .errors import CheckpointError
 
 __all__ = ["latest_common_round", "load_checkpoint", "save_checkpoint"]
@@ -46,6 +44,8 @@ def save_checkpoint(run_dir: Path, stage: int, round: int, state: dict[str, Any]
     tmp = folder / f".{path.name}.tmp"
     for stale in folder.glob(".round*.pt.tmp"):  # left by a process killed mid-write: a whole stage state each
         stale.unlink(missing_ok=True)
+    import torch  # here, not at the top: the launcher lists checkpoints without importing torch
+
     with open(tmp, "wb") as f:
         torch.save({"format": FORMAT, "round": round, "stage": stage, **state}, f)
         f.flush()
@@ -70,6 +70,8 @@ def latest_common_round(run_dir: Path, n_stages: int) -> int | None:
 
 
 def load_checkpoint(run_dir: Path, stage: int, round: int) -> dict[str, Any]:
+    import torch
+
     path = _stage_dir(run_dir, stage) / f"round{round:06d}.pt"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

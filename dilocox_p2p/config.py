@@ -164,6 +164,9 @@ class DataConfig:
     """Batches of held-out text evaluated after every round."""
     seed: int = -1
     """Seed of this peer's sampling order; -1 draws one at first start and keeps it in the run dir."""
+    cache_dir: str = ""
+    """Where the prepared corpus is cached and memory-mapped, once per machine (keyed by its files' names,
+    sizes and times): "" = $DILOCOX_CACHE_DIR or ~/.cache/dilocox-p2p; "off" reads the files at every start."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "data")
@@ -467,7 +470,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 # Fields peers may set differently: where they run, what they print, how they connect.
 _LOCAL_FIELDS = {
     "run": {"run_dir", "checkpoint_every", "device"},
-    "data": {"paths", "seed"},
+    "data": {"paths", "seed", "cache_dir"},
     "swarm": {
         "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "min_peers", "peer_wait", "helper_nice",
         "identity", "certificate",

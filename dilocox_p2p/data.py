@@ -1,5 +1,6 @@
 """Training text: the embedded default corpus (this interpreter's standard library sources)
 or the user's files, split into train/validation by file, sampled per peer from a seed.
+The split bytes are cached once per machine and memory-mapped (corpus_cache.py).
 
 The split is decided by a hash of each file's relative path, so it is the same on every
 machine that has the same files. Each peer draws random windows of `seq_len + 1` bytes
@@ -12,6 +13,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import logging
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import DataConfig
+from .corpus_cache import cache_root, load_or_build, manifest_key
 from .errors import DataError
 
 __all__ = ["BatchSampler", "Corpus", "load_corpus", "stdlib_files", "val_batches"]
@@ -31,8 +34,11 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 def stdlib_files() -> list[tuple[str, Path]]:
     """(relative name, path) of the running interpreter's standard library .py files, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts))
-    return [(str(p.relative_to(root)), p) for p in files]
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]  # never descends into site-packages
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    return [(str(p.relative_to(root)), p) for p in sorted(files)]
 
 
 def _glob_base(pattern: str) -> Path:
@@ -73,12 +79,30 @@ class Corpus:
     val: torch.Tensor  # uint8, all validation files concatenated
     n_files: int
     source: str
+    content: str  # SHA-256 of the split bytes: peers holding the same corpus hold the same hash
 
 
 def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
-    """Read the corpus named by the config and split it into train and validation bytes."""
+    """The corpus named by the config, split into train and validation bytes: mapped from the machine's
+    corpus cache (corpus_cache.py) when these files were prepared before, read and split otherwise."""
     files = _user_files(cfg.paths) if cfg.paths else stdlib_files()
     source = ", ".join(cfg.paths) if cfg.paths else f"python stdlib at {sysconfig.get_paths()['stdlib']}"
+    key = manifest_key(files, split=f"by-path {cfg.val_fraction!r}")
+    split = load_or_build(cache_root(cfg.cache_dir), key, lambda: _read_split(files, cfg.val_fraction))
+    train, val = split.train, split.val
+    need = seq_len + 1
+    if len(train) < need or len(val) < need:
+        raise DataError(
+            f"corpus {source} is too small: {len(train)} train / {len(val)} validation bytes, "
+            f"need at least {need} of each (seq_len {seq_len}); add more text or lower model.seq_len"
+        )
+    logger.info("corpus: %s, %d files, %.1f MB train, %.1f MB val, sha256 %s (%s)", source, len(files), len(train) / 1e6,
+                len(val) / 1e6, split.content[:12], "cached" if split.hit else "read")  # fmt: skip
+    return Corpus(train=train, val=val, n_files=len(files), source=source, content=split.content)
+
+
+def _read_split(files: list[tuple[str, Path]], val_fraction: float) -> tuple[bytearray, bytearray]:
+    """Every file's bytes, each file whole in the train or the validation split (by a hash of its name)."""
     train, val = bytearray(), bytearray()
     for name, path in files:
         try:
@@ -86,24 +110,13 @@ def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
         except OSError as e:
             logger.warning("skipping unreadable file %s: %s", path, e.strerror)
             continue
-        target = val if _is_val(name, cfg.val_fraction) else train
+        target = val if _is_val(name, val_fraction) else train
         target += blob
     if not val or not train:  # too few files to split by file: hold out the tail of the text instead
         text = train + val
-        cut = int(len(text) * (1 - cfg.val_fraction))
+        cut = int(len(text) * (1 - val_fraction))
         train, val = text[:cut], text[cut:]
-    need = seq_len + 1
-    if len(train) < need or len(val) < need:
-        raise DataError(
-            f"corpus {source} is too small: {len(train)} train / {len(val)} validation bytes, "
-            f"need at least {need} of each (seq_len {seq_len}); add more text or lower model.seq_len"
-        )
-    logger.info("corpus: %s, %d files, %.1f MB train, %.1f MB val", source, len(files), len(train) / 1e6, len(val) / 1e6)
-    return Corpus(train=_as_tensor(train), val=_as_tensor(val), n_files=len(files), source=source)
-
-
-def _as_tensor(blob: bytearray) -> torch.Tensor:
-    return torch.frombuffer(blob, dtype=torch.uint8)  # shares memory with the (writable) bytearray
+    return train, val
 
 
 class BatchSampler:

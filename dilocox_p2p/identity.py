@@ -24,10 +24,10 @@ import base58
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from hivemind.proto import crypto_pb2
 
 from .errors import IdentityError
 from .proto_gen import envelope_pb2
+from .proto_gen import libp2p_keys_pb2  # libp2p's key messages (hivemind's crypto.proto), without importing hivemind
 
 __all__ = [
     "certify_peer",
@@ -99,15 +99,15 @@ def worker_identity(path: Path) -> Ed25519PrivateKey:
     """A stage worker's libp2p key, in p2pd's file format (`-id`): made on first use, reused on restart."""
     if path.exists():
         try:
-            stored = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+            stored = libp2p_keys_pb2.PrivateKey.FromString(path.read_bytes())
         except Exception as e:
             raise IdentityError(f"worker key {path} is unreadable ({e!r}): delete it to make a new one") from None
-        if stored.key_type != crypto_pb2.KeyType.Ed25519 or len(stored.data) != 64:
+        if stored.key_type != libp2p_keys_pb2.KEY_ED25519 or len(stored.data) != 64:
             raise IdentityError(f"worker key {path} is not an Ed25519 libp2p key: delete it to make a new one")
         return Ed25519PrivateKey.from_private_bytes(stored.data[:32])
     key = Ed25519PrivateKey.generate()
     seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
-    blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=seed + public_raw(key)).SerializeToString()
+    blob = libp2p_keys_pb2.PrivateKey(key_type=libp2p_keys_pb2.KEY_ED25519, data=seed + public_raw(key)).SerializeToString()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -117,7 +117,7 @@ def worker_identity(path: Path) -> Ed25519PrivateKey:
 
 def peer_id_of(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
     """The libp2p peer id (base58) of an Ed25519 key: the identity multihash of its marshalled public key."""
-    marshalled = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=public_raw(key)).SerializeToString()
+    marshalled = libp2p_keys_pb2.PublicKey(key_type=libp2p_keys_pb2.KEY_ED25519, data=public_raw(key)).SerializeToString()
     return base58.b58encode(_IDENTITY_MULTIHASH + marshalled).decode()
 
 
@@ -130,12 +130,12 @@ def public_key_of(peer_id: str) -> Ed25519PublicKey:
         raise ValueError(f"{peer_id[:20]!r} is not a base58 peer id") from None
     if not raw.startswith(_IDENTITY_MULTIHASH) or len(raw) != 38:
         raise ValueError(f"peer id {peer_id[:20]}... is not an Ed25519 identity peer id")
-    marshalled = crypto_pb2.PublicKey()
+    marshalled = libp2p_keys_pb2.PublicKey()
     try:
         marshalled.ParseFromString(raw[2:])
     except Exception:
         raise ValueError(f"peer id {peer_id[:20]}... does not hold a public key") from None
-    if marshalled.key_type != crypto_pb2.KeyType.Ed25519 or len(marshalled.data) != 32:
+    if marshalled.key_type != libp2p_keys_pb2.KEY_ED25519 or len(marshalled.data) != 32:
         raise ValueError(f"peer id {peer_id[:20]}... is not an Ed25519 identity peer id")
     return Ed25519PublicKey.from_public_bytes(marshalled.data)
 

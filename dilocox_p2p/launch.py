@@ -7,7 +7,9 @@ set), runs as the one stage its rank names, so the same code drives a multi-node
     torchrun --nnodes 2 --nproc-per-node 1 ... -m dilocox_p2p.cli join --stages 2
 
 The launcher owns the run directory (config.toml, run.json), forwards SIGINT/SIGTERM to
-the stages once, and stops the other stages when one of them fails.
+the stages once, and stops the other stages when one of them fails. It never imports torch:
+the stages fork from a fork server that imports it (stage_process.py) while the launcher
+runs its checks, so start-up pays for those imports once and in parallel.
 """
 
 from __future__ import annotations
@@ -16,31 +18,25 @@ import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import secrets
 import signal
-import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-
-from . import __version__
+from . import __version__, startup
 from .checkpoint import latest_common_round
 from .config import Config, config_hash, to_toml
 from .endpoints import ensure_port_free
-from .errors import CheckpointError, ConfigError, DilocoxError
-from .logs import init_logging, set_log_context
-from .worker import StageWorker, WorkerSpec, resolve_device
+from .errors import CheckpointError, DilocoxError
+from .logs import init_logging
 
 __all__ = ["prepare_run_dir", "run_peer", "wait_for_multiaddrs"]
 
 logger = logging.getLogger(__name__)
 
-EXIT_USAGE = 2
 _GRACE_S = 20.0
 
 
@@ -86,83 +82,38 @@ def prepare_run_dir(cfg: Config, *, resume: bool) -> int:
     return seed
 
 
-WorkerFactory = Callable[[WorkerSpec, torch.device, Any], StageWorker]
+def _stage_entry(cfg: Config, stage: int, resume: bool, data_seed: int, ports: Any) -> None:
+    """Entry point of a stage process (forked from the peer's fork server, which imported stage_process)."""
+    from .stage_process import stage_main
+
+    stage_main(cfg, stage=stage, resume=resume, data_seed=data_seed, ports=ports)
 
 
-def _threads(cfg: Config) -> int:
-    return cfg.inner.threads or max(1, (os.cpu_count() or 1) // cfg.model.stages)
-
-
-def _stage_process(spec: WorkerSpec, store_port: int, factory: WorkerFactory) -> None:
-    """Entry point of a stage process (forked from the peer's fork server)."""
-    # Ctrl-C on a terminal reaches every process of the group: the launcher forwards one
-    # SIGTERM instead, so the stages ignore SIGINT (and so do the DHT processes they fork).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
-    sys.exit(_run_stage(spec, factory, store=store))
-
-
-def _run_stage(spec: WorkerSpec, factory: WorkerFactory, *, store: Any = None) -> int:
-    cfg = spec.cfg
-    init_logging(cfg.control.log_level, fmt=cfg.control.log_format, file=cfg.run.path / "logs" / f"stage{spec.stage}.log")
-    set_log_context(stage=spec.stage)
-    torch.set_num_threads(_threads(cfg))
-    logger.info("torch %s, CPU capability %s", torch.__version__, torch.backends.cpu.get_cpu_capability())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    mp.set_start_method("fork", force=True)  # hivemind's DHT and averager processes are forked from here
-    try:
-        device = resolve_device(cfg.run.device, spec.stage)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group(
-                backend, store=store, rank=spec.stage, world_size=cfg.model.stages, timeout=timedelta(minutes=10)
-            )
-        control = dist.new_group(backend="gloo") if backend == "nccl" else None
-        worker = factory(spec, device, control)
-        worker.install_signal_handlers()
-        stopped = worker.run()
-        return 128 + stopped if stopped else 0
-    except DilocoxError as e:
-        logger.error("%s", e)
-        return e.exit_code
-    except KeyboardInterrupt:
-        logger.warning("interrupted")
-        return 128 + signal.SIGINT
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _default_factory(cfg: Config) -> WorkerFactory:
-    if not cfg.swarm.enabled:
-        return StageWorker
-    from .swarm.worker import SwarmStageWorker  # imports hivemind
-
-    return SwarmStageWorker
-
-
-def run_peer(cfg: Config, *, resume: bool, factory: WorkerFactory | None = None) -> int:
+def run_peer(cfg: Config, *, resume: bool) -> int:
     """Run this peer's stages to the end of the run; return the process exit code."""
-    factory = factory or _default_factory(cfg)
+    timeline = startup.configure(stage=None)
+    timeline.mark("process", at=startup.process_start_time())
+    timeline.mark("imports")
     init_logging(cfg.control.log_level, fmt=cfg.control.log_format)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_under_torchrun(cfg, resume=resume, factory=factory)
+        from .stage_process import run_under_torchrun
+
+        return run_under_torchrun(cfg, resume=resume)
+    ctx = _stage_context(cfg)  # the fork server imports torch (and hivemind) while the checks below run
     _check_ports(cfg)  # one clear error now, not a failed stage later
     data_seed = prepare_run_dir(cfg, resume=resume)
+    timeline.attach(cfg.run.path, fresh=not resume)
     if resume:
         _warn_if_alone_again(cfg)
     if cfg.swarm.enabled:  # an unsafe key or a closed run's refusal: one clear error before any stage starts
         from .swarm.credentials import Credentials
 
         logger.info("peer key %s", Credentials.load(cfg).public_hex)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = _stage_context()
+    timeline.mark("preflight")
+    ports = ctx.SimpleQueue()  # stage 0 hosts the peer's rendezvous store and tells the others its port
     procs = []
     for stage in range(cfg.model.stages):
-        spec = WorkerSpec(cfg=cfg, stage=stage, resume=resume, data_seed=data_seed)
-        proc = ctx.Process(target=_stage_process, args=(spec, store.port, factory), name=f"stage{stage}")
+        proc = ctx.Process(target=_stage_entry, args=(cfg, stage, resume, data_seed, ports), name=f"stage{stage}")
         proc.start()
         procs.append(proc)
     return _supervise(procs)
@@ -195,15 +146,22 @@ def _check_ports(cfg: Config) -> None:
 
 # Modules every stage process needs: a fork server imports them once per peer, and each stage
 # forks from it (spawning each stage would import torch, its pipelining and hivemind again:
-# about 4 s of CPU per stage). The server forks before any stage initializes CUDA or threads.
-_STAGE_MODULES = ["torch", "torch.distributed.pipelining", "dilocox_p2p.worker", "dilocox_p2p.swarm.worker"]
+# about 4 s of CPU per stage). The launcher itself imports none of them: the fork server starts
+# at once and imports while the launcher checks ports, the run directory and the keys. It
+# forks before any stage initializes CUDA or threads.
+def _stage_modules(cfg: Config) -> list[str]:
+    modules = ["dilocox_p2p.stage_process"]  # torch, its pipelining, the worker
+    if cfg.swarm.enabled:
+        modules.append("dilocox_p2p.swarm.worker")  # hivemind
+    return modules
 
 
-def _stage_context() -> Any:
+def _stage_context(cfg: Config) -> Any:
     if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - not Linux
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_STAGE_MODULES)
+    ctx.set_forkserver_preload(_stage_modules(cfg))
+    multiprocessing.forkserver.ensure_running()
     return ctx
 
 
@@ -247,30 +205,6 @@ def _stop_all(procs: Any) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
-
-
-def _run_under_torchrun(cfg: Config, *, resume: bool, factory: WorkerFactory) -> int:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != cfg.model.stages:
-        raise ConfigError(f"torchrun started {world} processes but model.stages = {cfg.model.stages}; make them equal")
-    dist.init_process_group(
-        "nccl" if resolve_device(cfg.run.device, rank).type == "cuda" else "gloo", timeout=timedelta(minutes=10)
-    )
-    message: list[Any] = [None]
-    if rank == 0:
-        try:
-            message = [prepare_run_dir(cfg, resume=resume)]
-        except DilocoxError as e:
-            message = [str(e)]
-    dist.broadcast_object_list(message, src=0)
-    if isinstance(message[0], str):
-        if rank == 0:
-            logger.error("%s", message[0])
-        dist.destroy_process_group()
-        return EXIT_USAGE
-    spec = WorkerSpec(cfg=cfg, stage=rank, resume=resume, data_seed=int(message[0]))
-    return _run_stage(spec, factory)
-
 
 
 def wait_for_multiaddrs(run_dir: Path, *, alive: Callable[[], bool], timeout: float = 120.0) -> list[str]:

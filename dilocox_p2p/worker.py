@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import startup
 from .checkpoint import latest_common_round, load_checkpoint, save_checkpoint
 from .config import Config, config_hash
 from .data import BatchSampler, load_corpus, val_batches
@@ -63,6 +64,7 @@ class StageWorker:
         self.lead = self.stage == 0
         self.stop_signal: int | None = None
         self.trainer = InnerTrainer(self.cfg, stage=self.stage, device=device)
+        startup.mark("model")
         # streaming: each outer round of H steps is P sync rounds of H/P steps, each syncing one fragment
         self.syncs = self.cfg.outer.syncs_per_round
         self.rounds, self.steps = self.cfg.run.rounds * self.syncs, self.cfg.inner.steps // self.syncs
@@ -78,6 +80,7 @@ class StageWorker:
             corpus = load_corpus(self.cfg.data, shape.seq_len)
             self.sampler = BatchSampler(corpus.train, shape.seq_len, self.cfg.inner.batch_size, spec.data_seed)
             self.val = val_batches(corpus, shape.seq_len, self.cfg.inner.batch_size, self.cfg.data.val_batches)
+        startup.mark("corpus")
         self.tokens = 0
         self.n_params_peer = self._sum_over_stages(self.trainer.n_params())
 
@@ -224,6 +227,7 @@ class StageWorker:
         self._set_state("joining")
         start = self.restore() if self.spec.resume else 0
         start = self.on_start(start)
+        startup.mark("joined")
         self._set_state("training")
         self.outer.load_into_model()
         metrics = progress = None
@@ -284,6 +288,7 @@ class StageWorker:
             if result.loss is not None:
                 losses.append(result.loss)
             self.outer.after_inner_step(i + 1)
+            startup.mark("first_step")
             if progress is not None:
                 progress.step(t)
             if self.board is not None:

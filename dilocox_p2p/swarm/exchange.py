@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from hivemind.averaging.control import AveragingStage
 
-from .. import injection
+from .. import injection, startup
 from ..average import Average, AverageKind, Spans, average_hash, intersect_spans, spans_by_tensor
 from ..compression.codec import is_finite
 from ..wire import swarm_pb2
@@ -437,7 +437,10 @@ class ExchangeQueue:
             with self._lock:
                 self._running = exchange
             try:
-                future.set_result(exchange.run())
+                average = exchange.run()
+                if average.kind.applies and average.group_size >= 2:
+                    startup.mark("first_group")
+                future.set_result(average)
             except Exception as e:  # never leave the outer loop hanging
                 logger.exception("the exchange of round %d failed unexpectedly", exchange.round)
                 future.set_result(_nothing(AverageKind.STRANDED, f"internal error: {e!r}", 0.0))

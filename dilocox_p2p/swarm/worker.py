@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import injection
+from .. import injection, startup
 from ..average import Average, Averager, AverageKind, average_hash
 from ..outer import RoundOutcome
 from ..logs import set_log_context
@@ -67,6 +67,7 @@ class SwarmStageWorker(StageWorker):
         if not self.lead:
             self.swarm = start(lead_maddrs[0])
         set_log_context(peer=self.swarm.peer_id)
+        startup.mark("dht")
         self._offered = -1  # the boundary whose state joiners may download (its round record is out)
         self._leave_by: float | None = None  # time.monotonic() by which it leaves after the last round
         self._kept: StageState | None = None  # the offered state, kept past its boundary for a waiting joiner

@@ -1,0 +1,123 @@
+"""The process of one pipeline stage: logging, threads, the peer's process group, the worker.
+
+The launcher (launch.py) forks the stages from a fork server that imported this module (and
+torch, and hivemind) once; the launcher itself never imports torch. Under torchrun each
+process runs `run_under_torchrun` instead. Stage 0 hosts the peer's rendezvous store (a
+TCPStore on a free port) and hands its port to the other stages through the launcher's pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import startup
+from .config import Config
+from .errors import ConfigError, DilocoxError
+from .logs import init_logging, set_log_context
+from .worker import StageWorker, WorkerSpec, resolve_device
+
+__all__ = ["run_under_torchrun", "stage_main"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+STORE_TIMEOUT = timedelta(seconds=60)
+
+
+def stage_main(cfg: Config, *, stage: int, resume: bool, data_seed: int, ports: Any) -> None:
+    """Entry point of a stage process forked by the launcher. `ports`: a SimpleQueue through which stage 0
+    gives the other stages its store's port."""
+    startup.configure(stage=stage, run_dir=cfg.run.path).mark("stage_process")
+    spec = WorkerSpec(cfg=cfg, stage=stage, resume=resume, data_seed=data_seed)
+    # Ctrl-C on a terminal reaches every process of the group: the launcher forwards one
+    # SIGTERM instead, so the stages ignore SIGINT (and so do the DHT processes they fork).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    n = spec.cfg.model.stages
+    if spec.stage == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size=n, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+        for _ in range(n - 1):
+            ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(), world_size=n, is_master=False, timeout=STORE_TIMEOUT)
+    sys.exit(_run_stage(spec, store=store))
+
+
+def _threads(cfg: Config) -> int:
+    return cfg.inner.threads or max(1, (os.cpu_count() or 1) // cfg.model.stages)
+
+
+def _worker_class(cfg: Config) -> type[StageWorker]:
+    if not cfg.swarm.enabled:
+        return StageWorker
+    from .swarm.worker import SwarmStageWorker  # imports hivemind
+
+    return SwarmStageWorker
+
+
+def _run_stage(spec: WorkerSpec, *, store: Any = None) -> int:
+    cfg = spec.cfg
+    init_logging(cfg.control.log_level, fmt=cfg.control.log_format, file=cfg.run.path / "logs" / f"stage{spec.stage}.log")
+    set_log_context(stage=spec.stage)
+    torch.set_num_threads(_threads(cfg))
+    logger.info("torch %s, CPU capability %s", torch.__version__, torch.backends.cpu.get_cpu_capability())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mp.set_start_method("fork", force=True)  # hivemind's DHT and averager processes are forked from here
+    try:
+        device = resolve_device(cfg.run.device, spec.stage)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend, store=store, rank=spec.stage, world_size=cfg.model.stages, timeout=timedelta(minutes=10)
+            )
+        control = dist.new_group(backend="gloo") if backend == "nccl" else None
+        worker = _worker_class(cfg)(spec, device, control)
+        worker.install_signal_handlers()
+        stopped = worker.run()
+        return 128 + stopped if stopped else 0
+    except DilocoxError as e:
+        logger.error("%s", e)
+        return e.exit_code
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 128 + signal.SIGINT
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_under_torchrun(cfg: Config, *, resume: bool) -> int:
+    """Run as the one stage torchrun's RANK names; rank 0 prepares the run directory for all."""
+    from .launch import prepare_run_dir
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != cfg.model.stages:
+        raise ConfigError(f"torchrun started {world} processes but model.stages = {cfg.model.stages}; make them equal")
+    dist.init_process_group(
+        "nccl" if resolve_device(cfg.run.device, rank).type == "cuda" else "gloo", timeout=timedelta(minutes=10)
+    )
+    message: list[Any] = [None]
+    if rank == 0:
+        try:
+            message = [prepare_run_dir(cfg, resume=resume)]
+        except DilocoxError as e:
+            message = [str(e)]
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], str):
+        if rank == 0:
+            logger.error("%s", message[0])
+        dist.destroy_process_group()
+        return EXIT_USAGE
+    startup.configure(stage=rank, run_dir=cfg.run.path).mark("stage_process")
+    spec = WorkerSpec(cfg=cfg, stage=rank, resume=resume, data_seed=int(message[0]))
+    return _run_stage(spec)
