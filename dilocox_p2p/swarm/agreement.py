@@ -5,10 +5,11 @@ At every boundary a worker publishes a `RoundRecord` with the hash of its shared
 It then compares its hash with the others' as soon as the comparison is settled: a hash
 held by a strict majority of the workers expected at that boundary (the training members at
 it or one round behind), or every expected worker's record in. Until then it looks again
-every CHECK_POLL_S seconds, at most EARLY_POLLS times; a boundary still open when the next
-one is published is checked with the records there are then. A worker in the minority is
-repaired at its next boundary (state download), so it trains at most one round on a
-diverged state. A check whose lookup fails is counted (`hash_checks_skipped`) and retried
+every CHECK_POLL_S seconds, at most EARLY_POLLS times. A check still open when the worker
+reaches its next boundary is settled there first (`settle_check`, waiting at most round_wait
+for the group's records), and one still open then is checked with the records there are when
+the next one is published. A worker in the minority is repaired at its next boundary (state
+download), so it trains at most one round on a diverged state. A check whose lookup fails is counted (`hash_checks_skipped`) and retried
 at later rounds.
 
 A downloaded state is accepted only if its state hash AND the hash of its pending average
@@ -173,6 +174,27 @@ class Agreement:
                     check.attempts += 1
                     if outcome == "done" or check.attempts >= CHECK_ATTEMPTS or check.epoch != self._epoch:
                         self._checks = [c for c in self._checks if c is not check]
+
+    def settle_check(self, boundary: int, *, deadline: float) -> None:
+        """Settle the background check of `boundary` now if it is still open (the records of the group came
+        later than this worker's next boundary), waiting for them until `deadline` (a time.monotonic()); a
+        repair it finds is then taken at once (`take_repair`). Past the deadline the check goes on in the
+        background, as before."""
+        with self._lock:
+            check = next((c for c in self._checks if c.boundary == boundary and c.epoch == self._epoch), None)
+        while check is not None:
+            outcome = self._check(check, settle_only=True)
+            if outcome == "done":
+                with self._lock:
+                    self._checks = [c for c in self._checks if c is not check]
+            with self._lock:
+                if outcome != "open" or check not in self._checks:  # decided here, by the background, or to retry
+                    return
+            if time.monotonic() >= deadline:
+                logger.info("the hash check of round %d is not settled by the next boundary; it goes on", boundary)
+                return
+            time.sleep(CHECK_POLL_S)
+            self.membership.refresh()
 
     def _check(self, check: _Check, *, settle_only: bool = False) -> str:
         """Compare `check` with the others' records: "done", "retry" (the lookup failed, or no other

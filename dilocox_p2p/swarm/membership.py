@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from hivemind.utils import get_dht_time
 
@@ -28,6 +28,7 @@ __all__ = ["Membership", "config_diff"]
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
+BARRIER_POLL_S = 0.25  # the start barrier is looked at more often: every peer of the quorum waits on it
 
 
 def config_diff(ours: str, theirs: str) -> list[str]:
@@ -160,20 +161,34 @@ class Membership:
                 return others
             time.sleep(POLL_S)
 
-    def wait_for_peers(self, count: int, timeout: float) -> int:
-        """Wait until `count` workers of this stage (this one included) are in the run."""
+    def wait_for_peers(self, count: int, timeout: float) -> list[str]:
+        """Wait until `count` workers of this stage (this one included) are at the start barrier (their record
+        names the boundary they will start from) or train; return them."""
         deadline = time.monotonic() + timeout
         last_log = 0.0
         while True:
             self.refresh()
             self.refuse_another_release()  # the run may start training while this peer waits
-            n = len(self.members(others_only=False))
-            if n >= count or time.monotonic() >= deadline:
-                return n
+            here = [m.peer_id for m in self.members(others_only=False) if m.record.training or m.record.boundary >= 0]
+            if len(here) >= count or time.monotonic() >= deadline:
+                return here
             if time.monotonic() - last_log > 10:
-                logger.info("waiting for peers: %d of %d workers of stage %d are here", n, count, self.records.stage)
+                logger.info("waiting for peers: %d of %d workers of stage %d are here", len(here), count, self.records.stage)
                 last_log = time.monotonic()
-            time.sleep(POLL_S)
+            time.sleep(BARRIER_POLL_S)
+
+    def wait_until_training(self, peer_ids: Collection[str], timeout: float) -> None:
+        """Wait until each of `peer_ids` trains or left the run (at most `timeout`): the second half of the start
+        barrier. Peers that met at the barrier then start their first round together, instead of the first to
+        see the quorum training a round before the last one looks, which then had to take the state of a run
+        that had moved on."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.refresh()
+            live = {m.peer_id: m for m in self.members(others_only=False)}
+            if all(p not in live or live[p].record.training for p in peer_ids):
+                return
+            time.sleep(BARRIER_POLL_S)
 
     # ----- admission ---------------------------------------------------------------------------
     def refuse_another_release(self) -> None:

@@ -1,7 +1,8 @@
 """A stage worker that trains as part of a swarm (the round loop is the one in worker.py).
 
-Start: join the DHT, publish multiaddrs (lead), check admission, wait for `min_peers`,
-then, if the run has moved on (or this worker's checkpoint differs from the swarm or
+Start: join the DHT, publish multiaddrs (lead), check admission, wait for `min_peers` at
+the start barrier (until that many workers are there, then until each of them trains, so
+that peers started together start their first round together), then, if the run has moved on (or this worker's checkpoint differs from the swarm or
 lacks the average that was in flight), download the state of the swarm's current
 boundary from a live worker of the same stage (all local stages agree on the boundary).
 Each boundary: repair from the majority if a hash check said so, catch up if this worker
@@ -70,6 +71,7 @@ class SwarmStageWorker(StageWorker):
         startup.mark("dht")
         self._offered = -1  # the boundary whose state joiners may download (its round record is out)
         self._leave_by: float | None = None  # time.monotonic() by which it leaves after the last round
+        self._last_boundary = time.monotonic()  # when this worker last reached a boundary (or started)
         self._kept: StageState | None = None  # the offered state, kept past its boundary for a waiting joiner
         self.swarm.averager.set_state_provider(self.offered_state)
         lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
@@ -135,15 +137,20 @@ class SwarmStageWorker(StageWorker):
         failures = self._all_gather(self._try(lambda: swarm.membership.check_admission(self.cfg.run.run_id, swarm.shared_json)))
         if any(failures):
             raise next(f for f in failures if f)
-        if self.cfg.swarm.min_peers > 1:
-            n = swarm.membership.wait_for_peers(self.cfg.swarm.min_peers, timeout=self.cfg.swarm.peer_wait)
-            counts = self._all_gather(n)
+        quorum: list[str] = []
+        if self.cfg.swarm.min_peers > 1:  # the start barrier: first every peer of the quorum is here ...
+            swarm.heartbeat.update(boundary=start)  # at the barrier, with the state of `start`
+            quorum = swarm.membership.wait_for_peers(self.cfg.swarm.min_peers, timeout=self.cfg.swarm.peer_wait)
+            counts = self._all_gather(len(quorum))
             if self.lead:
                 logger.info("%d peers in the run (waited for %d)", min(counts), self.cfg.swarm.min_peers)
-        start = self._join(start)
-        self.swarm.set_state(start, ready=False, training=True)  # members wait for this worker from now on
-        self._publish(start)
-        return start
+        joined = self._join(start)
+        self.swarm.set_state(joined, ready=False, training=True)  # members wait for this worker from now on
+        self._publish(joined)
+        if quorum and joined == start:  # ... then every one of them trains, and they start round `start` together
+            swarm.membership.wait_until_training(quorum, timeout=self.cfg.swarm.round_wait)
+        self._last_boundary = time.monotonic()
+        return joined
 
     @staticmethod
     def _try(fn: Any) -> Exception | None:
@@ -258,6 +265,14 @@ class SwarmStageWorker(StageWorker):
         """
         if injection.armed("corrupt_state", round=boundary - 1, stage=self.stage):
             self._corrupt_theta_g()
+        # the check of the boundary before is normally settled by now (the others' records came in during the
+        # round); if not, settle it first: a worker in the minority trains one round on a diverged state, never
+        # two. It waits at most as long again as the round took (others on a loaded machine publish a round
+        # late), and at most round_wait (a member that died holds no record to wait for)
+        now = time.monotonic()
+        patience = min(self.cfg.swarm.round_wait, now - self._last_boundary)
+        self._last_boundary = now
+        self.swarm.agreement.settle_check(boundary - 1, deadline=now + patience)
         repair = self.swarm.agreement.take_repair() is not None
         last = outcome.last
         stranded = (
