@@ -5,6 +5,8 @@ policy; the outer half lives in outer.py). Stages exchange activations over the 
 local process group (gloo on CPU, NCCL on CUDA) through torch.distributed.pipelining.
 The gradient norm for clipping is global: stages sum their squared norms in one small
 all-reduce per step, which also carries the stop flag so all stages stop together.
+A peer of one stage runs the same micro-batches in a plain loop, without the pipelining
+package (whose import alone costs about a second of CPU at every start).
 """
 
 from __future__ import annotations
@@ -12,16 +14,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from .config import Config
 from .model import StageModule, build_stage, lm_loss
 
 __all__ = ["InnerTrainer", "StepResult", "lr_at"]
-
-_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float) -> float:
@@ -46,10 +47,7 @@ class InnerTrainer:
         n_stages = cfg.model.stages
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.module: StageModule = build_stage(cfg.model.shape, n_stages, stage, cfg.run.seed).to(device)
-        self.pipe = PipelineStage(self.module, stage, n_stages, device, group=group)
-        self.schedule = _SCHEDULES[cfg.inner.schedule](
-            self.pipe, n_microbatches=cfg.inner.microbatches, loss_fn=lm_loss, scale_grads=True
-        )
+        self.schedule = _pipeline_schedule(cfg, self.module, stage, device, group) if n_stages > 1 else None
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.module.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -68,6 +66,8 @@ class InnerTrainer:
         return sum(p.numel() for p in self.module.parameters())
 
     def _run_schedule(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, train: bool) -> list:
+        if self.schedule is None:
+            return self._run_alone(inputs, targets, train=train)
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         args = (inputs.to(self.device),) if self.is_first and inputs is not None else ()
@@ -76,6 +76,17 @@ class InnerTrainer:
             run(*args, target=target, losses=losses)
         else:
             run(*args)
+        return losses
+
+    def _run_alone(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool) -> list[torch.Tensor]:
+        """The whole model in this process: the schedule's micro-batches and loss scaling, without a pipeline."""
+        n = self.cfg.inner.microbatches
+        losses = []
+        for x, y in zip(inputs.to(self.device).tensor_split(n), targets.to(self.device).tensor_split(n)):
+            loss = lm_loss(self.module(x), y)
+            if train:
+                (loss / n).backward()
+            losses.append(loss.detach())
         return losses
 
     def train_step(
@@ -121,3 +132,12 @@ class InnerTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _pipeline_schedule(cfg: Config, module: StageModule, stage: int, device: torch.device, group: Any) -> Any:
+    """This stage's PipelineStage in the configured schedule (imported here: a peer of one stage never needs it)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    pipe = PipelineStage(module, stage, cfg.model.stages, device, group=group)
+    return schedules[cfg.inner.schedule](pipe, n_microbatches=cfg.inner.microbatches, loss_fn=lm_loss, scale_grads=True)

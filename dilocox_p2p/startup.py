@@ -4,9 +4,10 @@ Every process of a peer marks the phases it goes through, once per life (a `--re
 a new life, appended after the old one):
 
     launcher   process (its start, from the kernel), imports, preflight
-    each stage stage_process, dht, model, corpus, joined, first_step, first_group
+    each stage stage_process, dht, model, corpus, joined, first_step, first_exchange, first_group
 
-`first_group` is the end of this stage's first exchange in a group of two or more. Phases
+`first_exchange` is when this stage's first exchange began (its first round trained), and
+`first_group` when its first exchange in a group of two or more ended. Phases
 overlap: a stage's DHT node starts while its model is built and its corpus read, so a mark
 says when a phase was done, and the chain of the lead stage's marks in time order is the
 start-up's critical path (`phases`). The lead stage logs that path once, at its first inner
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 FILE = "startup.jsonl"
 LAUNCHER_PHASES = ("process", "imports", "preflight")
-STAGE_PHASES = ("stage_process", "dht", "model", "corpus", "joined", "first_step", "first_group")
+STAGE_PHASES = ("stage_process", "dht", "model", "corpus", "joined", "first_step", "first_exchange", "first_group")
 
 
 def process_start_time(pid: int | None = None) -> float:

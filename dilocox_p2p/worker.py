@@ -143,8 +143,19 @@ class StageWorker:
             self.stop_signal = signum
             logger.warning("got %s: abandoning the round in flight; send it again to exit at once",
                            signal.Signals(signum).name)
+            self.on_stop_signal()
 
         signal.signal(signal.SIGTERM, handler)  # SIGINT is ignored: the launcher turns Ctrl-C into one SIGTERM
+
+    def on_stop_signal(self) -> None:
+        """Called in the signal handler when a stop is asked for: let what this worker waits on give up (the
+        swarm abandons its exchanges). Only sets flags or events: the handler may interrupt any code."""
+
+    def _check_stop(self) -> None:
+        """Raise StopRequested on every stage of this peer if any of them was asked to stop (a collective: all
+        stages call it at the same point, so that none waits for a stage that left)."""
+        if any(self._all_gather(self.stop_signal is not None)):
+            raise StopRequested
 
     # ----- collectives on the peer's control group ------------------------------------
     def _gather(self, item: Any) -> list[Any] | None:
@@ -225,21 +236,21 @@ class StageWorker:
     def _run(self) -> int | None:
         cfg = self.cfg
         self._set_state("joining")
-        start = self.restore() if self.spec.resume else 0
-        start = self.on_start(start)
-        startup.mark("joined")
-        self._set_state("training")
-        self.outer.load_into_model()
         metrics = progress = None
-        if self.lead:
-            metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
-            metrics.truncate_from(start)
-        if start == 0:
-            self._record_initial_val_loss()
-            self.save(0)
-        if self.lead:
-            progress = Progress(rounds=self.rounds, steps=self.steps, first_round=start, style=cfg.control.progress)
         try:
+            start = self.restore() if self.spec.resume else 0
+            start = self.on_start(start)
+            startup.mark("joined")
+            self._set_state("training")
+            self.outer.load_into_model()
+            if self.lead:
+                metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+                metrics.truncate_from(start)
+            if start == 0:
+                self._record_initial_val_loss()
+                self.save(0)
+            if self.lead:
+                progress = Progress(rounds=self.rounds, steps=self.steps, first_round=start, style=cfg.control.progress)
             t = start
             while t < self.rounds:
                 set_log_context(round=t)
@@ -297,7 +308,6 @@ class StageWorker:
 
     def run_round(self, t: int, progress: Progress | None) -> tuple[dict[str, Any] | None, int]:
         """Train round t; return (the lead's metrics record, the boundary to continue from)."""
-        cfg = self.cfg
         started, compute_start = time.perf_counter(), time.time()
         losses = self._train_inner(t, progress)
         seconds_compute = time.perf_counter() - started
@@ -306,6 +316,7 @@ class StageWorker:
         outcome = self.outer.end_round(t)
         if t + 1 == self.rounds:  # the run ends: apply what is still pending
             outcome = outcome.then(self.outer.drain())
+        self._check_stop()  # a stop abandons the exchange this round waited for: nothing of it is kept
         seconds_round = time.perf_counter() - started
         boundary, replaced = self.on_boundary(t + 1, outcome)
         state_hash = self.outer.hash()

@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from tests.helpers import artifacts
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_corpus_cache(tmp_path_factory):
@@ -32,3 +34,26 @@ def _restore_root_logging():
     for handler in handlers:
         root.addHandler(handler)
     root.setLevel(level)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's peers' logs and records go to the artifacts directory (tests/helpers/artifacts.py), copied
+    while its temporary directory is still there."""
+    report = yield
+    source = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if report.when == "call" and report.failed and source is not None:
+        kept = artifacts.keep(item.nodeid, source)
+        if kept is not None:
+            _kept.append(f"{item.nodeid}: {kept}")
+    return report
+
+
+_kept: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _kept:
+        terminalreporter.section("logs and records of failed tests")
+        for line in _kept:
+            terminalreporter.write_line(line)

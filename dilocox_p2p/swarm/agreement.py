@@ -9,8 +9,8 @@ every CHECK_POLL_S seconds, at most EARLY_POLLS times. A check still open when t
 reaches its next boundary is settled there first (`settle_check`, waiting at most round_wait
 for the group's records), and one still open then is checked with the records there are when
 the next one is published. A worker in the minority is repaired at its next boundary (state
-download), so it trains at most one round on a diverged state. A check whose lookup fails is counted (`hash_checks_skipped`) and retried
-at later rounds.
+download), so it trains at most one round on a diverged state. A check whose lookup fails is
+counted (`hash_checks_skipped`) and retried at later rounds.
 
 A downloaded state is accepted only if its state hash AND the hash of its pending average
 equal what most of the stage group announced for that boundary, not only what the donor
@@ -261,10 +261,19 @@ class Agreement:
 
     def _settled(self, boundary: int, hashes: dict[str, str]) -> bool:
         """Whether the records in `hashes` (this worker's included) decide the majority at `boundary` already:
-        a hash held by a strict majority of the workers expected there, or every expected worker's record in."""
-        expected = {m.peer_id for m in self.membership.members(training_only=True) if m.record.boundary >= boundary - 1}
+        a hash held by a strict majority of the workers expected there, or every expected worker's record in
+        without a tie. Expected: the training members at most two boundaries behind (a member record lags its
+        worker by up to a heartbeat; one one boundary behind counted as absent let two of three workers, one of
+        them corrupted, tie and settle on the smallest peer id). A tie settles only once every training member's
+        record is in: the smallest peer id decides a split pair, never a split that a third worker would break."""
+        training = {m.peer_id for m in self.membership.members(training_only=True)} | {self.peer_id}
+        expected = {m.peer_id for m in self.membership.members(training_only=True) if m.record.boundary >= boundary - 2}
         expected.add(self.peer_id)
-        return 2 * held_by_most(hashes.values()) > len(expected | set(hashes)) or expected <= set(hashes)
+        most = held_by_most(hashes.values())
+        if 2 * most > len(expected | set(hashes)):
+            return True
+        tie = list(collections.Counter(hashes.values()).values()).count(most) > 1
+        return expected <= set(hashes) and (not tie or training <= set(hashes))
 
     def _others_held(self, boundary: int) -> bool:
         """Other training members are at or past `boundary` (so they published a record of it)."""

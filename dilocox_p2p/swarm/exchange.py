@@ -434,6 +434,7 @@ class ExchangeQueue:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, exchange = job
+            startup.mark("first_exchange")
             with self._lock:
                 self._running = exchange
             try:

@@ -146,8 +146,13 @@ class Membership:
 
     # ----- waiting ---------------------------------------------------------------------------
     def wait_for_round(self, round: int, timeout: float, *, give_up: Callable[[], bool]) -> list[Member]:
-        """Wait (at most `timeout`, one lookup per POLL_S) until every live training member of the stage
-        has started this round's all-reduce; return the members that train.
+        """Wait (at most `timeout`, one lookup per POLL_S) until every live training member of the stage that
+        takes part in this round's all-reduce has started it; return those members.
+
+        A member takes part if it started it already or trains this round now (its record's boundary). One
+        still on an earlier round (a joiner a round behind, a peer catching up) would come a round late or
+        never: waiting for it cost the others round_wait at every round it stayed behind. One that jumped past
+        the round (took the swarm's state) never comes.
 
         Matchmaking then finds everyone at once. Entering hivemind's matchmaking early instead
         makes it poll the DHT in a tight loop for as long as the slowest peer needs (measured:
@@ -156,12 +161,13 @@ class Membership:
         deadline = time.monotonic() + timeout
         while True:
             self.refresh()
-            others = self.members(training_only=True)
-            if all(m.record.averaging_round >= round for m in others) or time.monotonic() >= deadline or give_up():
-                return others
+            coming = [m for m in self.members(training_only=True)
+                      if m.record.averaging_round >= round or m.record.boundary == round]  # fmt: skip
+            if all(m.record.averaging_round >= round for m in coming) or time.monotonic() >= deadline or give_up():
+                return coming
             time.sleep(POLL_S)
 
-    def wait_for_peers(self, count: int, timeout: float) -> list[str]:
+    def wait_for_peers(self, count: int, timeout: float, *, give_up: Callable[[], bool] = lambda: False) -> list[str]:
         """Wait until `count` workers of this stage (this one included) are at the start barrier (their record
         names the boundary they will start from) or train; return them."""
         deadline = time.monotonic() + timeout
@@ -170,20 +176,22 @@ class Membership:
             self.refresh()
             self.refuse_another_release()  # the run may start training while this peer waits
             here = [m.peer_id for m in self.members(others_only=False) if m.record.training or m.record.boundary >= 0]
-            if len(here) >= count or time.monotonic() >= deadline:
+            if len(here) >= count or time.monotonic() >= deadline or give_up():
                 return here
             if time.monotonic() - last_log > 10:
                 logger.info("waiting for peers: %d of %d workers of stage %d are here", len(here), count, self.records.stage)
                 last_log = time.monotonic()
             time.sleep(BARRIER_POLL_S)
 
-    def wait_until_training(self, peer_ids: Collection[str], timeout: float) -> None:
+    def wait_until_training(
+        self, peer_ids: Collection[str], timeout: float, *, give_up: Callable[[], bool] = lambda: False
+    ) -> None:
         """Wait until each of `peer_ids` trains or left the run (at most `timeout`): the second half of the start
         barrier. Peers that met at the barrier then start their first round together, instead of the first to
         see the quorum training a round before the last one looks, which then had to take the state of a run
         that had moved on."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not give_up():
             self.refresh()
             live = {m.peer_id: m for m in self.members(others_only=False)}
             if all(p not in live or live[p].record.training for p in peer_ids):

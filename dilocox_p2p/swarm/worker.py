@@ -2,9 +2,10 @@
 
 Start: join the DHT, publish multiaddrs (lead), check admission, wait for `min_peers` at
 the start barrier (until that many workers are there, then until each of them trains, so
-that peers started together start their first round together), then, if the run has moved on (or this worker's checkpoint differs from the swarm or
-lacks the average that was in flight), download the state of the swarm's current
-boundary from a live worker of the same stage (all local stages agree on the boundary).
+that peers started together start their first round together), then, if the run has moved
+on (or this worker's checkpoint differs from the swarm or lacks the average that was in
+flight), download the state of the swarm's current boundary from a live worker of the same
+stage (all local stages agree on the boundary).
 Each boundary: repair from the majority if a hash check said so, catch up if this worker
 fell two rounds behind or was stranded, then publish the new hashes and offer the state
 to joiners once it is complete. The last boundary, which no later check looks at, is compared
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -72,6 +74,8 @@ class SwarmStageWorker(StageWorker):
         self._offered = -1  # the boundary whose state joiners may download (its round record is out)
         self._leave_by: float | None = None  # time.monotonic() by which it leaves after the last round
         self._last_boundary = time.monotonic()  # when this worker last reached a boundary (or started)
+        self._stop = threading.Event()  # set by the stop signal; a watcher then abandons the exchanges
+        threading.Thread(target=self._abandon_on_stop, name="stop-watch", daemon=True).start()
         self._kept: StageState | None = None  # the offered state, kept past its boundary for a waiting joiner
         self.swarm.averager.set_state_provider(self.offered_state)
         lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
@@ -100,6 +104,15 @@ class SwarmStageWorker(StageWorker):
             if state is not None and state.boundary == self.outer.boundary:
                 self._kept = state
         self.swarm.averager.set_kept_boundary(self._kept.boundary if self._kept is not None else -1)
+
+    def on_stop_signal(self) -> None:
+        self._stop.set()
+
+    def _abandon_on_stop(self) -> None:
+        """A stop abandons the exchanges at once: the round waiting for one gives up instead of waiting out the
+        swarm's timeouts (round_wait, allreduce_timeout) for a peer that is leaving anyway."""
+        self._stop.wait()
+        self.swarm.exchanges.abandon_before(2**62)
 
     def take_fault_counts(self) -> dict[str, int]:
         return self.swarm.take_faults()
@@ -140,7 +153,10 @@ class SwarmStageWorker(StageWorker):
         quorum: list[str] = []
         if self.cfg.swarm.min_peers > 1:  # the start barrier: first every peer of the quorum is here ...
             swarm.heartbeat.update(boundary=start)  # at the barrier, with the state of `start`
-            quorum = swarm.membership.wait_for_peers(self.cfg.swarm.min_peers, timeout=self.cfg.swarm.peer_wait)
+            quorum = swarm.membership.wait_for_peers(
+                self.cfg.swarm.min_peers, timeout=self.cfg.swarm.peer_wait, give_up=self._stop.is_set
+            )
+            self._check_stop()
             counts = self._all_gather(len(quorum))
             if self.lead:
                 logger.info("%d peers in the run (waited for %d)", min(counts), self.cfg.swarm.min_peers)
@@ -148,7 +164,7 @@ class SwarmStageWorker(StageWorker):
         self.swarm.set_state(joined, ready=False, training=True)  # members wait for this worker from now on
         self._publish(joined)
         if quorum and joined == start:  # ... then every one of them trains, and they start round `start` together
-            swarm.membership.wait_until_training(quorum, timeout=self.cfg.swarm.round_wait)
+            swarm.membership.wait_until_training(quorum, timeout=self.cfg.swarm.round_wait, give_up=self._stop.is_set)
         self._last_boundary = time.monotonic()
         return joined
 
@@ -209,8 +225,9 @@ class SwarmStageWorker(StageWorker):
         serve a state. `reason` is the fault counter it counts as: "repairs" or "catch_ups".
         """
         result: StateDownload | None = None
+        rechecked = newer = False
         for attempt in range(RESYNC_ATTEMPTS):
-            if attempt:
+            if attempt and not newer:
                 time.sleep(0.5 * attempt)
             self.swarm.membership.refresh()
             donors = [m for m in self.swarm.membership.donors() if m.record.boundary >= boundary]
@@ -222,8 +239,15 @@ class SwarmStageWorker(StageWorker):
             got = self._all_gather(result.boundary if result is not None else -1)
             if all(g == target for g in got):
                 assert result is not None
-                self._install(result, reason=reason, was=boundary)
-                return target
+                # a state the donors left behind while it downloaded puts this peer a round behind them, where
+                # its exchanges find nobody: take the newer one, once (downloads slower than rounds never catch up)
+                moved_on = not rechecked and self.swarm.membership.refresh() and any(
+                    m.record.boundary > target for m in self.swarm.membership.donors()
+                )
+                rechecked, newer = True, any(self._all_gather(moved_on))
+                if not newer:
+                    self._install(result, reason=reason, was=boundary)
+                    return target
         if self.lead:
             logger.warning("could not take the swarm's state after %d attempts; training on from round %d",
                            RESYNC_ATTEMPTS, boundary)
@@ -326,7 +350,7 @@ class SwarmStageWorker(StageWorker):
         resyncing included: they need a donor most."""
         ours = self.outer.hash()
         deadline = self._leave_by or time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._stop.is_set():
             others = {m.peer_id for m in self.swarm.membership.members()}
             try:
                 hashes = {p: r.state_hash for p, r in self.swarm.records.round_records(boundary).items()}
