@@ -22,7 +22,8 @@ Invariants, checked from every peer's metrics.jsonl and logs (`check`):
     resumption   a killed peer resumes from its last checkpoint ("resumed from round k", k >= the last round it
                  recorded) and is back in a group of >= 2 within --rejoin-rounds swarm rounds of resuming (its
                  process start-up, reported as `seconds_to_resume`, is the machine's, not the swarm's); a restart
-                 killed again before it was back is superseded by the next one
+                 killed again before it was back is superseded by the next one. `restart_to_group_s`: seconds
+                 from the restart to the end of its first exchange in a group (its start-up marks)
     crashes      every peer process exits 0, except the ones the soak killed; a start that found no initial peer
                  (exit 75, temporary) is restarted as a supervisor would, at most MAX_RETRIES times
     leftovers    no process whose command line names the soak's directory survives the soak
@@ -387,12 +388,25 @@ def check_rejoins(soak: Soak, peer: SoakPeer, records: dict[int, dict[int, dict]
         swarm_round = 1 + max((t for recs in records.values() for t, r in recs.items() if r["time"] <= when), default=-1)
         kill["resumed_at_swarm_round"], kill["back_round"] = swarm_round, back[0] if back else None
         kill["seconds_to_rejoin"] = round(mine[back[0]]["time"] - when, 1) if back else None
+        kill["restart_to_group_s"] = restart_to_group(peer.run_dir, restart)
         if n + 1 < len(peer.kills) and (not back or mine[back[0]]["time"] > soak.t0_wall + peer.kills[n + 1]["time"]):
             kill["superseded"] = True  # killed again before it was back: the next restart is the one to judge
         elif not back or back[0] - swarm_round > soak.args.rejoin_rounds:
             found.append(f"peer{peer.index}: not back in a group within {soak.args.rejoin_rounds} rounds of resuming "
                          f"(restart {n}: resumed at swarm round {swarm_round}, back at {kill['back_round']})")  # fmt: skip
     return found
+
+
+def restart_to_group(run_dir: Path, restart: float) -> float | None:
+    """Seconds from a restart (a Unix time) to the end of the restarted peer's first exchange in a group of two
+    or more: its start-up marks (RUN_DIR/startup.jsonl), the life that began at the restart."""
+    from dilocox_p2p.startup import read_lives
+
+    for life in read_lives(run_dir):
+        if life[0]["phase"] == "process" and life[0]["time"] >= restart - 1.0:
+            grouped = [m["time"] for m in life if m["phase"] == "first_group" and m["stage"] == 0]
+            return round(grouped[0] - life[0]["time"], 1) if grouped else None
+    return None
 
 
 def resumptions(run_dir: Path) -> list[tuple[float, int]]:

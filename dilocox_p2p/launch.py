@@ -7,7 +7,9 @@ set), runs as the one stage its rank names, so the same code drives a multi-node
     torchrun --nnodes 2 --nproc-per-node 1 ... -m dilocox_p2p.cli join --stages 2
 
 The launcher owns the run directory (config.toml, run.json), forwards SIGINT/SIGTERM to
-the stages once, and stops the other stages when one of them fails. It never imports torch:
+the stages once, and stops the other stages when one of them fails. A stage that gets the
+same stop twice within two seconds (signalled as a process group, by systemd or `kill -TERM
+-PGID`, and forwarded by the launcher) stops gracefully; asked again later, it leaves at once. It never imports torch:
 the stages fork from a fork server that imports it (stage_process.py) while the launcher
 runs its checks, so start-up pays for those imports once and in parallel.
 """
@@ -164,7 +166,14 @@ def _stage_context(cfg: Config) -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_stage_modules(cfg))
-    multiprocessing.forkserver.ensure_running()
+    # The fork server ignores SIGTERM (an ignored signal stays ignored across exec): a SIGTERM sent to the
+    # whole process group must stop the stages, not the server, whose death would tell the launcher that
+    # every stage exited while they are still stopping. It exits when the launcher does. Stages reset it.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return ctx
 
 

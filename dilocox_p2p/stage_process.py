@@ -40,7 +40,9 @@ def stage_main(cfg: Config, *, stage: int, resume: bool, data_seed: int, ports: 
     spec = WorkerSpec(cfg=cfg, stage=stage, resume=resume, data_seed=data_seed)
     # Ctrl-C on a terminal reaches every process of the group: the launcher forwards one
     # SIGTERM instead, so the stages ignore SIGINT (and so do the DHT processes they fork).
+    # SIGTERM stops a stage (the worker installs its graceful handler), unlike the fork server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     n = spec.cfg.model.stages
     if spec.stage == 0:
         store = dist.TCPStore("127.0.0.1", 0, world_size=n, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)

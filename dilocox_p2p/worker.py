@@ -52,6 +52,9 @@ class WorkerSpec:
     data_seed: int
 
 
+SAME_STOP_S = 2.0  # a second stop signal this soon after the first is the same request (module docstring of launch)
+
+
 class StopRequested(Exception):
     """SIGINT/SIGTERM arrived; the round in flight is abandoned."""
 
@@ -63,6 +66,7 @@ class StageWorker:
         self.run_dir = self.cfg.run.path
         self.lead = self.stage == 0
         self.stop_signal: int | None = None
+        self._stop_asked = 0.0  # time.monotonic() of the first stop signal
         self.trainer = InnerTrainer(self.cfg, stage=self.stage, device=device)
         startup.mark("model")
         # streaming: each outer round of H steps is P sync rounds of H/P steps, each syncing one fragment
@@ -139,8 +143,10 @@ class StageWorker:
     def install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: Any) -> None:
             if self.stop_signal is not None:
-                raise KeyboardInterrupt  # second signal: leave at once
-            self.stop_signal = signum
+                if time.monotonic() - self._stop_asked < SAME_STOP_S:
+                    return  # the same stop twice: sent to the process group (systemd, kill -TERM -PGID) and forwarded
+                raise KeyboardInterrupt  # asked again: leave at once
+            self.stop_signal, self._stop_asked = signum, time.monotonic()
             logger.warning("got %s: abandoning the round in flight; send it again to exit at once",
                            signal.Signals(signum).name)
             self.on_stop_signal()

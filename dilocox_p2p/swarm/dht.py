@@ -50,6 +50,7 @@ ROUND_RECORD_TTL_S = 600.0
 JOIN_ATTEMPTS = 3  # an initial peer that is busy or restarting is tried again, JOIN_RETRY_S x attempt later
 JOIN_RETRY_S = 2
 AVERAGE_RECORD_TTL_S = 300.0
+DHT_CALL_CHECK_S = 5.0  # a DHT call still running after this long checks that the DHT process is alive
 
 
 class HelperDHT(hivemind.DHT):
@@ -204,7 +205,9 @@ class RunRecords:
         """Store `message` under `key`, signed for that key; a failure is counted, or only logged if `best_effort`."""
         value = self.signer.seal(message, topic=key, round=round)
         try:
-            stored = self.dht.store(key, subkey=self.peer_id, value=value, expiration_time=get_dht_time() + ttl)
+            future = self.dht.store(key, subkey=self.peer_id, value=value, expiration_time=get_dht_time() + ttl,
+                                    return_future=True)  # fmt: skip
+            stored = self._result(future, f"storing {key}")
             failure = "" if stored else "no DHT node accepted it"
         except Exception as e:
             stored, failure = False, repr(e)
@@ -216,7 +219,7 @@ class RunRecords:
 
     def _get(self, key: str, cls: type, *, round: int | None = None) -> dict[str, tuple[Opened, float]]:
         """Verified records under `key` by subkey (signer); raises if the lookup itself fails."""
-        found = self.dht.get(key, latest=True)
+        found = self._result(self.dht.get(key, latest=True, return_future=True), f"reading {key}")
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}
@@ -235,6 +238,17 @@ class RunRecords:
                 continue
             out[subkey] = (opened, item.expiration_time)
         return out
+
+    def _result(self, future: Any, what: str) -> Any:
+        """A DHT call's result. hivemind waits for its DHT process without a limit: if that process died (the
+        OOM killer, a signal sent to the whole process group), every call would hang the worker for good."""
+        while True:
+            try:
+                return future.result(timeout=DHT_CALL_CHECK_S)
+            except TimeoutError:
+                if not self.dht.is_alive():
+                    raise SwarmError(f"{what}: this worker's DHT process has died (exit code {self.dht.exitcode}); "
+                                     "the peer cannot go on in the swarm: restart it with --resume") from None
 
     def publish_member(self, record: swarm_pb2.MemberRecord, ttl: float = MEMBER_TTL_S, *, leaving: bool = False) -> bool:
         """Publish this worker's member record; `leaving`: the last one, best effort (it expires anyway)."""
