@@ -56,6 +56,7 @@ from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
 from .allreduce import ExactAllReduceRunner
+from .dial import redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
 from .priority import lower_priority
@@ -552,20 +553,39 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self, round: int, peers: list[str], wait_s: float, deadline: float, out: Collected
     ) -> AsyncIterator[tuple[str, HeldAverage]]:
         """Each of `peers`' copies of round `round`'s average, asked in turn until `deadline` (what failed, who
-        lacks one too and the bytes received are noted in `out`)."""
+        lacks one too and the bytes received are noted in `out`). Peers that could not be dialed are asked again
+        after the others, until the deadline (dial.py)."""
+        unreached = []
         for peer in peers:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                out.failures.append(f"{peer}: no time left")
+            got, reason, size = await self._fetch_within(peer, round, wait_s, deadline)
+            if got is None and unreachable(reason):
+                unreached.append(peer)
                 continue
-            got, reason, size = await self._fetch_average(peer, round, min(wait_s, remaining), remaining)
-            out.bytes_received += size
-            if got is None:
-                out.failures.append(f"{peer}: {reason}")
-                if reason.startswith(swarm_pb2.StateStatus.Name(swarm_pb2.STATE_LACKING)):
-                    out.lacking.append(peer)
-                continue
-            yield peer, got
+            if self._noted(out, peer, got, reason, size):
+                yield peer, got
+        for peer in unreached:
+            got, reason, size = await redial(lambda: self._fetch_within(peer, round, wait_s, deadline), deadline,
+                                             what=f"round {round}: the average held by {peer}")  # fmt: skip
+            if self._noted(out, peer, got, reason, size):
+                yield peer, got
+
+    async def _fetch_within(
+        self, peer: str, round: int, wait_s: float, deadline: float
+    ) -> tuple[HeldAverage | None, str, int]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None, "no time left", 0
+        return await self._fetch_average(peer, round, min(wait_s, remaining), remaining)
+
+    @staticmethod
+    def _noted(out: Collected, peer: str, got: HeldAverage | None, reason: str, size: int) -> bool:
+        """Note a fetch in `out`; whether it brought a copy."""
+        out.bytes_received += size
+        if got is None:
+            out.failures.append(f"{peer}: {reason}")
+            if reason.startswith(swarm_pb2.StateStatus.Name(swarm_pb2.STATE_LACKING)):
+                out.lacking.append(peer)
+        return got is not None
 
     def _reply_limits(self, wait_s: float, total_s: float) -> dict[str, float]:
         """How long a reply may take: the server's wait plus one chunk timeout for its header, one chunk

@@ -41,6 +41,7 @@ from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
+from .dial import redial
 
 __all__ = ["GatherResult", "MessageGather"]
 
@@ -139,9 +140,11 @@ class MessageGather:
     async def _pull_whole(
         self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float
     ) -> tuple[tuple[bytes, bytes] | None, str, int]:
-        """`_pull`, asked once more when the stream ended before the whole message came (a connection reset
-        mid-reply ends hivemind's stream without an error): a short message is a failure, not a fault."""
-        got, reason, size = await self._pull(holder, group_id, phase, sender, deadline)
+        """`_pull`, asked again while the holder cannot be dialed (dial.py), and once more when the stream ended
+        before the whole message came (a connection reset mid-reply ends hivemind's stream without an error): a
+        short message is a failure, not a fault."""
+        got, reason, size = await redial(lambda: self._pull(holder, group_id, phase, sender, deadline), deadline,
+                                         what=f"phase {phase}: {sender}'s message from {holder}")  # fmt: skip
         if got is None and reason.startswith(CUT_SHORT):
             logger.info("phase %d: %s's message from %s %s: asking again", phase, sender, holder, reason)
             got, reason, more = await self._pull(holder, group_id, phase, sender, deadline)

@@ -14,6 +14,7 @@ import logging
 import pytest
 
 from dilocox_p2p import injection
+from dilocox_p2p.swarm import dial
 from dilocox_p2p.swarm.agreement import held_by_most, majority_hash
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
 from dilocox_p2p.swarm.membership import config_diff
@@ -107,3 +108,25 @@ def test_a_reply_that_stalls_costs_one_chunk_timeout_not_the_whole_budget():
     with pytest.raises(TimeoutError, match="no header within 0.1s"):  # never past the whole budget
         asyncio.run(_read_stream(_stalling_reply(3, 0, 0.3), first_within=1.0, each_within=1.0, total_within=0.1,
                                  max_bytes=1 << 20))
+
+
+def test_a_peer_that_could_not_be_dialed_is_asked_again_until_it_answers_or_the_deadline():
+    replies = iter([(None, "ControlFailure('failed to dial ... dial backoff')", 0), (None, "Connect failed", 0),
+                    ("copy", "", 7)])  # fmt: skip
+    calls = []
+
+    async def call():
+        calls.append(1)
+        return next(replies)
+
+    got = asyncio.run(dial.redial(call, time.monotonic() + 10, what="test"))
+    assert got == ("copy", "", 7) and len(calls) == 3
+    refused = [(None, "refused: altered", 0)]
+    assert asyncio.run(dial.redial(lambda: _returning(refused), time.monotonic() + 10, what="test"))[1] == "refused: altered"
+    started = time.monotonic()
+    gone = asyncio.run(dial.redial(lambda: _returning([(None, "dial backoff", 0)]), time.monotonic() + 2.5, what="test"))
+    assert gone[1] == "dial backoff" and time.monotonic() - started < 2.5
+
+
+async def _returning(values):
+    return values[0]
