@@ -97,6 +97,7 @@ class Soak:
         self.peers: list[SoakPeer] = []
         self.events = schedule(args, self.rng) if chaos else []
         self.lab = None
+        self.first_maddr = ""  # peer 0's full multiaddr (listen_maddr)
         self.pending: list[tuple[float, str, int]] = []  # (due time, action, peer)
 
     # ----- processes -----------------------------------------------------------------------------
@@ -113,7 +114,7 @@ class Soak:
                 sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", self.args.run_id, "--run-dir", str(run_dir),
                 "--preset", "tiny", "--stages", str(self.args.stages), "--rounds", str(self.args.rounds),
                 "--inner-steps", str(self.args.inner_steps), "--device", "cpu", "--progress", "lines",
-                "--data-seed", str(index), "--host-maddrs", f"/ip4/{self.host_ip(index)}/tcp/0", *SWARM_FLAGS,
+                "--data-seed", str(index), "--host-maddrs", self.listen_maddr(index, run_dir), *SWARM_FLAGS,
                 *self.args.extra,
             ]  # fmt: skip
             peer = SoakPeer(index, run_dir, cmd, joined_at=self.now())
@@ -134,16 +135,27 @@ class Soak:
             peer.proc = subprocess.Popen(cmd, stdout=peer.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         return peer
 
+    def listen_maddr(self, index: int, run_dir: Path) -> str:
+        """Where peer `index` listens. Peer 0 starts the swarm at an address known before it runs (a free port, a
+        worker key made here), so that the first peers all start at once; the others take any port."""
+        if index > 0:
+            return f"/ip4/{self.host_ip(index)}/tcp/0"
+        from dilocox_p2p.endpoints import free_ports
+        from dilocox_p2p.identity import peer_id_of, worker_identity
+
+        port = 31337 if self.lab is not None else free_ports(self.host_ip(0), self.args.stages)
+        key = worker_identity(run_dir / "identity" / "stage0.ed25519")
+        self.first_maddr = f"/ip4/{self.host_ip(0)}/tcp/{port}/p2p/{peer_id_of(key)}"
+        return f"/ip4/{self.host_ip(0)}/tcp/{port}"
+
     def host_ip(self, index: int) -> str:
         return self.lab.ip(index) if self.lab is not None else "127.0.0.1"
 
     def initial(self) -> list[str]:
         """--initial-peers for a peer that starts now: the first multiaddr of up to three live peers, as an
-        operator lists several bootstrap nodes (peer 0 is waited for at the start)."""
-        from dilocox_p2p.launch import wait_for_multiaddrs
-
-        first = self.peers[0]
-        found = wait_for_multiaddrs(first.run_dir, alive=lambda: first.proc.poll() is None)[:1] if self.alive(first) else []
+        operator lists several bootstrap nodes (peer 0's is known before it listens: a joiner joins the moment it
+        does)."""
+        found = [self.first_maddr] if self.alive(self.peers[0]) else []
         for peer in self.peers[1:]:
             path = peer.run_dir / "multiaddrs.txt"
             if len(found) < 3 and self.alive(peer) and peer.frozen_until is None and path.exists():

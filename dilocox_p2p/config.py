@@ -448,6 +448,10 @@ class Config:
         shape = self.model.shape
         if shape.seq_len < 2:
             _fail("model.seq_len", shape.seq_len, "must be at least 2")
+        if self.model.stages > 1 and self.inner.microbatches < self.model.stages:
+            _fail("inner.microbatches", self.inner.microbatches,
+                  f"must be at least model.stages ({self.model.stages}): the pipeline fills every stage with a "
+                  "micro-batch (raise inner.microbatches, with inner.batch_size a multiple of it)")  # fmt: skip
         if self.compression.kind == "topk" and (self.outer.momentum == -1.0 or self.outer.lr == 0.0):
             momentum = 0.0 if self.outer.momentum == -1.0 else self.outer.momentum
             lr = self.outer.lr or TOPK_OUTER_LR_BY_MODE[self.outer.mode]

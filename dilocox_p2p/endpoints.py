@@ -26,10 +26,11 @@ from typing import Any, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .errors import ConfigError
+from .errors import ConfigError, DilocoxError
 
 __all__ = [
-    "GrpcEndpoint", "ensure_port_free", "format_hostport", "parse_hostport", "start_metrics_http", "write_atomically",
+    "GrpcEndpoint", "ensure_port_free", "format_hostport", "free_ports", "parse_hostport", "start_metrics_http",
+    "write_atomically",
 ]
 
 
@@ -51,6 +52,26 @@ def _family(host: str) -> int:
         return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:
         return socket.AF_INET  # a host name: resolved by bind
+
+
+def free_ports(host: str, consecutive: int = 1) -> int:
+    """A port P such that P .. P + consecutive - 1 are free on `host` now (a peer's stage s listens on P + s)."""
+    for _ in range(100):
+        with socket.socket(_family(host)) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port + consecutive <= 65536 and all(_bindable(host, port + i) for i in range(1, consecutive)):
+            return port
+    raise DilocoxError(f"found no {consecutive} consecutive free TCP ports on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(_family(host)) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def ensure_port_free(host: str, port: int, *, flag: str) -> None:

@@ -19,6 +19,7 @@ counts it).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -30,6 +31,7 @@ import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from multiaddr import Multiaddr
 
 from ..config import SwarmConfig
 from ..endpoints import stage_maddr
@@ -49,6 +51,7 @@ HEARTBEAT_S = 5.0
 ROUND_RECORD_TTL_S = 600.0
 JOIN_ATTEMPTS = 3  # an initial peer that is busy or restarting is tried again, JOIN_RETRY_S x attempt later
 JOIN_RETRY_S = 2
+LISTEN_POLL_S = 0.1  # how often an initial peer that does not listen yet is probed
 AVERAGE_RECORD_TTL_S = 300.0
 DHT_CALL_CHECK_S = 5.0  # a DHT call still running after this long checks that the DHT process is alive
 
@@ -144,17 +147,45 @@ def start_dht(
     if cfg.auto_relay:  # behind NAT: reserve a slot on the relays among the initial peers (bootstrap --relay)
         kwargs.update(use_auto_relay=True, trusted_relays=list(cfg.initial_peers) or None)
     for attempt in range(JOIN_ATTEMPTS):
+        if attempt or cfg.initial_peers:  # a peer still starting (or restarting) is tried the moment it listens
+            wait_until_listening(cfg.initial_peers, timeout=JOIN_RETRY_S * max(attempt, 1))
         try:
             return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
         except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
             unreachable = bool(cfg.initial_peers) and "address already in use" not in str(e)
             if unreachable and attempt + 1 < JOIN_ATTEMPTS:  # a busy or restarting initial peer: try again shortly
-                logger.warning("could not reach the initial peers (%s); trying again in %d s",
-                               _first_line(e), JOIN_RETRY_S * (attempt + 1))  # fmt: skip
-                time.sleep(JOIN_RETRY_S * (attempt + 1))
+                logger.warning("could not reach the initial peers (%s); trying again as soon as one listens, within "
+                               "%d s", _first_line(e), JOIN_RETRY_S * (attempt + 1))  # fmt: skip
                 continue
             _raise_start_error(cfg, e, unreachable=unreachable)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def wait_until_listening(maddrs: Sequence[str], *, timeout: float) -> bool:
+    """Wait (at most `timeout`) until one of `maddrs` accepts a TCP connection; whether one did. Addresses
+    that are not plain TCP (QUIC, relayed) are taken as listening: only the DHT can tell."""
+    targets = []
+    for maddr in maddrs:
+        try:
+            m = Multiaddr(maddr)
+            protocols = {p.name for p in m.protocols()}
+            if "p2p-circuit" in protocols or "tcp" not in protocols:
+                return True
+            host = next(m.value_for_protocol(p) for p in ("ip4", "ip6", "dns4", "dns6", "dns") if p in protocols)
+            targets.append((host, int(m.value_for_protocol("tcp"))))
+        except (ValueError, StopIteration, KeyError):
+            return True  # the DHT will say what is wrong with it
+    deadline = time.monotonic() + timeout
+    while True:
+        for host, port in targets:
+            try:
+                with socket.create_connection((host, port), timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
+                    return True
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(LISTEN_POLL_S)
 
 
 def _first_line(e: Exception) -> str:

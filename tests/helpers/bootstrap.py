@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,12 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers.peers import kill_session
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.ports import free_port  # noqa: F401  (tests import it from here)
 
 
 class Bootstrap:

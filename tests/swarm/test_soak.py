@@ -22,7 +22,8 @@ def test_a_short_churn_soak_keeps_every_group_in_agreement_rejoins_killed_peers_
     # a freeze of 15 s outlasts the swarm's timeouts (round_wait 10 s, chunk_timeout 5 s): the others go on without
     # the frozen peer, which then catches up; a killed peer is restarted 2 s later, as a supervisor would
     args = soak.parse_args(["--peers", "4", "--rounds", "22", "--events", "3", "--seed", "1", "--timeout", "600",
-                            "--freeze", "15", "--down", "2"])  # fmt: skip
+                            "--freeze", "15", "--down", "2",
+                            "--", "--set", "inner.batch_size=4", "--set", "inner.microbatches=2"])  # fmt: skip
     run, checked = soak.run_soak(args, tmp_path / "churn", chaos=True)
 
     assert sorted(e.kind for e in run.events if e.time is not None) == ["freeze", "join", "kill"]

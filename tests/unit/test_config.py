@@ -172,6 +172,8 @@ def test_as_many_stages_as_layers_is_allowed():
         ({"inner.steps": 0}, r"inner\.steps = 0"),
         ({"model.stages": 0}, r"model\.stages = 0"),
         ({"inner.batch_size": 10, "inner.microbatches": 4}, r"inner\.microbatches = 4: must divide inner\.batch_size \(10\)"),
+        ({"model.stages": 4, "inner.microbatches": 2, "inner.batch_size": 4},
+         r"inner\.microbatches = 2: must be at least model\.stages \(4\)"),
         ({"model.preset": "huge"}, r"model\.preset = 'huge': unknown preset.*tiny, small, 125m, 350m, 1b"),
         ({"outer.mode": "fast"}, r"outer\.mode = 'fast': must be one of: sync, delayed"),
         ({"inner.schedule": "zb"}, r"inner\.schedule = 'zb'"),
