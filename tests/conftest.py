@@ -58,6 +58,11 @@ def pytest_runtest_makereport(item, call):
 _kept: list[str] = []
 
 
+def pytest_sessionstart(session):
+    """The artifacts of an earlier session are not this one's: start with none (tests/helpers/artifacts.py)."""
+    artifacts.clear()
+
+
 def pytest_terminal_summary(terminalreporter):
     if _kept:
         terminalreporter.section("logs and records of failed tests")

@@ -149,10 +149,11 @@ class Membership:
         """Wait (at most `timeout`, one lookup per POLL_S) until every live training member of the stage that
         takes part in this round's all-reduce has started it; return those members.
 
-        A member takes part if it started it already or trains this round now (its record's boundary). One
-        still on an earlier round (a joiner a round behind, a peer catching up) would come a round late or
-        never: waiting for it cost the others round_wait at every round it stayed behind. One that jumped past
-        the round (took the swarm's state) never comes.
+        A member takes part if it started the round before (it trains this round or waits for that exchange:
+        its record's averaging_round) or holds this round's boundary (it took the swarm's state there). One
+        still training an earlier round (a joiner a round behind, a peer catching up) would come a round late
+        or never: waiting for it cost the others round_wait at every round it stayed behind. One that jumped
+        past the round (took a later state) never comes.
 
         Matchmaking then finds everyone at once. Entering hivemind's matchmaking early instead
         makes it poll the DHT in a tight loop for as long as the slowest peer needs (measured:
@@ -162,7 +163,7 @@ class Membership:
         while True:
             self.refresh()
             coming = [m for m in self.members(training_only=True)
-                      if m.record.averaging_round >= round or m.record.boundary == round]  # fmt: skip
+                      if m.record.averaging_round >= round - 1 or m.record.boundary == round]  # fmt: skip
             if all(m.record.averaging_round >= round for m in coming) or time.monotonic() >= deadline or give_up():
                 return coming
             time.sleep(POLL_S)

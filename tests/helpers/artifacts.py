@@ -28,6 +28,13 @@ def artifacts_dir() -> Path:
     return Path(os.environ.get("DILOCOX_TEST_ARTIFACTS") or ROOT / "test-artifacts")
 
 
+def clear() -> None:
+    """Remove the artifacts of an earlier session from test-artifacts/ (a directory named by
+    $DILOCOX_TEST_ARTIFACTS is the caller's to clear)."""
+    if not os.environ.get("DILOCOX_TEST_ARTIFACTS"):
+        shutil.rmtree(ROOT / "test-artifacts", ignore_errors=True)
+
+
 def keep(nodeid: str, source: Path) -> Path | None:
     """Copy what explains a failure from `source` to the artifacts directory; where it went (None: nothing)."""
     if not source.is_dir():

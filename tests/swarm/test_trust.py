@@ -40,7 +40,9 @@ def _agree(*peers) -> None:
 
 
 def _start_forger(swarm, out):
-    """The forging DHT node (tests/helpers/forger.py), attacking the swarm's stage-0 workers."""
+    """The forging DHT node (tests/helpers/forger.py), attacking the swarm's stage-0 workers, once the first
+    peer listens (a plain hivemind node tries its initial peers once)."""
+    swarm.peers[0].maddrs()
     return subprocess.Popen(
         [sys.executable, "-m", "tests.helpers.forger", "--initial-peers", *swarm.initial, "--run-id", swarm.run_id,
          "--out", str(out), "--seconds", "120"],

@@ -125,7 +125,14 @@ def test_a_peer_that_could_not_be_dialed_is_asked_again_until_it_answers_or_the_
     assert asyncio.run(dial.redial(lambda: _returning(refused), time.monotonic() + 10, what="test"))[1] == "refused: altered"
     started = time.monotonic()
     gone = asyncio.run(dial.redial(lambda: _returning([(None, "dial backoff", 0)]), time.monotonic() + 2.5, what="test"))
-    assert gone[1] == "dial backoff" and time.monotonic() - started < 2.5
+    assert gone[1] == "dial backoff" and time.monotonic() - started < 2.5  # the deadline
+    started = time.monotonic()
+    gone = asyncio.run(dial.redial(lambda: _returning([(None, "dial backoff", 0)]), time.monotonic() + 60, what="test"))
+    assert time.monotonic() - started < dial.REDIAL_WINDOW_S + 0.5  # a peer that never comes back costs the window
+    refused = [(None, "failed to dial: dial tcp4 127.0.0.1:1: connect: connection refused", 0)]
+    started = time.monotonic()
+    asyncio.run(dial.redial(lambda: _returning(refused), time.monotonic() + 60, what="test"))
+    assert time.monotonic() - started < 0.5  # nothing listens there: not asked again
 
 
 async def _returning(values):
