@@ -1,6 +1,7 @@
 """One round's exchange of a stage worker, and the queue that runs them in the background.
 
-    Phase 1: wait (at most round_wait) until the stage's live members have started this round
+    Phase 1: wait (at most round_wait) until the stage's live members that take part in this round
+             have started it (not for one still training an earlier round: membership.py)
     Phase 2: all-reduce with them (hivemind matchmaking, then the exact butterfly), or with
              compression, all-gather the members' compressed messages (gather.py; low-rank
              gathers twice in the same group) and decode them (compression/codec.py)

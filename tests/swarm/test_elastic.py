@@ -115,8 +115,9 @@ def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm)
 
 
 def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
-    rounds = 9
-    args = ("--mode", "delayed", "--rounds", str(rounds), "--min-peers", "3", "--stages", "1")
+    # the run lasts until the thawed peer has caught up and averaged with both others again, however long that
+    # takes on a loaded box; then every peer stops
+    args = ("--mode", "delayed", "--rounds", "200", "--min-peers", "3", "--stages", "1")
     others = [swarm.start_peer(*args) for _ in range(2)]
     frozen = swarm.start_peer(*args)
     frozen.wait_for_round(1, timeout=180)
@@ -127,21 +128,25 @@ def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
                   lambda: f"the others stalled while a peer was frozen:\n{others[0].output()}")
     finally:
         frozen.thaw()
+    thawed_at = max(r["round"] for r in others[0].metrics())
+    _wait_for(lambda: any(r["round"] > thawed_at and r["group_sizes"] == [3] for r in frozen.metrics()), 180,
+              lambda: f"the thawed peer never averaged with both others again:\n{frozen.output()}")
     for peer in [*others, frozen]:
-        assert peer.wait(timeout=300) == 0, peer.output()
+        peer.signal(signal.SIGTERM)
+    for peer in [*others, frozen]:
+        assert peer.wait(timeout=120) == 128 + signal.SIGTERM, peer.output()
 
     a, b, c = (_hashes(p) for p in (*others, frozen))
-    assert sorted(a) == sorted(b) == list(range(rounds))
-    assert all(a[t] == b[t] for t in a), "the peers that kept going disagree"
+    common = sorted(set(a) & set(b))  # SIGTERM may stop a peer a round earlier
+    assert common[:3] == [0, 1, 2] and all(a[t] == b[t] for t in common), "the peers that kept going disagree"
     records = {r["round"]: r for r in frozen.metrics()}
     # thawed, it takes the swarm's state through whichever check fires first: that it is rounds behind
     # (a catch-up) or that its state differs from the majority's (a repair)
     caught_up = [t for t, r in sorted(records.items()) if r["faults"]["catch_ups"] or r["faults"]["repairs"]]
     assert caught_up, "the frozen peer never took the swarm's state"
-    assert set(range(rounds)) - set(records), "the frozen peer skipped no round: it was never two rounds behind"
-    after = [t for t in records if t >= caught_up[0]]
-    assert all(c[t] == a[t] for t in after), "the frozen peer differs from the swarm after catching up"
-    assert records[rounds - 1]["group_sizes"] == [3]
+    assert set(range(max(records))) - set(records), "the frozen peer skipped no round: it was never two rounds behind"
+    after = [t for t in records if t >= caught_up[0] and t in a]
+    assert after and all(c[t] == a[t] for t in after), "the frozen peer differs from the swarm after catching up"
 
 
 def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_it(swarm):
