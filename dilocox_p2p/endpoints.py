@@ -21,6 +21,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import grpc
@@ -29,8 +30,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from .errors import ConfigError, DilocoxError
 
 __all__ = [
-    "GrpcEndpoint", "ensure_port_free", "format_hostport", "free_ports", "parse_hostport", "start_metrics_http",
-    "write_atomically",
+    "GrpcEndpoint", "ensure_port_free", "fix_stage_ports", "format_hostport", "free_ports", "local_maddr",
+    "parse_hostport", "start_metrics_http", "write_atomically",
 ]
 
 
@@ -153,3 +154,25 @@ def stage_maddr(maddr: str, stage: int) -> str:
         if parts[i] in ("tcp", "udp") and parts[i + 1].isdigit() and int(parts[i + 1]) != 0:
             parts[i + 1] = str(int(parts[i + 1]) + stage)
     return "/".join(parts)
+
+
+def fix_stage_ports(maddrs: Sequence[str], stages: int) -> tuple[str, ...]:
+    """`maddrs` with each random TCP port (tcp/0) replaced by a base port P whose P .. P + stages - 1 are free now,
+    so that every stage's address (stage_maddr) is known before any stage listens."""
+    fixed = []
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if len(parts) > 4 and parts[3] == "tcp" and parts[4] == "0" and parts[1] in ("ip4", "ip6"):
+            parts[4] = str(free_ports(parts[2], stages))
+        fixed.append("/".join(parts))
+    return tuple(fixed)
+
+
+def local_maddr(maddr: str, peer_id: str) -> str | None:
+    """How a process on this machine dials `maddr` (a listen address with a fixed TCP port; a wildcard host
+    becomes loopback), as a full multiaddr of `peer_id`; None when it cannot say (DNS, QUIC, port 0)."""
+    parts = maddr.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] in ("", "0"):
+        return None
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(parts[2], parts[2])
+    return f"/{parts[1]}/{host}/tcp/{parts[4]}/p2p/{peer_id}"

@@ -16,6 +16,7 @@ runs its checks, so start-up pays for those imports once and in parallel.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -31,8 +32,9 @@ from typing import Any, Callable
 from . import __version__, startup
 from .checkpoint import latest_common_round
 from .config import Config, config_hash, to_toml
-from .endpoints import ensure_port_free
+from .endpoints import ensure_port_free, fix_stage_ports, local_maddr, stage_maddr
 from .errors import CheckpointError, DilocoxError
+from .identity import peer_id_of, worker_identity
 from .logs import init_logging
 
 __all__ = ["prepare_run_dir", "run_peer", "wait_for_multiaddrs"]
@@ -84,11 +86,23 @@ def prepare_run_dir(cfg: Config, *, resume: bool) -> int:
     return seed
 
 
-def _stage_entry(cfg: Config, stage: int, resume: bool, data_seed: int, ports: Any) -> None:
+def _stage_entry(cfg: Config, stage: int, resume: bool, data_seed: int, lead: tuple[str, ...], ports: Any) -> None:
     """Entry point of a stage process (forked from the peer's fork server, which imported stage_process)."""
     from .stage_process import stage_main
 
-    stage_main(cfg, stage=stage, resume=resume, data_seed=data_seed, ports=ports)
+    stage_main(cfg, stage=stage, resume=resume, data_seed=data_seed, lead_maddrs=lead, ports=ports)
+
+
+def _known_lead(cfg: Config) -> tuple[Config, tuple[str, ...]]:
+    """Fix the stages' random listen ports and make stage 0's worker key now, so that every stage knows where
+    stage 0's DHT node will listen: the other stages start theirs beside it, each joining the moment it
+    listens, instead of after it started (one DHT start fewer on the way to the first step)."""
+    if not cfg.swarm.enabled or cfg.model.stages == 1:
+        return cfg, ()
+    hosts = fix_stage_ports(cfg.swarm.host_maddrs, cfg.model.stages)
+    cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, host_maddrs=hosts))
+    lead_id = peer_id_of(worker_identity(cfg.run.path / "identity" / "stage0.ed25519"))
+    return cfg, tuple(m for m in (local_maddr(stage_maddr(h, 0), lead_id) for h in hosts) if m)
 
 
 def run_peer(cfg: Config, *, resume: bool) -> int:
@@ -111,11 +125,13 @@ def run_peer(cfg: Config, *, resume: bool) -> int:
         from .swarm.credentials import Credentials
 
         logger.info("peer key %s", Credentials.load(cfg).public_hex)
+    cfg, lead = _known_lead(cfg)
     timeline.mark("preflight")
     ports = ctx.SimpleQueue()  # stage 0 hosts the peer's rendezvous store and tells the others its port
     procs = []
     for stage in range(cfg.model.stages):
-        proc = ctx.Process(target=_stage_entry, args=(cfg, stage, resume, data_seed, ports), name=f"stage{stage}")
+        args = (cfg, stage, resume, data_seed, lead, ports)
+        proc = ctx.Process(target=_stage_entry, args=args, name=f"stage{stage}")
         proc.start()
         procs.append(proc)
     return _supervise(procs)

@@ -50,6 +50,8 @@ class WorkerSpec:
     stage: int
     resume: bool
     data_seed: int
+    lead_maddrs: tuple[str, ...] = ()
+    """Where stage 0's DHT node listens, known before it starts (launch.py); empty: stage 0 tells the others."""
 
 
 SAME_STOP_S = 2.0  # a second stop signal this soon after the first is the same request (module docstring of launch)

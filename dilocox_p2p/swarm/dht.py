@@ -146,9 +146,10 @@ def start_dht(
     )
     if cfg.auto_relay:  # behind NAT: reserve a slot on the relays among the initial peers (bootstrap --relay)
         kwargs.update(use_auto_relay=True, trusted_relays=list(cfg.initial_peers) or None)
+    targets = [*cfg.initial_peers, *extra_peers]
     for attempt in range(JOIN_ATTEMPTS):
-        if attempt or cfg.initial_peers:  # a peer still starting (or restarting) is tried the moment it listens
-            wait_until_listening(cfg.initial_peers, timeout=JOIN_RETRY_S * max(attempt, 1))
+        if targets:  # a peer still starting (or restarting), or this peer's stage 0, is tried the moment it listens
+            wait_until_listening(targets, timeout=JOIN_RETRY_S * max(attempt, 1))
         try:
             return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
         except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...

@@ -62,13 +62,15 @@ class SwarmStageWorker(StageWorker):
                 extra_peers=extra_peers,
             )
 
-        if self.lead:
-            self.swarm = start([])
-        lead_maddrs = [self.swarm.maddrs() if self.lead else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(lead_maddrs, src=0, group=self.control_group)
-        if not self.lead:
-            self.swarm = start(lead_maddrs[0])
+        known = list(self.spec.lead_maddrs)  # every stage starts its node at once, joining stage 0's as it listens
+        if self.lead or known:
+            self.swarm = start([] if self.lead else known)
+        if not known:  # stage 0 tells the others where it listens once it does
+            lead_maddrs = [self.swarm.maddrs() if self.lead else None]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list(lead_maddrs, src=0, group=self.control_group)
+            if not self.lead:
+                self.swarm = start(lead_maddrs[0])
         set_log_context(peer=self.swarm.peer_id)
         startup.mark("dht")
         self._offered = -1  # the boundary whose state joiners may download (its round record is out)
