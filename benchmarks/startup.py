@@ -181,7 +181,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(report)
-    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.6 * len(names)))
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.6 * len(names)))
     colors = plt.get_cmap("tab10")
     for row, name in enumerate(names):
         left = 0.0
@@ -200,7 +200,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
     ax.legend([seen[p] for p in PHASES if p in seen], [p for p in PHASES if p in seen], fontsize=7, ncol=5,
-              loc="lower right")  # fmt: skip
+              loc="upper center", bbox_to_anchor=(0.5, -0.18))  # fmt: skip
     ax.set_title("start-up phases, tiny, 2 stages, CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
