@@ -74,7 +74,7 @@ def load_checkpoint(run_dir: Path, stage: int, round: int) -> dict[str, Any]:
 
     path = _stage_dir(run_dir, stage) / f"round{round:06d}.pt"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mapped: no copy of the file
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} is missing") from None
     except Exception as e:  # a torn or foreign file
