@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 ROUND_BITS = 24
 KEEP_AVERAGES = 3  # recent rounds' averages kept for group members that miss parts of theirs
 MAX_WAIT_S = 600.0  # the longest a request may ask a donor to wait
+ALIVE_CHECK_S = 1.0  # a call into the averager process checks that the process lives this often
 GATHER_SHARE = 0.7  # share of allreduce_timeout the first gather of a compressed round may take
 
 
@@ -256,10 +257,20 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         return [tensors[i] for i in of_round(self.fragments, round)]
 
     def _call(self, method: str, result_within: float, **kwargs: Any) -> Any:
-        """Run `method` in the averager process; its result (or exception) within `result_within` seconds."""
+        """Run `method` in the averager process; its result (or exception) within `result_within` seconds, or
+        AllreduceException at once if the averager process died (a signal sent to the whole process group):
+        a stopping worker must not wait out the call's whole time for it."""
         future = MPFuture()
         self._outer_pipe.send((method, [], dict(kwargs, future=future)))
-        return future.result(timeout=result_within)
+        deadline = time.monotonic() + result_within
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(ALIVE_CHECK_S, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not self.is_alive():
+                    raise AllreduceException(f"{method}: this worker's averager process has died") from None
 
     def prepare_round(
         self,

@@ -53,7 +53,7 @@ JOIN_ATTEMPTS = 3  # an initial peer that is busy or restarting is tried again, 
 JOIN_RETRY_S = 2
 LISTEN_POLL_S = 0.1  # how often an initial peer that does not listen yet is probed
 AVERAGE_RECORD_TTL_S = 300.0
-DHT_CALL_CHECK_S = 5.0  # a DHT call still running after this long checks that the DHT process is alive
+DHT_CALL_CHECK_S = 1.0  # a DHT call still running checks this often that the DHT process is alive
 
 
 class HelperDHT(hivemind.DHT):

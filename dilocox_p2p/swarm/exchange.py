@@ -444,6 +444,9 @@ class ExchangeQueue:
                     startup.mark("first_group")
                 future.set_result(average)
             except Exception as e:  # never leave the outer loop hanging
+                if exchange.abandoned():  # stopping: its helpers may be gone already
+                    future.set_result(_nothing(AverageKind.ABANDONED, f"abandoned ({e!r})", 0.0))
+                    continue
                 logger.exception("the exchange of round %d failed unexpectedly", exchange.round)
                 future.set_result(_nothing(AverageKind.STRANDED, f"internal error: {e!r}", 0.0))
             finally:

@@ -349,21 +349,30 @@ class SwarmStageWorker(StageWorker):
 
     def on_finish(self, boundary: int) -> None:
         """Keep serving the final state until the stage's other workers hold it too (or left), those still
-        resyncing included: they need a donor most."""
+        resyncing included: they need a donor most. The stages of this peer leave together: a peer in the
+        minority takes the state of all its stages at once (`_resync`), also of a stage that agreed, so a stage
+        of this peer whose group agreed keeps serving while another's does not (a corrupted last round on one
+        stage could not be repaired once the other stage's donors had left)."""
         ours = self.outer.hash()
         deadline = self._leave_by or time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
-        while time.monotonic() < deadline and not self._stop.is_set():
-            others = {m.peer_id for m in self.swarm.membership.members()}
-            try:
-                hashes = {p: r.state_hash for p, r in self.swarm.records.round_records(boundary).items()}
-            except Exception as e:
-                self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
-                hashes = {}
-            if all(hashes.get(p) == ours for p in others):
-                return
+        while True:
+            done = self._stop.is_set() or time.monotonic() >= deadline or self._all_hold(boundary, ours)
+            if all(self._all_gather(done)):  # a collective: every stage takes the same number of turns
+                break
             time.sleep(0.5)
             self.swarm.membership.refresh()
-        logger.info("left with workers of stage %d still on another state at the final round", self.stage)
+        if not self._stop.is_set() and not self._all_hold(boundary, ours):
+            logger.info("left with workers of stage %d still on another state at the final round", self.stage)
+
+    def _all_hold(self, boundary: int, ours: str) -> bool:
+        """Every other live worker of this stage announced `ours` for `boundary`."""
+        others = {m.peer_id for m in self.swarm.membership.members()}
+        try:
+            hashes = {p: r.state_hash for p, r in self.swarm.records.round_records(boundary).items()}
+        except Exception as e:
+            self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
+            return False
+        return all(hashes.get(p) == ours for p in others)
 
     def after_boundary(self, boundary: int, state_hash: str, outcome: RoundOutcome) -> None:
         self._publish(boundary, state_hash=state_hash, outcome=outcome)
