@@ -35,7 +35,7 @@ from .dht import RunRecords
 from .faults import FaultCounter
 from .membership import Membership
 
-__all__ = ["Agreement", "Repair", "held_by_most", "majority_hash"]
+__all__ = ["Agreement", "Repair", "held_by_most", "majority_hash", "tied_with"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,14 @@ def majority_hash(hashes: dict[str, str]) -> str | None:
 def held_by_most(hashes: Iterable[str]) -> int:
     """How many of `hashes` equal the one held most often (0 for none): a strict majority of n is 2 x this > n."""
     return max(collections.Counter(hashes).values(), default=0)
+
+
+def tied_with(hashes: dict[str, str], state_hash: str) -> bool:
+    """Whether `state_hash` is held by as many of `hashes` as the hash held most. Records that do not settle
+    the check (some expected worker's missing) must not repair on a tie: the smallest peer id would break it,
+    and the missing worker may hold this worker's hash (two healthy workers of three, one's record late)."""
+    counts = collections.Counter(h for h in hashes.values() if h)
+    return counts[state_hash] == max(counts.values(), default=0)
 
 
 @dataclass(frozen=True)
@@ -206,13 +214,20 @@ class Agreement:
                 return "open"
             self.faults.count("hash_checks_skipped", "hash check of round %d skipped: lookup failed (%r)", check.boundary, e)
             return "retry"
-        if settle_only and not self._settled(check.boundary, hashes):
+        settled = self._settled(check.boundary, hashes)
+        if settle_only and not settled:
             return "open"
         if len(hashes) == 1 and self._others_held(check.boundary):
             self.faults.count(
                 "hash_checks_skipped", "hash check of round %d skipped: no other worker's record was found",
                 check.boundary,
             )
+            return "retry"
+        if not settled and len(hashes) > 1 and tied_with(hashes, check.state_hash):
+            self.faults.count(
+                "hash_checks_skipped", "hash check of round %d skipped: %d workers' records in, split evenly",
+                check.boundary, len(hashes),
+            )  # fmt: skip
             return "retry"
         repair = self._decide(check.boundary, check.state_hash, hashes, when="at the next round")
         with self._lock:
@@ -234,6 +249,10 @@ class Agreement:
                 if self._settled(boundary, hashes):
                     break
             if time.monotonic() >= deadline:
+                if len(hashes) > 1 and tied_with(hashes, state_hash):
+                    logger.warning("round %d: %d workers' records in by the deadline, split evenly: keeping this "
+                                   "worker's state", boundary, len(hashes))
+                    return None
                 logger.info("round %d: %d workers' records in by the deadline; deciding with them", boundary, len(hashes))
                 break
             time.sleep(CHECK_POLL_S)

@@ -15,7 +15,7 @@ import pytest
 
 from dilocox_p2p import injection
 from dilocox_p2p.swarm import dial
-from dilocox_p2p.swarm.agreement import held_by_most, majority_hash
+from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
 from dilocox_p2p.swarm.membership import config_diff
 
@@ -35,6 +35,14 @@ def test_a_strict_majority_is_counted_from_the_hash_held_most_often():
     assert held_by_most(["h1", "h2", "h1"]) == 2  # 2 x 2 > 3: settled
     assert held_by_most(["h1", "h2"]) == 1  # 2 x 1 > 2 fails: a pair that differs has no majority
     assert held_by_most([]) == 0
+
+
+def test_a_worker_whose_hash_ties_the_most_held_one_is_not_outvoted_by_records_that_do_not_settle_the_check():
+    # two of three workers' records in and split: the third may hold either hash, so the check waits for it
+    assert tied_with({"a": "x", "b": "h"}, "h") and tied_with({"a": "x", "b": "h"}, "x")
+    assert not tied_with({"a": "x", "c": "x", "b": "h"}, "h")  # outvoted
+    assert tied_with({"a": "h", "b": "h", "c": "x", "d": "x"}, "h")
+    assert not tied_with({"a": "x", "b": ""}, "h")  # an empty hash does not vote; this worker's is not among them
 
 
 def test_faults_are_counted_per_take_and_every_counter_is_reported(caplog):
