@@ -40,6 +40,8 @@ FAULTS = {
     "message failed its author's signed digest: left out, and the sender struck",
     "requests_refused": "a request from another worker failed its envelope checks (signature, run, admission, replay...)",
     "peers_banned": "a member was banned for the rest of the run after swarm.ban_after strikes",
+    "routes_lost": "this worker's DHT node lost its route to every other node (a stopped process, a network outage); "
+    "it asked its initial peers and known members again until one answered (swarm/reconnect.py)",
 }
 """Every counter, with what it counts (README: metrics.jsonl)."""
 

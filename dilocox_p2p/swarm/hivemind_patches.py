@@ -51,7 +51,11 @@ PATCHES: dict[str, str] = {
         "fixed-order float64 mean; two races fixed (a banned sender's counted part; a part finished twice)",
     "TensorPartReducer.sender_failed_after / num_parts_received / contributions": "read and kept as hivemind does",
     # p2p/p2p_daemon.py (our doctor.py): P2P has no public call to dial one given address of a peer
-    "P2P._client.connect": "doctor dials each initial peer's own multiaddr to tell a dead address from a live node",
+    "P2P._client.connect": "doctor dials each initial peer's own multiaddr to tell a dead address from a live node; "
+    "reconnect.py dials an initial peer at its address again after the DHT lost it",
+    # dht/node.py, protocol.py, routing.py (our swarm/reconnect.py): the DHT asks its initial peers only at start
+    "DHTNode.protocol.routing_table.peer_id_to_uid": "read: which peers the DHT node still has a route to",
+    "DHTProtocol.call_ping": "pings a lost peer; its answer puts it back in both routing tables",
 }
 
 

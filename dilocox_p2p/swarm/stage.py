@@ -9,6 +9,7 @@
       membership          who else trains this stage; admission (membership.py)
       exchanges           one background exchange per round (exchange.py): the Averager protocol
       agreement           round records, hash checks, verified state downloads (agreement.py)
+      routes              routes back into the DHT after this worker lost them (reconnect.py)
       faults              counted faults, handed to metrics.jsonl every round (faults.py)
       signer, gate        this worker's signature on what it sends, and the checks on what it takes
                           (envelope.py); strikes and bans of misbehaving peers (`strike`)
@@ -42,6 +43,7 @@ from .faults import FaultCounter
 from .hello import serve_hello
 from .hivemind_patches import check_version
 from .membership import Membership
+from .reconnect import RouteKeeper
 
 __all__ = ["SwarmStage"]
 
@@ -128,6 +130,10 @@ class SwarmStage:
         self.membership = Membership(self.records, config_hash=self.config_hash, faults=self.faults)
         self.exchanges = ExchangeQueue(self)
         self.agreement = Agreement(self.records, self.averager, self.membership, self.sw, self.faults)
+        self.routes = RouteKeeper(
+            self.dht, initial_peers=[*self.sw.initial_peers, *extra_peers], faults=self.faults,
+            members=lambda: [m.peer_id for m in self.membership.members(others_only=True)],
+        )  # fmt: skip
         self._closed = False
 
     def fragment_indices(self, round: int) -> list[int]:
@@ -145,6 +151,7 @@ class SwarmStage:
         self.membership.start()
         self.exchanges.start()
         self.agreement.start()
+        self.routes.start()
 
     def maddrs(self) -> list[str]:
         return reachable_maddrs(self.dht)
@@ -159,6 +166,7 @@ class SwarmStage:
             self.heartbeat.stop(leave=True)
         except Exception as e:  # pragma: no cover - best effort on the way out
             logger.info("could not publish the leave record: %s", e)
+        self.routes.close()
         self.membership.close()
         self.agreement.close()
         self.averager.shutdown()

@@ -1,0 +1,139 @@
+"""Routes back into the swarm's DHT after a worker lost them: a stopped process, a suspended machine, an outage.
+
+hivemind's DHT drops a node from its routing table the first time one outgoing call to it goes
+unanswered (`DHTProtocol.update_routing_table(responded=False)`), and it asks its initial peers
+only once, at start. A worker whose process stood still for longer than a call's timeout (SIGSTOP,
+a swapped-out or suspended machine, a cable pulled for a minute) comes back to find every call it
+had in flight failed: its routing table is empty, the others dropped it too, and nothing ever
+calls across again. It then trained alone for the rest of the run, reading back only its own
+records, and said nothing (measured: a peer frozen for 17 s ran its last 198 rounds alone).
+
+`RouteKeeper` looks every RECONNECT_S seconds for the peers this worker should reach and that
+are missing from its routing table: its initial peers (dialed at their addresses) and the
+members it saw in the last FORGET_S seconds. It pings each; an answer puts the peer back in
+both routing tables (hivemind adds the caller of every incoming call), and the first DHT lookup
+after that finds the rest of the swarm through it. A worker that lost every route is counted
+(`routes_lost`) and says when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from hivemind.p2p import PeerID
+from multiaddr import Multiaddr
+
+from .faults import FaultCounter
+
+__all__ = ["FORGET_S", "RECONNECT_S", "RouteKeeper", "ping_missing"]
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_S = 5.0
+FORGET_S = 300.0  # a member not seen for this long is no longer asked again (it left the run)
+PING_TIMEOUT_S = 5.0
+MAX_PINGS = 16  # at most this many missing peers are asked per look (the initial peers first)
+
+
+async def ping_missing(_dht: Any, node: Any, initial: Sequence[str], members: Sequence[str]) -> tuple[int, list[str]]:
+    """In the DHT process: ping each of `initial` (full multiaddrs, dialed at that address) and `members`
+    (peer ids) that is not in the routing table. Returns (routes before, peers that answered)."""
+    table = node.protocol.routing_table
+    present = {peer.to_base58() for peer in table.peer_id_to_uid}
+    targets: dict[str, list[Multiaddr]] = {}
+    for text in initial:
+        try:
+            maddr = Multiaddr(text)
+            peer = maddr.value_for_protocol("p2p")
+        except Exception as e:  # noqa: BLE001 - config checked it at start; a bad one is skipped, not fatal here
+            logger.debug("initial peer %s skipped: %r", text, e)
+            continue
+        if peer not in present and peer != node.peer_id.to_base58():
+            targets.setdefault(peer, []).append(maddr.decapsulate(f"/p2p/{peer}"))
+    for peer in members:
+        if peer not in present and peer != node.peer_id.to_base58():
+            targets.setdefault(peer, [])
+    chosen = list(targets.items())[:MAX_PINGS]
+
+    async def ping(peer: str, maddrs: list[Multiaddr]) -> str | None:
+        peer_id = PeerID.from_base58(peer)
+        try:
+            if maddrs:  # the daemon may have forgotten the address of a peer it lost long ago
+                await asyncio.wait_for(node.p2p._client.connect(peer_id, maddrs), PING_TIMEOUT_S)
+            answered = await asyncio.wait_for(node.protocol.call_ping(peer_id), PING_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a peer that is down or gone: asked again at the next look
+            return None
+        return peer if answered is not None else None
+
+    answers = await asyncio.gather(*(ping(peer, maddrs) for peer, maddrs in chosen))
+    return len(present), [peer for peer in answers if peer]
+
+
+class RouteKeeper:
+    """Keeps this worker's DHT node connected to the swarm (module docstring)."""
+
+    def __init__(
+        self,
+        dht: Any,
+        *,
+        initial_peers: Sequence[str],
+        members: Callable[[], Collection[str]],
+        faults: FaultCounter,
+        period: float = RECONNECT_S,
+    ):
+        self.dht, self.initial_peers, self.members, self.faults, self.period = dht, list(initial_peers), members, faults, period
+        self._seen: dict[str, float] = {}  # member peer id -> time.monotonic() it was last seen
+        self._isolated = False
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dht-routes", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=PING_TIMEOUT_S * 2 + 5)
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.period):
+            try:
+                self.look()
+            except Exception as e:  # noqa: BLE001 - the DHT process may be shutting down; the next look tries again
+                if not self._closed.is_set() and self.dht.is_alive():
+                    logger.debug("routing table check failed: %r", e)
+
+    def look(self) -> list[str]:
+        """One look: ask the missing peers again; the ones that answered."""
+        now = time.monotonic()
+        for peer in self.members():
+            self._seen[peer] = now
+        self._seen = {p: t for p, t in self._seen.items() if now - t < FORGET_S}
+        future = self.dht.run_coroutine(
+            _Ping(tuple(self.initial_peers), tuple(self._seen)), return_future=True
+        )
+        routes, answered = future.result(timeout=PING_TIMEOUT_S * 2 + 5)
+        if routes == 0 and not answered and (self.initial_peers or self._seen) and not self._isolated:
+            self._isolated = True
+            self.faults.count("routes_lost", "this worker's DHT node lost its route to every other node (was the "
+                              "process stopped, or the network down?); asking its initial peers and the members it "
+                              "knew again every %.0f s", self.period)  # fmt: skip
+        elif answered and (self._isolated or routes == 0):
+            self._isolated = False
+            logger.warning("back in touch with the swarm's DHT through %d peers (%s)", len(answered),
+                           ", ".join(p[-8:] for p in answered))  # fmt: skip
+        return answered
+
+
+class _Ping:
+    """`ping_missing` with its arguments bound, picklable for DHT.run_coroutine."""
+
+    def __init__(self, initial: tuple[str, ...], members: tuple[str, ...]):
+        self.initial, self.members = initial, members
+
+    async def __call__(self, dht: Any, node: Any) -> tuple[int, list[str]]:
+        return await ping_missing(dht, node, self.initial, self.members)

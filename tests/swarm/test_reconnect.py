@@ -1,0 +1,79 @@
+"""A DHT node that lost its routes to the swarm finds its way back (dilocox_p2p/swarm/reconnect.py).
+
+    pytest tests/swarm/test_reconnect.py -q
+
+Real hivemind DHT nodes on loopback. The routes are lost the way hivemind loses them when a call
+goes unanswered (a stopped process, an outage): removed from the routing table on both sides.
+The whole path, a SIGSTOPped peer, is tests/swarm/test_elastic.py's frozen peer.
+"""
+
+from __future__ import annotations
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from dilocox_p2p.swarm.faults import FaultCounter
+from dilocox_p2p.swarm.reconnect import RouteKeeper
+
+pytestmark = pytest.mark.swarm
+
+
+async def _routes(_dht, node) -> list[str]:
+    return sorted(peer.to_base58() for peer in node.protocol.routing_table.peer_id_to_uid)
+
+
+async def _drop_routes(_dht, node) -> None:
+    table = node.protocol.routing_table
+    for node_id in list(table.uid_to_peer_id):
+        del table[node_id]
+
+
+def _maddr(dht: hivemind.DHT) -> str:
+    return str(next(m for m in dht.get_visible_maddrs() if "127.0.0.1" in str(m)))
+
+
+@pytest.fixture
+def two_nodes():
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[_maddr(first)])
+    yield first, second
+    second.shutdown()
+    first.shutdown()
+
+
+def test_a_node_that_lost_every_route_pings_its_initial_peer_and_reads_the_swarms_records_again(two_nodes):
+    first, second = two_nodes
+    assert second.run_coroutine(_routes) == [first.peer_id.to_base58()]
+    for dht in two_nodes:
+        dht.run_coroutine(_drop_routes)
+    assert first.store("k", "from the first", get_dht_time() + 60)  # stored on the first node alone now
+    assert second.get("k", latest=True) is None, "the second node still reached the first"
+
+    faults = FaultCounter()
+    keeper = RouteKeeper(second, initial_peers=[_maddr(first)], members=list, faults=faults)
+    assert keeper.look() == [first.peer_id.to_base58()]
+    assert second.run_coroutine(_routes) == [first.peer_id.to_base58()]
+    assert first.run_coroutine(_routes) == [second.peer_id.to_base58()], "the first node did not take the caller back"
+    assert second.get("k", latest=True).value == "from the first"
+    assert keeper.look() == [], "a peer already in the routing table was asked again"
+
+
+def test_a_node_without_initial_peers_asks_the_members_it_saw_and_counts_the_loss_once(two_nodes):
+    first, second = two_nodes
+    for dht in two_nodes:
+        dht.run_coroutine(_drop_routes)
+    faults = FaultCounter()
+    member = second.peer_id.to_base58()  # the first node started the swarm: it knows the other only as a member
+    seen = [member]
+    keeper = RouteKeeper(first, initial_peers=[], members=lambda: seen, faults=faults)
+    assert keeper.look() == [member]
+    assert first.run_coroutine(_routes) == [member]
+
+    # lost again, and the member gone meanwhile: counted once while it stays lost, not at every look
+    for dht in two_nodes:
+        dht.run_coroutine(_drop_routes)
+    second.shutdown()
+    seen = []
+    assert keeper.look() == [] and keeper.look() == []
+    assert faults.take()["routes_lost"] == 1
