@@ -10,6 +10,7 @@ last lines of each, so that the CI output alone explains the failure.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -59,8 +60,32 @@ def keep(nodeid: str, source: Path) -> Path | None:
     return target if copied else None
 
 
+def rounds_summary(metrics: Path) -> list[str]:
+    """A peer's round records in a few lines: runs of rounds alike (kinds, group sizes, no faults) as one."""
+    rows: list[tuple[int, str]] = []
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            r = json.loads(line)
+            faults = {k: v for k, v in r.get("faults", {}).items() if v}
+            text = f"{r.get('kinds')} groups {r.get('group_sizes')}" + (f" faults {faults}" if faults else "")
+            if r.get("replaced_stages"):
+                text += f" replaced {r['replaced_stages']}"
+            rows.append((r["round"], text))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    out: list[str] = []
+    start = 0
+    for i, (t, text) in enumerate(rows):
+        if i + 1 == len(rows) or rows[i + 1][1] != text or rows[i + 1][0] != t + 1:
+            first = rows[start][0]
+            out.append(f"  round {first}: {text}" if first == t else f"  rounds {first}-{t}: {text}")
+            start = i + 1
+    return out
+
+
 def digest(folder: Path) -> str:
-    """Every warning and error of each stage log under `folder`, then its last lines; bounded."""
+    """Every warning and error of each stage log under `folder`, then its last lines, then each peer's round
+    records in short (last: CI shows the end of its output); bounded."""
     lines: list[str] = []
     for log in sorted(folder.rglob("stage*.log")):
         text = log.read_text(errors="replace").splitlines()
@@ -69,6 +94,8 @@ def digest(folder: Path) -> str:
         lines += [*noted, f"--- last {DIGEST_TAIL} lines of {log.name}", *text[-DIGEST_TAIL:]]
     if len(lines) > DIGEST_MAX_LINES:
         lines = lines[:DIGEST_MAX_LINES] + [f"[... {len(lines) - DIGEST_MAX_LINES} more lines in {folder} ...]"]
+    for metrics in sorted(folder.rglob("metrics.jsonl")):
+        lines += [f"--- round records of {metrics.parent.relative_to(folder)}", *rounds_summary(metrics)[-40:]]
     return "\n".join(lines)
 
 
