@@ -34,7 +34,7 @@ __all__ = ["FORGET_S", "RECONNECT_S", "RouteKeeper", "ping_missing"]
 
 logger = logging.getLogger(__name__)
 
-RECONNECT_S = 5.0
+RECONNECT_S = 2.0
 FORGET_S = 300.0  # a member not seen for this long is no longer asked again (it left the run)
 PING_TIMEOUT_S = 5.0
 MAX_PINGS = 16  # at most this many missing peers are asked per look (the initial peers first)
