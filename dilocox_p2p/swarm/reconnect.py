@@ -9,8 +9,8 @@ calls across again. It then trained alone for the rest of the run, reading back 
 records, and said nothing (measured: a peer frozen for 17 s ran its last 198 rounds alone).
 
 `RouteKeeper` looks every RECONNECT_S seconds for the peers this worker should reach and that
-are missing from its routing table: its initial peers (dialed at their addresses) and the
-members it saw in the last FORGET_S seconds. It pings each; an answer puts the peer back in
+are missing from its routing table: its initial peers (dialed at their addresses) and, once no
+route is left, the members it saw in the last FORGET_S seconds. It pings each; an answer puts the peer back in
 both routing tables (hivemind adds the caller of every incoming call), and the first DHT lookup
 after that finds the rest of the swarm through it. A worker that lost every route is counted
 (`routes_lost`) and says when it is back.
@@ -41,8 +41,10 @@ MAX_PINGS = 16  # at most this many missing peers are asked per look (the initia
 
 
 async def ping_missing(_dht: Any, node: Any, initial: Sequence[str], members: Sequence[str]) -> tuple[int, list[str]]:
-    """In the DHT process: ping each of `initial` (full multiaddrs, dialed at that address) and `members`
-    (peer ids) that is not in the routing table. Returns (routes before, peers that answered)."""
+    """In the DHT process: ping each of `initial` (full multiaddrs, dialed at that address) missing from the
+    routing table and, if the table is empty, each of `members` (peer ids). A large swarm's members do not
+    all fit in a routing table; only a node that lost every route asks them. Returns (routes before, peers
+    that answered)."""
     table = node.protocol.routing_table
     present = {peer.to_base58() for peer in table.peer_id_to_uid}
     targets: dict[str, list[Multiaddr]] = {}
@@ -55,9 +57,10 @@ async def ping_missing(_dht: Any, node: Any, initial: Sequence[str], members: Se
             continue
         if peer not in present and peer != node.peer_id.to_base58():
             targets.setdefault(peer, []).append(maddr.decapsulate(f"/p2p/{peer}"))
-    for peer in members:
-        if peer not in present and peer != node.peer_id.to_base58():
-            targets.setdefault(peer, [])
+    if not present:  # lost every route; with some left, lookups find the missing members through them
+        for peer in members:
+            if peer != node.peer_id.to_base58():
+                targets.setdefault(peer, [])
     chosen = list(targets.items())[:MAX_PINGS]
 
     async def ping(peer: str, maddrs: list[Multiaddr]) -> str | None:
