@@ -22,7 +22,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hivemind.p2p import PeerID
@@ -78,14 +78,15 @@ async def ping_missing(_dht: Any, node: Any, initial: Sequence[str], members: Se
 
 
 class RouteKeeper:
-    """Keeps this worker's DHT node connected to the swarm (module docstring)."""
+    """Keeps this worker's DHT node connected to the swarm (module docstring). `members`: the other members
+    of the stage as last looked up, peer id -> whether it trains (a member that left cleanly said it does not)."""
 
     def __init__(
         self,
         dht: Any,
         *,
         initial_peers: Sequence[str],
-        members: Callable[[], Collection[str]],
+        members: Callable[[], Mapping[str, bool]],
         faults: FaultCounter,
         period: float = RECONNECT_S,
     ):
@@ -113,8 +114,11 @@ class RouteKeeper:
     def look(self) -> list[str]:
         """One look: ask the missing peers again; the ones that answered."""
         now = time.monotonic()
-        for peer in self.members():
-            self._seen[peer] = now
+        for peer, training in self.members().items():
+            if training:
+                self._seen[peer] = now
+            else:  # joining, or left the run cleanly (its last record): no route to keep
+                self._seen.pop(peer, None)
         self._seen = {p: t for p, t in self._seen.items() if now - t < FORGET_S}
         future = self.dht.run_coroutine(
             _Ping(tuple(self.initial_peers), tuple(self._seen)), return_future=True
@@ -122,9 +126,9 @@ class RouteKeeper:
         routes, answered = future.result(timeout=PING_TIMEOUT_S * 2 + 5)
         if routes == 0 and not answered and (self.initial_peers or self._seen) and not self._isolated:
             self._isolated = True
-            self.faults.count("routes_lost", "this worker's DHT node lost its route to every other node (was the "
-                              "process stopped, or the network down?); asking its initial peers and the members it "
-                              "knew again every %.0f s", self.period)  # fmt: skip
+            self.faults.count("routes_lost", "this worker's DHT node has no route to any other node, and none of its "
+                              "initial peers or recent members answers (was this process stopped, the network down, "
+                              "or did the other peers crash?); asking them again every %.0f s", self.period)  # fmt: skip
         elif answered and (self._isolated or routes == 0):
             self._isolated = False
             logger.warning("back in touch with the swarm's DHT through %d peers (%s)", len(answered),

@@ -132,7 +132,7 @@ class SwarmStage:
         self.agreement = Agreement(self.records, self.averager, self.membership, self.sw, self.faults)
         self.routes = RouteKeeper(
             self.dht, initial_peers=[*self.sw.initial_peers, *extra_peers], faults=self.faults,
-            members=lambda: [m.peer_id for m in self.membership.members(others_only=True)],
+            members=lambda: {m.peer_id: m.record.training for m in self.membership.members()},
         )  # fmt: skip
         self._closed = False
 

@@ -51,7 +51,7 @@ def test_a_node_that_lost_every_route_pings_its_initial_peer_and_reads_the_swarm
     assert second.get("k", latest=True) is None, "the second node still reached the first"
 
     faults = FaultCounter()
-    keeper = RouteKeeper(second, initial_peers=[_maddr(first)], members=list, faults=faults)
+    keeper = RouteKeeper(second, initial_peers=[_maddr(first)], members=dict, faults=faults)
     assert keeper.look() == [first.peer_id.to_base58()]
     assert second.run_coroutine(_routes) == [first.peer_id.to_base58()]
     assert first.run_coroutine(_routes) == [second.peer_id.to_base58()], "the first node did not take the caller back"
@@ -65,15 +65,30 @@ def test_a_node_without_initial_peers_asks_the_members_it_saw_and_counts_the_los
         dht.run_coroutine(_drop_routes)
     faults = FaultCounter()
     member = second.peer_id.to_base58()  # the first node started the swarm: it knows the other only as a member
-    seen = [member]
+    seen = {member: True}  # a training member
     keeper = RouteKeeper(first, initial_peers=[], members=lambda: seen, faults=faults)
     assert keeper.look() == [member]
     assert first.run_coroutine(_routes) == [member]
 
-    # lost again, and the member gone meanwhile: counted once while it stays lost, not at every look
+    # lost again, and the member crashed meanwhile: counted once while it stays lost, not at every look
     for dht in two_nodes:
         dht.run_coroutine(_drop_routes)
     second.shutdown()
-    seen = []
+    seen = {}
     assert keeper.look() == [] and keeper.look() == []
     assert faults.take()["routes_lost"] == 1
+
+
+def test_a_member_that_left_the_run_cleanly_is_not_asked_again_and_being_left_alone_is_no_lost_route(two_nodes):
+    first, second = two_nodes
+    member = second.peer_id.to_base58()
+    seen = {member: True}
+    faults = FaultCounter()
+    keeper = RouteKeeper(first, initial_peers=[], members=lambda: seen, faults=faults)
+    assert keeper.look() == []  # in the routing table: nothing to ask
+    seen = {member: False}  # its last record: it no longer trains (dht.Heartbeat.stop(leave=True))
+    keeper.look()
+    second.shutdown()
+    first.run_coroutine(_drop_routes)
+    seen = {}
+    assert keeper.look() == [] and faults.take()["routes_lost"] == 0
