@@ -59,6 +59,7 @@ from .allreduce import ExactAllReduceRunner
 from .dial import redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
+from .matchmaking import hold_matchmaking_tasks
 from .priority import lower_priority
 
 __all__ = ["DilocoxAverager", "HeldAverage", "RoundResult", "StateDownload"]
@@ -346,6 +347,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             mm = self._matchmaking
             if not getattr(mm.potential_leaders, "_dilocox_filtered", False):
                 _ask_only_admitted_leaders(mm.potential_leaders, self)
+            hold_matchmaking_tasks(mm)  # a cancelled step's search must unwind and release its locks
             mm.group_key_manager.group_bits = round_group_bits(round)
             # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
             # size); the bits here are set per round, so that update is switched off

@@ -37,6 +37,8 @@ PATCHES: dict[str, str] = {
     "Matchmaking.group_key_manager.group_bits": "set per round: the group key spells the round",
     "Matchmaking.target_group_size / potential_leaders.target_group_size": "set per round",
     "GroupKeyManager.update_key_on_group_assembled": "replaced by a no-op (no key rotation)",
+    "Matchmaking.look_for_group": "wrapped (matchmaking.py) to hold its task until it ends: a cancelled step's "
+    "search was garbage-collected halfway and left the matchmaking locks held for good",
     # averaging/allreduce.py: AllReduceRunner (our swarm/allreduce.py: ExactAllReduceRunner)
     "AllReduceRunner._communicate_with_peer": "own parts: averaged part registered as is; failures reported",
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference",

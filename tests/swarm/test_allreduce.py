@@ -6,10 +6,15 @@ gets the exact, unweighted mean summed in a fixed order, and members that miss p
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from hivemind.averaging.control import AveragingStage
+from hivemind.utils import MPFuture
 
 from dilocox_p2p.average import AverageKind, ordered_mean
 from dilocox_p2p.swarm.averager import DilocoxAverager, HeldAverage
@@ -25,13 +30,24 @@ def _inputs(n: int) -> list[list[torch.Tensor]]:
     return [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
 
 
+class CollectingAverager(DilocoxAverager):
+    """Collects garbage in its averager process on request, as often as the cycle collector could under load."""
+
+    async def _collect_garbage(self, seconds: float, future: MPFuture) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            gc.collect()
+            await asyncio.sleep(0.001)
+        future.set_result(None)
+
+
 class Group:
-    def __init__(self, n: int):
+    def __init__(self, n: int, averager_class: type[DilocoxAverager] = DilocoxAverager):
         first = signed_node("ar")
         nodes = [first] + [signed_node("ar", initial_peers=first[0].get_visible_maddrs()) for _ in range(n - 1)]
         self.dhts = [dht for dht, _, _ in nodes]
         self.averagers = [
-            DilocoxAverager(
+            averager_class(
                 [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
                 start=True, min_group_size=2, min_matchmaking_time=5.0, request_timeout=2.0, allreduce_timeout=30.0,
                 next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
@@ -137,3 +153,27 @@ def test_a_member_without_an_average_borrows_the_whole_average_from_the_group(gr
     assert all(torch.equal(a, b) for a, b in zip(collected.average.tensors, outcomes[1][1]))
     nothing = outsider.collect(99, group.ids[1:], start=None, wait_s=0.5, deadline_s=5.0)
     assert nothing.average is None and len(nothing.failures) == 2
+
+
+def test_a_step_cancelled_while_it_looks_for_a_group_leaves_the_averager_able_to_group_again():
+    # hivemind does not await the matchmaking it cancels, and only weak references hold it while its clean-up
+    # waits for the DHT: collected halfway, it kept the matchmaking locks, and that averager never grouped again
+    # (swarm/matchmaking.py). Here the garbage collector runs all the while the cancelled search unwinds.
+    group = Group(2, CollectingAverager)
+    try:
+        first = group.averagers[0]
+        ticket = first.prepare_round(1, 2, admitted=group.ids)
+        control = first.step(gather=ticket, timeout=30.0, allow_retries=True, wait=False)
+        deadline = time.monotonic() + 30
+        while control.stage != AveragingStage.LOOKING_FOR_GROUP and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert control.stage == AveragingStage.LOOKING_FOR_GROUP
+        control.cancel()
+        first._call("_collect_garbage", 30.0, seconds=3.0)
+
+        inputs = _inputs(2)
+        results = group.all_reduce(2, inputs, [1.0, 1.0])
+        for result, _ in results:
+            assert result is not None and len(result.group) == 2
+    finally:
+        group.close()

@@ -1,0 +1,44 @@
+"""hivemind's matchmaking kept alive through a cancelled step.
+
+hivemind's `DecentralizedAverager._step` cancels its matchmaking task when a step is cancelled
+and returns without awaiting it. asyncio holds running tasks only weakly, and hivemind's
+`MPFuture` registry holds its futures weakly too. The cancelled task's cleanup awaits a DHT
+store (`_declare_averager_periodically` withdraws its declaration: an MPFuture). While it waits,
+nothing holds the chain strongly, so the cycle collector may destroy it halfway ("Task was
+destroyed but it is pending!"). Its `finally` blocks never run, and the matchmaking locks
+(`lock_looking_for_group`, `lock_search`, `lock_declare`) stay held for good. Every later step
+of that averager then waits for a lock and never finds a group. Seen under load: a joiner whose
+first exchange was abandoned (it took a newer state) borrowed the others' average for 27 rounds
+running, while they waited `round_wait` for it every round.
+
+`hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
+has finished, so a cancelled search always unwinds and releases its locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+__all__ = ["hold_matchmaking_tasks"]
+
+
+def hold_matchmaking_tasks(matchmaking: Any) -> set[asyncio.Task]:
+    """Wrap `matchmaking.look_for_group` (once) so that the task running it is held until it finishes;
+    returns the set that holds them."""
+    held: set[asyncio.Task] | None = getattr(matchmaking, "_dilocox_held_tasks", None)
+    if held is not None:
+        return held
+    held = set()
+    look_for_group = matchmaking.look_for_group
+
+    async def look_for_group_held(*args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        if task is not None:
+            held.add(task)
+            task.add_done_callback(held.discard)
+        return await look_for_group(*args, **kwargs)
+
+    matchmaking.look_for_group = look_for_group_held
+    matchmaking._dilocox_held_tasks = held
+    return held
