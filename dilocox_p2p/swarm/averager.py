@@ -347,7 +347,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             mm = self._matchmaking
             if not getattr(mm.potential_leaders, "_dilocox_filtered", False):
                 _ask_only_admitted_leaders(mm.potential_leaders, self)
-            hold_matchmaking_tasks(mm)  # a cancelled step's search must unwind and release its locks
+            hold_matchmaking_tasks(mm, self._stale_step)  # a cancelled step unwinds, and never looks again
             mm.group_key_manager.group_bits = round_group_bits(round)
             # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
             # size); the bits here are set per round, so that update is switched off
@@ -358,6 +358,15 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             future.set_result(None)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
+
+    def _stale_step(self, step: Any) -> bool:
+        """Whether hivemind's `step` carries the ticket of another round than the one prepared last (a cancelled
+        step that hivemind retried: matchmaking.py)."""
+        try:
+            signed = envelope_pb2.SignedEnvelope.FromString(step.data_for_gather or b"")
+            return envelope_pb2.Envelope.FromString(signed.body).round != self._current_round
+        except Exception:  # noqa: BLE001 - not a ticket of ours: the group's checks refuse it
+            return False
 
     # ----- averager process: who may group with whom -----------------------------------------
     def _ticket_refusal(self, peer: str, gathered: bytes, *, joining: bool) -> str:

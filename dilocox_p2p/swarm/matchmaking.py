@@ -11,33 +11,46 @@ of that averager then waits for a lock and never finds a group. Seen under load:
 first exchange was abandoned (it took a newer state) borrowed the others' average for 27 rounds
 running, while they waited `round_wait` for it every round.
 
+A cancelled step may also go on: hivemind reads the cancel signal before the step's own state says
+cancelled, and then retries it ("caught CancelledError(), retrying"). That step still carries its
+old round's ticket while the group key is already the next round's: it asked a leader of the next
+round to take it (refused: its ticket is of another round) and split that round's group in two.
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
-has finished, so a cancelled search always unwinds and releases its locks.
+has finished, so a cancelled search always unwinds and releases its locks; and a step that is
+not the one prepared last (`stale(step)`) finds no group at once instead of looking.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["hold_matchmaking_tasks"]
 
+logger = logging.getLogger(__name__)
 
-def hold_matchmaking_tasks(matchmaking: Any) -> set[asyncio.Task]:
-    """Wrap `matchmaking.look_for_group` (once) so that the task running it is held until it finishes;
-    returns the set that holds them."""
+
+def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> set[asyncio.Task]:
+    """Wrap `matchmaking.look_for_group` (once) so that the task running it is held until it finishes, and a
+    `stale` step (hivemind's StepControl) finds no group; returns the set that holds the tasks."""
     held: set[asyncio.Task] | None = getattr(matchmaking, "_dilocox_held_tasks", None)
     if held is not None:
         return held
     held = set()
     look_for_group = matchmaking.look_for_group
 
-    async def look_for_group_held(*args: Any, **kwargs: Any) -> Any:
+    async def look_for_group_held(step: Any, *args: Any, **kwargs: Any) -> Any:
+        if stale(step):
+            logger.debug("a step of an earlier round looked for a group again; it finds none")
+            return None
         task = asyncio.current_task()
         if task is not None:
             held.add(task)
             task.add_done_callback(held.discard)
-        return await look_for_group(*args, **kwargs)
+        return await look_for_group(step, *args, **kwargs)
 
     matchmaking.look_for_group = look_for_group_held
     matchmaking._dilocox_held_tasks = held
