@@ -19,6 +19,7 @@ after that finds the rest of the swarm through it. A worker that lost every rout
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -120,9 +121,8 @@ class RouteKeeper:
             else:  # joining, or left the run cleanly (its last record): no route to keep
                 self._seen.pop(peer, None)
         self._seen = {p: t for p, t in self._seen.items() if now - t < FORGET_S}
-        future = self.dht.run_coroutine(
-            _Ping(tuple(self.initial_peers), tuple(self._seen)), return_future=True
-        )
+        ping = functools.partial(ping_missing, initial=tuple(self.initial_peers), members=tuple(self._seen))
+        future = self.dht.run_coroutine(ping, return_future=True)
         routes, answered = future.result(timeout=PING_TIMEOUT_S * 2 + 5)
         if routes == 0 and not answered and (self.initial_peers or self._seen) and not self._isolated:
             self._isolated = True
@@ -135,12 +135,3 @@ class RouteKeeper:
                            ", ".join(p[-8:] for p in answered))  # fmt: skip
         return answered
 
-
-class _Ping:
-    """`ping_missing` with its arguments bound, picklable for DHT.run_coroutine."""
-
-    def __init__(self, initial: tuple[str, ...], members: tuple[str, ...]):
-        self.initial, self.members = initial, members
-
-    async def __call__(self, dht: Any, node: Any) -> tuple[int, list[str]]:
-        return await ping_missing(dht, node, self.initial, self.members)

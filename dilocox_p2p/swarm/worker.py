@@ -356,12 +356,13 @@ class SwarmStageWorker(StageWorker):
         ours = self.outer.hash()
         deadline = self._leave_by or time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
         while True:
-            done = self._stop.is_set() or time.monotonic() >= deadline or self._all_hold(boundary, ours)
+            held = not self._stop.is_set() and self._all_hold(boundary, ours)
+            done = held or self._stop.is_set() or time.monotonic() >= deadline
             if all(self._all_gather(done)):  # a collective: every stage takes the same number of turns
                 break
             time.sleep(0.5)
             self.swarm.membership.refresh()
-        if not self._stop.is_set() and not self._all_hold(boundary, ours):
+        if not self._stop.is_set() and not held:
             logger.info("left with workers of stage %d still on another state at the final round", self.stage)
 
     def _all_hold(self, boundary: int, ours: str) -> bool:
