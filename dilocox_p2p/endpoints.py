@@ -18,10 +18,10 @@ import ipaddress
 import os
 import secrets
 import socket
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Callable
 
 import grpc
@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from .errors import ConfigError, DilocoxError
 
 __all__ = [
-    "GrpcEndpoint", "ensure_port_free", "fix_stage_ports", "format_hostport", "free_ports", "local_maddr",
+    "GrpcEndpoint", "bindable", "ensure_port_free", "fix_stage_ports", "format_hostport", "free_ports", "local_maddr",
     "parse_hostport", "start_metrics_http", "write_atomically",
 ]
 
@@ -61,12 +61,13 @@ def free_ports(host: str, consecutive: int = 1) -> int:
         with socket.socket(_family(host)) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if port + consecutive <= 65536 and all(_bindable(host, port + i) for i in range(1, consecutive)):
+        if port + consecutive <= 65536 and all(bindable(host, port + i) for i in range(1, consecutive)):
             return port
     raise DilocoxError(f"found no {consecutive} consecutive free TCP ports on {host}")
 
 
-def _bindable(host: str, port: int) -> bool:
+def bindable(host: str, port: int) -> bool:
+    """Whether a socket can bind HOST:PORT now."""
     with socket.socket(_family(host)) as s:
         try:
             s.bind((host, port))
