@@ -201,6 +201,16 @@ class InnerConfig:
     """Clip the global gradient norm (over all stages) to this; 0 disables."""
     threads: int = 0
     """torch threads per stage process; 0 shares the machine's cores among the stages."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Inner forward and backward: bf16 autocast (fp32 master weights and AdamW state, bf16 activations between
+    stages) or fp32; auto = bf16 on CUDA, fp32 on CPU. theta_g and the outer step stay fp32 either way, so peers
+    of a run may differ here and still agree bit for bit."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile each transformer block of the stage; auto = on for CUDA, off on CPU. Falls back to eager,
+    with a warning, where compilation is unavailable."""
+    checkpoint_activations: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them: less memory, about one
+    more forward of compute."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "inner")
@@ -480,7 +490,7 @@ _LOCAL_FIELDS = {
         "identity", "certificate",
     },  # fmt: skip
     "control": {"progress", "log_level", "log_format", "control_addr", "metrics_addr"},
-    "inner": {"threads"},
+    "inner": {"threads", "precision", "compile", "checkpoint_activations"},
 }
 
 

@@ -7,13 +7,23 @@ The gradient norm for clipping is global: stages sum their squared norms in one 
 all-reduce per step, which also carries the stop flag so all stages stop together.
 A peer of one stage runs the same micro-batches in a plain loop, without the pipelining
 package (whose import alone costs about a second of CPU at every start).
+
+On a GPU the stage trains as a plain bf16 loop would (inner.precision, inner.compile): bf16
+autocast over fp32 master weights and AdamW state, TF32 for what stays fp32, fused AdamW,
+each unit compiled, bf16 activations between stages, and one host sync per step. theta_g,
+the pseudo-gradient and the outer step never see bf16: they read the fp32 master weights.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
+import os
+import shutil
+import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-
 from typing import Any
 
 import torch
@@ -22,7 +32,30 @@ import torch.distributed as dist
 from .config import Config
 from .model import StageModule, build_stage, lm_loss
 
-__all__ = ["InnerTrainer", "StepResult", "lr_at"]
+__all__ = ["InnerTrainer", "StepResult", "compile_unavailable", "lr_at", "resolve_compile", "resolve_precision"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_precision(choice: str, device: torch.device) -> str:
+    """inner.precision for this device: auto is bf16 on CUDA, fp32 elsewhere."""
+    if choice == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return choice
+
+
+def resolve_compile(choice: str, device: torch.device) -> bool:
+    """inner.compile for this device: auto compiles on CUDA only (on CPU the warm-up outweighs the gain)."""
+    return choice == "on" or (choice == "auto" and device.type == "cuda")
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why torch.compile cannot build kernels for this device here, or None when it can."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "the triton package is missing (pip install triton)"
+    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++")):
+        return "no C++ compiler on PATH (install g++)"
+    return None
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float) -> float:
@@ -46,26 +79,64 @@ class InnerTrainer:
         self.cfg, self.stage, self.device, self.group = cfg, stage, device, group
         n_stages = cfg.model.stages
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.precision = resolve_precision(cfg.inner.precision, device)
+        if device.type == "cuda":  # TF32 for the matmuls that stay fp32 (the optimizer's are elementwise)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         self.module: StageModule = build_stage(cfg.model.shape, n_stages, stage, cfg.run.seed).to(device)
+        if self.precision == "bf16" and not self.is_last:
+            self.module.boundary_dtype = torch.bfloat16  # half the bytes to the next stage, and back
+        self.module.checkpoint_blocks = cfg.inner.checkpoint_activations
+        self.compiled = resolve_compile(cfg.inner.compile, device) and self._compile()
+        self._first_step_s: float | None = None
         self.schedule = _pipeline_schedule(cfg, self.module, stage, device, group) if n_stages > 1 else None
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.module.parameters() if p.dim() < 2]
+        fused = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.inner.lr,
             betas=(cfg.inner.beta1, cfg.inner.beta2),
-            foreach=True,
+            **({"fused": True} if fused else {"foreach": True}),
         )
         self.total_steps = cfg.run.rounds * cfg.inner.steps
+        logger.info("inner: %s on %s, %s", self.precision, device, "compiled" if self.compiled else "eager")
+
+    def _compile(self) -> bool:
+        """Compile each unit of the stage (the blocks share one compiled graph, so warm-up stays short)."""
+        reason = compile_unavailable(self.device)
+        if reason is not None:
+            logger.warning("inner.compile: torch.compile is unavailable (%s); training eagerly", reason)
+            return False
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True  # a unit that fails to compile runs eagerly, with dynamo's warning
+        for unit in self.module.layers:
+            unit.compile()
+        return True
+
+    def autocast(self) -> AbstractContextManager:
+        """The precision of forward and backward: bf16 autocast, or nothing for fp32."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return list(self.module.parameters())
 
+    def peak_memory(self) -> int | None:
+        """Peak bytes of GPU memory this stage allocated since it started (None on CPU)."""
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
     def n_params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 
     def _run_schedule(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, train: bool) -> list:
+        with self.autocast():
+            return self._run_pipeline(inputs, targets, train=train)
+
+    def _run_pipeline(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, train: bool) -> list:
         if self.schedule is None:
             return self._run_alone(inputs, targets, train=train)
         losses: list[torch.Tensor] = []
@@ -82,7 +153,8 @@ class InnerTrainer:
         """The whole model in this process: the schedule's micro-batches and loss scaling, without a pipeline."""
         n = self.cfg.inner.microbatches
         losses = []
-        for x, y in zip(inputs.to(self.device).tensor_split(n), targets.to(self.device).tensor_split(n)):
+        inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        for x, y in zip(inputs.tensor_split(n), targets.tensor_split(n)):
             loss = lm_loss(self.module(x), y)
             if train:
                 (loss / n).backward()
@@ -102,20 +174,25 @@ class InnerTrainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        started = time.perf_counter() if self._first_step_s is None else None
         self.optimizer.zero_grad(set_to_none=True)
         losses = self._run_schedule(inputs, targets, train=True)
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        local_sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-        shared = torch.stack([local_sq.to(self.device), torch.tensor(float(stop), device=self.device)])
+        local_sq = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.device)
+        shared = torch.stack([local_sq.float(), torch.tensor(float(stop), device=self.device)])
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(shared, group=self.group)
-        total_norm = shared[0].sqrt().item()
         clip = self.cfg.inner.grad_clip
-        if clip > 0 and total_norm > clip:
-            torch._foreach_mul_(grads, clip / (total_norm + 1e-6))
+        if clip > 0 and grads:  # on the device: no host sync before the optimizer step
+            torch._foreach_mul_(grads, (clip / (shared[0].sqrt() + 1e-6)).clamp(max=1.0))
         self.optimizer.step()
-        loss = torch.stack(losses).mean().item() if losses else None
-        return StepResult(loss=loss, stop=shared[1].item() > 0)
+        loss = torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
+        stop_flag, loss_value = torch.stack([shared[1], loss]).tolist()  # the step's one host sync
+        if started is not None:
+            self._first_step_s = time.perf_counter() - started
+            if self.compiled:
+                logger.info("inner: first step (compilation included) took %.1f s", self._first_step_s)
+        return StepResult(loss=loss_value if losses else None, stop=stop_flag > 0)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelShape
 
@@ -178,11 +179,18 @@ class StageModule(nn.Module):
         super().__init__()
         self.units = units
         self.layers = nn.ModuleList(_make_unit(i, shape, seed) for i in units)
+        self.boundary_dtype: torch.dtype | None = None  # the dtype this stage hands the next one (bf16 halves it)
+        self.checkpoint_blocks = False  # recompute each block's activations in backward (less memory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point():
+            x = x.float()  # the residual stream stays fp32 whatever the previous stage sent
         for layer in self.layers:
-            x = layer(x)
-        return x
+            if self.checkpoint_blocks and self.training and isinstance(layer, Block):
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return x if self.boundary_dtype is None else x.to(self.boundary_dtype)
 
 
 def build_stage(shape: ModelShape, n_stages: int, stage: int, seed: int) -> StageModule:

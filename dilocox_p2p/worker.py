@@ -350,6 +350,7 @@ class StageWorker:
             "compression": self.compression_facts(),
             "fp32_bytes": 4 * sum(self.trainer.params[i].numel() for i in of_round(self.fragments, t)),
             "members": self.group_members(),
+            "peak_gpu_bytes": self.trainer.peak_memory(),
         }
         gathered = self._gather(facts)
         if not self.lead:
@@ -377,6 +378,9 @@ class StageWorker:
             "tokens": self.tokens,
             "tokens_per_s": self.round_tokens / seconds_round,
             "seconds_compute": max(s["seconds_compute"] for s in stages),
+            # the inner loop alone, as a plain training loop would count it (benchmarks/inner_reference.py)
+            "inner_tokens_per_s": self.round_tokens / max(s["seconds_compute"] for s in stages),
+            "peak_gpu_bytes": [s["peak_gpu_bytes"] for s in stages],  # per stage, since its start; None on CPU
             "seconds_comm_wait": max(o.seconds_wait for o in outcomes),
             "seconds_round": seconds_round,
             "bytes_sent": sum(o.bytes_sent for o in outcomes),

@@ -25,18 +25,23 @@ def _faults(peer, name: str) -> int:
     return sum(r["faults"][name] for r in peer.metrics())
 
 
-def test_peers_on_different_cpu_capabilities_hold_identical_state_every_round_without_repairs(swarm):
+def test_peers_on_different_cpu_capabilities_and_inner_precisions_hold_identical_state_every_round_without_repairs(
+    swarm,
+):
+    # one peer trains in bf16 on the lowest instruction set, the other in fp32 on the best: theta_g and the outer
+    # step never see bf16, so the two still hold one state bit for bit
     lowest, best = capabilities()[0], capabilities()[-1]
     assert lowest != best, f"this CPU offers only {capabilities()}"
     args = ("--mode", "delayed", "--rounds", "6", "--min-peers", "2", "--stages", "1")
     peers = [
-        swarm.start_peer(*args, env={"ATEN_CPU_CAPABILITY": lowest}),
-        swarm.start_peer(*args, env={"ATEN_CPU_CAPABILITY": best}),
+        swarm.start_peer(*args, "--set", "inner.precision=bf16", env={"ATEN_CPU_CAPABILITY": lowest}),
+        swarm.start_peer(*args, "--set", "inner.precision=fp32", env={"ATEN_CPU_CAPABILITY": best}),
     ]
     for peer in peers:
         assert peer.wait(timeout=240) == 0, peer.output()
-    for peer, capability in zip(peers, (lowest, best)):
+    for peer, capability, precision in zip(peers, (lowest, best), ("bf16", "fp32")):
         assert f"CPU capability {capability.upper()}" in peer.stage_log(0), "the capability was not applied"
+        assert f"inner: {precision} on cpu" in peer.stage_log(0), "the precision was not applied"
 
     a, b = (_by_round(p) for p in peers)
     assert sorted(a) == sorted(b) == list(range(6))
