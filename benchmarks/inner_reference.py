@@ -44,7 +44,10 @@ def run_ours(args: argparse.Namespace, tmp: Path) -> dict:
         *(f for kv in args.set for f in ("--set", kv)),
     ]
     started = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    if subprocess.run(cmd).returncode != 0:
+        for log in sorted((run_dir / "logs").glob("*.log")):
+            print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text().splitlines()[-30:]), file=sys.stderr)
+        raise SystemExit("ours: join failed (its stage logs above)")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r["inner_tokens_per_s"] for r in records[1:]] or [records[0]["inner_tokens_per_s"]]
     return {
