@@ -58,7 +58,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +191,9 @@ class RoundOutcome:
 class _Pending:
     round: int
     future: Future[Average]
+    # streaming: theta_g of the round's fragment after this average's step, computed off the training thread
+    # as soon as the average arrives (None: not prepared; the merge computes it itself)
+    preview: Future[list[torch.Tensor] | None] | None = None
 
 
 class OuterLoop:
@@ -222,6 +225,7 @@ class OuterLoop:
         self.boundary = 0  # rounds completed: theta_g is theta_g(boundary)
         self.pending_lost: int | None = None  # restored without the average that was in flight (round)
         self.lock = threading.RLock()  # held while the state changes, so a copy served to a peer is consistent
+        self._previews: ThreadPoolExecutor | None = None  # streaming: prepares each merge (_prepare_merge)
         self.before_step: Callable[[], None] | None = None  # called under the lock before the state moves on
 
     @torch.no_grad()
@@ -297,7 +301,7 @@ class OuterLoop:
 
         def launch() -> _Pending:  # under the lock, after the step: a state served is never half-way
             delta = pseudo_gradient([self.theta_g[i] for i in indices], [self.params[i] for i in indices])
-            return _Pending(round, self.averager.all_reduce(delta, round=round))
+            return self._prepare_merge(_Pending(round, self.averager.all_reduce(delta, round=round)))
 
         outcome = self._apply(self.pending, keep=launch, boundary=round + 1)
         return RoundOutcome(outcome.applied, outcome.seconds_wait + waited)
@@ -316,16 +320,44 @@ class OuterLoop:
             return
         started = time.perf_counter()
         average = pending.future.result()
+        theta = pending.preview.result() if pending.preview is not None else self._preview(pending, average)
         self._merge_wait += time.perf_counter() - started
         self._merged = pending.round
-        if not average.kind.applies:
+        if theta is None:
             return
+        for i, g in zip(self.fragment_indices(pending.round), theta):
+            p = self.params[i]
+            p.mul_(self.alpha).add_(g.to(p.device, p.dtype, non_blocking=True).mul_(1 - self.alpha))
+
+    def _preview(self, pending: _Pending, average: Average) -> list[torch.Tensor] | None:
+        """theta_g of `pending`'s fragment after its average's step (None when the average applies nothing)."""
+        if not average.kind.applies:
+            return None
         indices = self.fragment_indices(pending.round)
         with self.lock:
             theta = self.optimizer.preview(average.tensors, missing=average.missing, indices=indices)
-        for i, g in zip(indices, theta):
-            p = self.params[i]
-            p.mul_(self.alpha).add_(g.to(p.device, p.dtype).mul_(1 - self.alpha))
+        if any(p.is_cuda for p in self.params):  # pinned: the copy to the GPU at the merge does not wait
+            theta = [t.pin_memory() for t in theta]
+        return theta
+
+    def _prepare_merge(self, pending: _Pending) -> _Pending:
+        """Streaming: compute the merge's preview in a helper thread once the average arrives, so that the
+        training thread (on a GPU, seconds of CPU work per merge at 350m) only copies and merges it. The state
+        it reads (theta_g, momentum of the fragment) stays as it is until this pending is committed; a new
+        state (join, repair) replaces the pending, and the new one is merged without a preview."""
+        if self._previews is None:
+            self._previews = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-preview")
+        preview: Future[list[torch.Tensor] | None] = Future()
+        pending.preview = preview
+
+        def compute() -> None:
+            try:
+                preview.set_result(self._preview(pending, pending.future.result()))
+            except BaseException as e:  # the merge raises it in the training thread
+                preview.set_exception(e)
+
+        pending.future.add_done_callback(lambda _: self._previews.submit(compute))
+        return pending
 
     def drain(self) -> RoundOutcome:
         """Apply the average still pending (delayed mode), e.g. at the end of the run."""

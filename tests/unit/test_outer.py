@@ -9,6 +9,7 @@ Run: python -m pytest tests/unit/test_outer.py -q
 from __future__ import annotations
 
 import io
+import threading
 
 import pytest
 import torch
@@ -462,6 +463,27 @@ def test_streaming_waits_for_the_average_at_step_tau_not_before():
     assert ("wait", 0) in averager.events
     loop.after_inner_step(2)  # merged once only
     assert averager.events.count(("wait", 0)) == 1
+
+
+def test_streaming_prepares_its_merge_off_the_training_thread_as_soon_as_the_average_arrives():
+    # on a GPU the preview (theta_g after the outer step, on the CPU) cost the training thread seconds per merge
+    loop = _streaming_loop(RecordingAverager(scale=0.5), tau=2)
+    threads = []
+    preview = loop.optimizer.preview
+    loop.optimizer.preview = lambda *a, **k: threads.append(threading.current_thread().name) or preview(*a, **k)
+    loop.load_into_model()
+    _step_inner(loop, DELTAS[0])
+    loop.end_round(0)
+    pending = loop.pending
+    loop.averager.resolve(0)
+    merged = pending.preview.result(timeout=10)  # ready before step tau asks for it
+    assert threads == ["merge-preview_0"]
+    (synced,) = loop.fragment_indices(0)
+    want = [p.detach().clone() for p in loop.params]
+    want[synced] = want[synced] * ALPHA + merged[0] * (1 - ALPHA)
+    loop.after_inner_step(2)
+    assert threads == ["merge-preview_0"], "the training thread computed the preview again"
+    assert all(torch.equal(p.detach(), w) for p, w in zip(loop.params, want))  # the synced fragment merged only
 
 
 def test_streaming_keeps_the_trained_weights_across_rounds_and_starts_from_theta_g_after_a_new_state():
