@@ -132,30 +132,37 @@ class RoundExchange:
             gather=ticket, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False
         )
         try:
-            result = self._wait_for_step(started)
+            result, gave_up = self._wait_for_step(started)
             if result is not None:
                 for peer, reason in result.offenders.items():
                     self.stage.strike(peer, f"round {self.round}: {reason}")
-            return result, "" if result is not None else "the stage group averaged without this worker"
+            return result, gave_up
         except BaseException as e:  # includes the CancelledError of an abandoned round
             return None, f"{type(e).__name__}: {str(e)[:200]}"
         finally:
             self._control = None
 
-    def _wait_for_step(self, started: float) -> RoundResult | None:
-        """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage
-        has finished this round's all-reduce without us (its group formed and is done)."""
+    def _wait_for_step(self, started: float) -> tuple[RoundResult | None, str]:
+        """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage has
+        finished this round's all-reduce without us (its group formed and is done), or once no other member
+        trains any more (the others left, or the one this worker waited for restarted and is joining again:
+        its new heartbeat says so long before the step's deadline). Returns (the result, why there is none)."""
         while True:
             try:
-                return self._control.result(timeout=1.0)
+                return self._control.result(timeout=1.0), ""
             except TimeoutError:
                 pass
             if self._control.stage != AveragingStage.LOOKING_FOR_GROUP or time.monotonic() - started < self.sw.round_wait / 4:
                 continue
-            self.membership.refresh()
-            if any(self.membership.finished(m, self.round) for m in self.membership.members(training_only=True)):
+            if not self.membership.refresh():
+                continue  # a failed lookup says nothing about who trains
+            others = self.membership.members(training_only=True)
+            if any(self.membership.finished(m, self.round) for m in others):
                 self._control.cancel()
-                return None
+                return None, "the stage group averaged without this worker"
+            if not others:
+                self._control.cancel()
+                return None, "no other member of the stage group trains any more"
 
     def _compressed(self, expected: int) -> Average:
         """Phases 2-4 with compression: gather the group's messages, decode, hold what was applied."""
