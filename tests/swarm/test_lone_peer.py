@@ -23,6 +23,22 @@ def test_a_lone_peer_with_two_stages_lowers_val_loss_by_30_percent(tmp_path):
     assert final <= 0.7 * initial, f"val loss {initial:.3f} -> {final:.3f}"
 
 
+def test_a_peer_trained_in_bf16_ends_within_one_percent_of_fp32_at_equal_tokens(tmp_path):
+    # bf16 autocast touches the inner forward and backward only (fp32 weights, AdamW state and outer step), and
+    # the two stages hand each other bf16 activations; both runs side by side, on the same data
+    args = ["--rounds", "10", "--inner-steps", "10", "--data-seed", "0", "--no-swarm"]
+    peers = {p: Peer(tmp_path / p, [*args, "--set", f"inner.precision={p}"]) for p in ("fp32", "bf16")}
+    for peer in peers.values():
+        assert peer.wait(timeout=240) == 0, peer.output()
+    assert "inner: bf16 on cpu" in peers["bf16"].stage_log(0)
+    fp32, bf16 = (peers[p].metrics() for p in ("fp32", "bf16"))
+    assert [r["tokens"] for r in bf16] == [r["tokens"] for r in fp32] and len(fp32) == 10
+    initial = json.loads((peers["fp32"].run_dir / "run.json").read_text())["initial_val_loss"]
+    assert fp32[-1]["val_loss"] < 0.8 * initial, "fp32 did not learn: nothing to compare"
+    gap = bf16[-1]["val_loss"] / fp32[-1]["val_loss"] - 1
+    assert abs(gap) <= 0.01, f"bf16 val loss {bf16[-1]['val_loss']:.4f} vs fp32 {fp32[-1]['val_loss']:.4f}"
+
+
 @pytest.mark.parametrize(
     "mode", [(), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2")], ids=["delayed", "streaming"]
 )
