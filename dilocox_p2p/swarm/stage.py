@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -160,17 +161,31 @@ class SwarmStage:
         if self._closed:
             return
         self._closed = True
+        steps: list[tuple[str, float]] = []
+        started = time.monotonic()
+
+        def done(name: str) -> None:
+            steps.append((name, time.monotonic() - started - sum(s for _, s in steps)))
+
         self.exchanges.abandon_before(2**62)  # an exchange still running is of no use any more
         self.exchanges.close(timeout=self.sw.allreduce_timeout)
+        done("exchanges")
         try:
             self.heartbeat.stop(leave=True)
         except Exception as e:  # pragma: no cover - best effort on the way out
             logger.info("could not publish the leave record: %s", e)
+        done("heartbeat")
         self.routes.close()
         self.membership.close()
         self.agreement.close()
+        done("threads")
         self.averager.shutdown()
+        done("averager")
         self.dht.shutdown()
+        done("dht")
+        total = sum(s for _, s in steps)
+        logger.log(logging.INFO if total > 2 else logging.DEBUG, "left the swarm in %.1f s: %s", total,
+                   ", ".join(f"{name} {s:.1f}" for name, s in steps))
 
     def set_state(self, boundary: int, *, ready: bool, training: bool | None = None) -> None:
         """Tell joiners (averager) and members (heartbeat) where this worker's state is, and (if given)
