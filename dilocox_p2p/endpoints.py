@@ -55,8 +55,30 @@ def _family(host: str) -> int:
         return socket.AF_INET  # a host name: resolved by bind
 
 
+LOWEST_PICKED_PORT = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_ports(host: str, consecutive: int = 1) -> int:
-    """A port P such that P .. P + consecutive - 1 are free on `host` now (a peer's stage s listens on P + s)."""
+    """A port P such that P .. P + consecutive - 1 are free on `host` now (a peer's stage s listens on P + s).
+
+    Picked at random below the kernel's ephemeral range where there is one: the kernel hands out every port
+    it picks by itself (an outgoing connection, another program's bind to port 0) from that range, so one of
+    those cannot take P between this check and the moment the stage binds it. A port asked of the kernel was
+    taken that way once: a peer started beside two others failed with "address already in use"."""
+    top = _ephemeral_low() - consecutive
+    if top - LOWEST_PICKED_PORT >= 1000:
+        for _ in range(100):
+            port = LOWEST_PICKED_PORT + secrets.randbelow(top - LOWEST_PICKED_PORT)
+            if all(bindable(host, port + i) for i in range(consecutive)):
+                return port
     for _ in range(100):
         with socket.socket(_family(host)) as s:
             s.bind((host, 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -12,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from dilocox_p2p.cli.__main__ import main
 from dilocox_p2p.config import Config
 from dilocox_p2p.control import StatusBoard, StatusCollector, compression_ratio
-from dilocox_p2p.endpoints import GrpcEndpoint
+from dilocox_p2p.endpoints import GrpcEndpoint, bindable, free_ports
 from tests.helpers.bootstrap import free_port
 
 pytestmark = pytest.mark.unit
@@ -128,3 +129,12 @@ def test_health_exits_0_while_serving_and_1_when_not_or_unreachable(capsys, tmp_
     assert main(["health", "--target", f"127.0.0.1:{free_port()}"]) == 1
     assert "unavailable" in capsys.readouterr().err
     assert "holds no control.addr or health.addr" in _one_line_error(capsys, ["health", str(tmp_path / "empty")])
+
+
+def test_ports_picked_for_a_random_address_lie_below_the_kernels_ephemeral_range_and_are_free():
+    # the kernel hands out ports of that range to outgoing connections: one took a stage's port before it listened
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_ports("127.0.0.1", 4)
+        assert 10_000 <= port and port + 3 < low
+        assert all(bindable("127.0.0.1", port + i) for i in range(4))
