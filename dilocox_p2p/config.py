@@ -185,9 +185,10 @@ class InnerConfig:
     batch_size: int = 16
     """Sequences per inner step on this peer."""
     microbatches: int = 4
-    """Pipeline micro-batches per inner step; must divide batch_size."""
+    """Pipeline micro-batches per inner step; must divide batch_size. Local: a peer with less memory per device
+    uses more, smaller ones (the same tokens per step, summed the same way up to float rounding)."""
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """Pipeline schedule (torch.distributed.pipelining)."""
+    """Pipeline schedule (torch.distributed.pipelining); local."""
     lr: float = 1e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 50
@@ -490,7 +491,7 @@ _LOCAL_FIELDS = {
         "identity", "certificate",
     },  # fmt: skip
     "control": {"progress", "log_level", "log_format", "control_addr", "metrics_addr"},
-    "inner": {"threads", "precision", "compile", "checkpoint_activations"},
+    "inner": {"threads", "precision", "compile", "checkpoint_activations", "microbatches", "schedule"},
 }
 
 

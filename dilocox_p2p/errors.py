@@ -10,6 +10,7 @@
     |                        allowlist and certificate do not admit this peer's key
     +-- IdentityError        a key or certificate file is missing, unsafe (readable by others) or malformed
     +-- WireRejected         bytes from another peer were refused (malformed, oversized...)
+    +-- StageOutOfMemory     an inner step did not fit the device's memory; the message names the flags
 
 The CLI maps every DilocoxError to a one-line message and its `exit_code`: 2 (fix the command,
 config or files), except SwarmUnreachable's 75 (temporary: a supervisor should retry).
@@ -24,6 +25,7 @@ __all__ = [
     "DataError",
     "DilocoxError",
     "IdentityError",
+    "StageOutOfMemory",
     "SwarmError",
     "SwarmUnreachable",
     "WireRejected",
@@ -69,3 +71,7 @@ class IdentityError(DilocoxError):
 
 class WireRejected(DilocoxError):
     """Bytes from another peer were refused; the message says why. Counted and logged, never fatal."""
+
+
+class StageOutOfMemory(DilocoxError):
+    """An inner step of a stage did not fit its device's memory; the message names the settings that shrink it."""

@@ -22,7 +22,8 @@ import math
 import os
 import shutil
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
+from .errors import StageOutOfMemory
 from .model import StageModule, build_stage, lm_loss
 
 __all__ = ["InnerTrainer", "StepResult", "compile_unavailable", "lr_at", "resolve_compile", "resolve_precision"]
@@ -115,6 +117,33 @@ class InnerTrainer:
             unit.compile()
         return True
 
+    @contextmanager
+    def _out_of_memory_explained(self) -> Iterator[None]:
+        """An allocation failure in forward or backward (training or validation) becomes StageOutOfMemory, naming
+        what shrinks the step."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            raise StageOutOfMemory(self._memory_advice(str(e).splitlines()[0])) from None
+        except RuntimeError as e:
+            if "can't allocate memory" not in str(e):
+                raise
+            raise StageOutOfMemory(self._memory_advice(str(e).splitlines()[-1].strip())) from None
+
+    def _memory_advice(self, what: str) -> str:
+        inner, shape = self.cfg.inner, self.cfg.model.shape
+        rows = inner.batch_size // inner.microbatches
+        return (
+            f"stage {self.stage} ran out of {self.device.type} memory in a forward or backward pass ({self.n_params():,} parameters, "
+            f"micro-batches of {rows} x {shape.seq_len} tokens, {self.precision}"
+            f"{', activations recomputed' if inner.checkpoint_activations else ''}): {what}. Make the step smaller: "
+            f"more micro-batches (--microbatches, now {inner.microbatches}: it must divide --batch-size {inner.batch_size}, "
+            "and peers of a run may differ in it), "
+            "--set inner.checkpoint_activations=true, more pipeline stages (--stages), "
+            f"{'--set inner.precision=bf16, ' if self.precision == 'fp32' and self.device.type == 'cuda' else ''}"
+            "or a smaller --batch-size (every peer of the run must use the same)"
+        )
+
     def autocast(self) -> AbstractContextManager:
         """The precision of forward and backward: bf16 autocast, or nothing for fp32."""
         if self.precision == "bf16":
@@ -133,7 +162,7 @@ class InnerTrainer:
         return sum(p.numel() for p in self.module.parameters())
 
     def _run_schedule(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, train: bool) -> list:
-        with self.autocast():
+        with self._out_of_memory_explained(), self.autocast():
             return self._run_pipeline(inputs, targets, train=train)
 
     def _run_pipeline(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, train: bool) -> list:

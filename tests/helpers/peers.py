@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -48,15 +49,24 @@ def kill_session(proc: subprocess.Popen) -> None:
 
 
 class Peer:
-    def __init__(self, run_dir: Path, args: list[str], env: dict[str, str] | None = None):
+    def __init__(
+        self, run_dir: Path, args: list[str], env: dict[str, str] | None = None, limits: dict[int, int] | None = None
+    ):
+        """`limits`: resource limits (resource.RLIMIT_*: bytes) of the peer's processes, as a container sets them."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = run_dir.parent / f"{run_dir.name}.out"
         self.log = open(self.log_path, "a")  # a resumed peer writes after its earlier life
         cmd = [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-dir", str(run_dir), *PEER_ARGS, *args]
+
+        def limit() -> None:
+            for which, value in (limits or {}).items():
+                resource.setrlimit(which, (value, value))
+
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
-        )
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
+            preexec_fn=limit if limits else None,
+        )  # fmt: skip
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"

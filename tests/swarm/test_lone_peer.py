@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import json
+import resource
 
 import pytest
 
 from tests.helpers.peers import Peer
 
 pytestmark = pytest.mark.swarm
+
+DATA_LIMIT = 3 * 2**29  # 1.5 GiB: a tiny peer's stage trains within it at 4 sequences per micro-batch
 
 
 def test_a_lone_peer_with_two_stages_lowers_val_loss_by_30_percent(tmp_path):
@@ -37,6 +40,21 @@ def test_a_peer_trained_in_bf16_ends_within_one_percent_of_fp32_at_equal_tokens(
     assert fp32[-1]["val_loss"] < 0.8 * initial, "fp32 did not learn: nothing to compare"
     gap = bf16[-1]["val_loss"] / fp32[-1]["val_loss"] - 1
     assert abs(gap) <= 0.01, f"bf16 val loss {bf16[-1]['val_loss']:.4f} vs fp32 {fp32[-1]['val_loss']:.4f}"
+
+
+def test_a_step_too_big_for_the_memory_stops_the_peer_with_the_settings_that_shrink_it(tmp_path):
+    # a real allocation failure: the stages may map at most DATA_LIMIT bytes, and one micro-batch of 1024
+    # sequences needs more (16 micro-batches of 64 train within it); the peer must say which settings make the
+    # step fit, not print a traceback
+    args = ["--no-swarm", "--stages", "1", "--rounds", "1", "--inner-steps", "2", "--set", "data.val_batches=1",
+            "--set", "inner.batch_size=1024", "--set", "inner.microbatches=1"]  # fmt: skip
+    peer = Peer(tmp_path / "big", args, limits={resource.RLIMIT_DATA: DATA_LIMIT})
+    assert peer.wait(timeout=120) == 2, peer.output()
+    error = peer.stage_log(0)
+    assert "stage 0 ran out of cpu memory in a forward or backward pass" in error, error[-3000:]
+    for setting in ("--microbatches, now 1", "inner.checkpoint_activations=true", "--stages", "--batch-size"):
+        assert setting in error
+    assert "Traceback" not in peer.output()
 
 
 @pytest.mark.parametrize(

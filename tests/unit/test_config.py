@@ -291,6 +291,11 @@ def test_config_hash_changes_when_a_shared_field_changes(overrides):
         {"control.progress": "lines"},
         {"control.log_level": "debug"},
         {"inner.threads": 3},
+        {"inner.precision": "bf16"},
+        {"inner.compile": "on"},
+        {"inner.checkpoint_activations": True},
+        {"inner.microbatches": 8},
+        {"inner.schedule": "gpipe"},
         {"swarm.helper_nice": 5},
     ],
 )
