@@ -212,8 +212,8 @@ class InnerTrainer:
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(shared, group=self.group)
         clip = self.cfg.inner.grad_clip
-        if clip > 0 and grads:  # on the device: no host sync before the optimizer step
-            torch._foreach_mul_(grads, (clip / (shared[0].sqrt() + 1e-6)).clamp(max=1.0))
+        if clip > 0:  # torch's clamped coefficient, on the device: no host sync before the optimizer step
+            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), clip, shared[0].sqrt())
         self.optimizer.step()
         loss = torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
         stop_flag, loss_value = torch.stack([shared[1], loss]).tolist()  # the step's one host sync
