@@ -97,6 +97,9 @@ class Average:
     """Members whose copies filled this worker's missing spans (MENDED, BORROWED)."""
     stranded_alike: bool = False
     """STRANDED: every member that answered had no average of the round either (nobody is ahead)."""
+    off_majority: bool = False
+    """This copy differs from the one most of its group holds, and theirs could not be had: the worker
+    takes the swarm's state before it uses theta_g (a repair) instead of training on a split."""
 
     @property
     def group_size(self) -> int:

@@ -15,6 +15,8 @@ Armed through the environment of the peer's processes, several separated by `;`:
   collapses once it has everyone's data): it holds the whole average, the others miss its span.
 - `skip_mending:round=R:stage=S` makes stage S keep round R's average with the spans that
   missed it, without asking the other members for them (its requests would all time out).
+- `skip_adopting:round=R:stage=S` makes stage S keep its own copy of round R's average when
+  most of its group holds another, without downloading theirs (its requests would all fail).
 - `corrupt_state:round=R:stage=S` flips the lowest bit of theta_g's first value on stage S
   right after round R's outer step, as a memory error or a buggy peer would.
 - `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,
@@ -46,7 +48,8 @@ __all__ = ["KNOWN", "armed", "flip_last_bit", "kill_peer"]
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
-    "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "corrupt_state", "nan_pseudo_gradient",
+    "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "skip_adopting",
+    "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "flip_served_bit", "cut_served_message",
     "speak_other_protocol", "ignore_admission",
 )  # fmt: skip

@@ -240,13 +240,14 @@ class Agreement:
         decide with the records there are); the repair to make now if this worker is in the minority.
         For the run's last boundary, which no later boundary checks."""
         hashes = {self.peer_id: state_hash}
+        self.membership.refresh()  # who is expected here: a view from before the last round may miss a member
         while True:
             try:
                 hashes = self._voted_hashes(boundary, state_hash)
             except Exception as e:
                 self.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
             else:
-                if self._settled(boundary, hashes):
+                if self._settled(boundary, hashes, resyncing_too=True):
                     break
             if time.monotonic() >= deadline:
                 if len(hashes) > 1 and tied_with(hashes, state_hash):
@@ -278,15 +279,18 @@ class Agreement:
         )  # fmt: skip
         return Repair(boundary, winner, holders)
 
-    def _settled(self, boundary: int, hashes: dict[str, str]) -> bool:
+    def _settled(self, boundary: int, hashes: dict[str, str], *, resyncing_too: bool = False) -> bool:
         """Whether the records in `hashes` (this worker's included) decide the majority at `boundary` already:
         a hash held by a strict majority of the workers expected there, or every expected worker's record in
         without a tie. Expected: the training members at most two boundaries behind (a member record lags its
         worker by up to a heartbeat; one one boundary behind counted as absent let two of three workers, one of
-        them corrupted, tie and settle on the smallest peer id). A tie settles only once every training member's
-        record is in: the smallest peer id decides a split pair, never a split that a third worker would break."""
-        training = {m.peer_id for m in self.membership.members(training_only=True)} | {self.peer_id}
-        expected = {m.peer_id for m in self.membership.members(training_only=True) if m.record.boundary >= boundary - 2}
+        them corrupted, tie and settle on the smallest peer id), and `resyncing_too`, at the last boundary, the
+        members taking a state as well (two members repairing the round before while a third trained the last
+        one alone left that third deciding alone). A tie settles only once every such member's record is in:
+        the smallest peer id decides a split pair, never a split that a third worker would break."""
+        live = self.membership.members(training_only=not resyncing_too)
+        training = {m.peer_id for m in live} | {self.peer_id}
+        expected = {m.peer_id for m in live if m.record.boundary >= boundary - 2}
         expected.add(self.peer_id)
         most = held_by_most(hashes.values())
         if 2 * most > len(expected | set(hashes)):

@@ -291,7 +291,9 @@ class RoundExchange:
         by the hash check and repaired at the next boundary). The majority's copy (a tie: the
         smallest peer id's, as in agreement.py) is made from this worker's own where it covers
         more (the majority's missing spans left out again: no download), else downloaded from
-        a holder and checked against its hash. A clean round costs one DHT store and a read or
+        a holder and checked against its hash; if that fails too, the average is marked
+        `off_majority` and the worker takes the swarm's state at the boundary, before theta_g is
+        used or recorded (worker.py). A clean round costs one DHT store and a read or
         two, overlapped with training in every mode but `sync`.
         """
         voters = set(average.group if voters is None else voters)
@@ -309,9 +311,15 @@ class RoundExchange:
         if winner is None or winner == mine:
             return average
         holders = sorted(p for p, h in hashes.items() if h == winner and p != me)
-        adopted = self._restricted(average, records[holders[0]], winner) or self._downloaded(average, holders, winner)
-        if adopted is None:
-            return average  # counted as downloads_failed; the hash check repairs this worker if it is off
+        skip = injection.armed("skip_adopting", round=self.round, stage=self.stage.stage)
+        adopted = None if skip else (
+            self._restricted(average, records[holders[0]], winner) or self._downloaded(average, holders, winner)
+        )
+        if adopted is None:  # the failures were counted as downloads_failed; the boundary repairs this worker
+            logger.warning("round %d: this worker's average differs from its group's majority (%d of %d hold %s) and "
+                           "theirs could not be had: taking the swarm's state at the boundary", self.round,
+                           len(holders), len(hashes), winner[:12])  # fmt: skip
+            return dataclasses.replace(average, off_majority=True)
         self.stage.faults.count(
             "averages_adopted", "round %d: this worker's average (%s, %.1f%% of coordinates) differed from its group's "
             "majority (%d of %d hold %s): took theirs (%s, %.1f%%)", self.round, average.kind.value,

@@ -285,7 +285,8 @@ class SwarmStageWorker(StageWorker):
         """Resync with the swarm before theta_g is used if it is known (or likely) to be off.
 
         Triggers, decided together by all stages of this peer: the background hash check of an
-        earlier boundary found a stage in the minority; a stage was stranded (others train, but
+        earlier boundary found a stage in the minority, or a stage applied an average that it knows
+        differs from its group's majority (it could not take theirs); a stage was stranded (others train, but
         no average could be had) while some member may have had one (not when every member that
         answered lacked it too: then nobody is ahead); or the peer fell two rounds behind.
         """
@@ -300,6 +301,7 @@ class SwarmStageWorker(StageWorker):
         self._last_boundary = now
         self.swarm.agreement.settle_check(boundary - 1, deadline=now + patience)
         repair = self.swarm.agreement.take_repair() is not None
+        repair = any(a.average.off_majority for a in outcome.applied) or repair
         last = outcome.last
         stranded = (
             last is not None and last.kind is AverageKind.STRANDED and not last.stranded_alike

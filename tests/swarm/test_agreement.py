@@ -132,6 +132,35 @@ def test_a_member_holding_more_than_its_group_takes_the_groups_copy_without_a_do
     assert a[1]["faults"]["averages_adopted"] == b[1]["faults"]["averages_adopted"] == 0
 
 
+def test_members_that_cannot_take_the_copy_their_group_agreed_on_take_the_swarms_state_before_recording_a_split(
+    swarm,
+):
+    # As below, three copies of round 1's average, the tie going to the smallest peer id's; but the other two
+    # cannot download it (their requests fail). Each knows its copy is off: it takes the swarm's state at the
+    # boundary, before that round's state is used or recorded, instead of training a round on a split.
+    faults = "withhold_average:round=1:stage=0;skip_mending:round=1:stage=0;skip_adopting:round=1:stage=0"
+    args = ("--mode", "sync", "--rounds", "3", "--min-peers", "3", "--stages", "1")
+    peers = [swarm.start_peer(*args, env={"DILOCOX_FAULTS": faults}) for _ in range(3)]
+    for peer in peers:
+        assert peer.wait(timeout=240) == 0, peer.output()
+
+    rounds = [_by_round(p) for p in peers]
+    ids = [worker_peer_id(p.run_dir, 0) for p in peers]
+    kept = ids.index(min(ids))
+    for t in range(3):  # a repaired member took a later state and dropped the round: it recorded no split
+        held = {tuple(r[t]["stage_hashes"]) for r in rounds if t in r}
+        assert len(held) == 1, f"round {t}: the peers disagree"
+    assert rounds[kept][1]["kinds"] == ["partial"] and rounds[kept][1]["coverage"] < 1.0
+    assert all(2 in r for r in rounds), "a peer ended without a record of the last round"
+    for i, peer in enumerate(peers):
+        assert _faults(peer, "averages_adopted") == 0
+        off = "differs from its group's majority" in peer.stage_log(0)
+        assert off == (i != kept), f"peer {i}: its copy was {'' if off else 'not '}found off the group's"
+        if i != kept:  # the kept peer may be repaired too, at the last boundary: it trained the round between alone
+            assert "resyncing with the swarm (hash mismatch)" in peer.stage_log(0)
+            assert rounds[i].get(1, rounds[i][2])["faults"]["repairs"] == 1
+
+
 def test_members_left_with_three_different_copies_all_take_the_one_of_the_smallest_peer_id(swarm):
     # Every reducer keeps round 1's average from the member after it, and no member mends: three copies, each
     # missing another span. No majority: the tie goes to the smallest peer id's copy (as the hash check's
