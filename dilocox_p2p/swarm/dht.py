@@ -275,10 +275,11 @@ class RunRecords:
         """A DHT call's result. hivemind waits for its DHT process without a limit: if that process died (the
         OOM killer, a signal sent to the whole process group), every call would hang the worker for good."""
         while True:
+            alive = self.dht.is_alive()  # dead already (a stop signalled to the process group): do not wait a slice
             try:
-                return future.result(timeout=DHT_CALL_CHECK_S)
+                return future.result(timeout=DHT_CALL_CHECK_S if alive else 0.05)
             except TimeoutError:
-                if not self.dht.is_alive():
+                if not alive or not self.dht.is_alive():
                     raise SwarmError(f"{what}: this worker's DHT process has died (exit code {self.dht.exitcode}); "
                                      "the peer cannot go on in the swarm: restart it with --resume") from None
 

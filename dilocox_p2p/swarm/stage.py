@@ -176,13 +176,15 @@ class SwarmStage:
             logger.info("could not publish the leave record: %s", e)
         done("heartbeat")
         self.routes.close()
+        done("routes")
         self.membership.close()
+        done("membership")
         self.agreement.close()
-        done("threads")
-        self.averager.shutdown()
-        done("averager")
-        self.dht.shutdown()
-        done("dht")
+        done("agreement")
+        for name, process in (("averager", self.averager), ("dht", self.dht)):
+            if process.is_alive():  # killed with the process group already: hivemind would log an error
+                process.shutdown()
+            done(name)
         total = sum(s for _, s in steps)
         logger.log(logging.INFO if total > 2 else logging.DEBUG, "left the swarm in %.1f s: %s", total,
                    ", ".join(f"{name} {s:.1f}" for name, s in steps))

@@ -104,7 +104,7 @@ def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm)
     stopped = time.monotonic()
     os.killpg(host.proc.pid, signal.SIGTERM)
     assert host.wait(timeout=60) == 128 + signal.SIGTERM
-    assert time.monotonic() - stopped < 30, "the stop waited out the swarm's timeouts"
+    assert time.monotonic() - stopped < 10, "the stop waited out the swarm's timeouts (or a DHT process gone)"
     assert "stopped; the last checkpoint is at round" in host.output()
     checkpoints = sorted((host.run_dir / "checkpoints" / "stage0").glob("round*.pt"))
     assert checkpoints and int(checkpoints[-1].stem[5:]) >= rounds_before

@@ -9,6 +9,10 @@ The whole path, a SIGSTOPped peer, is tests/swarm/test_elastic.py's frozen peer.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import hivemind
 import pytest
 from hivemind.utils import get_dht_time
@@ -92,3 +96,25 @@ def test_a_member_that_left_the_run_cleanly_is_not_asked_again_and_being_left_al
     first.run_coroutine(_drop_routes)
     seen = {}
     assert keeper.look() == [] and faults.take()["routes_lost"] == 0
+
+
+def test_a_keeper_whose_dht_process_was_killed_mid_look_closes_at_once(two_nodes):
+    # A stop signalled to the whole process group kills the DHT process first; a look then waiting on a ping
+    # (here to a stopped peer, which never answers) was left waiting out its whole timeout, and so was the exit
+    first, second = two_nodes
+    for dht in two_nodes:
+        dht.run_coroutine(_drop_routes)
+    address = _maddr(second)
+    os.kill(second.pid, signal.SIGSTOP)
+    try:
+        keeper = RouteKeeper(first, initial_peers=[address], members=dict, faults=FaultCounter(), period=0.05)
+        keeper.start()
+        time.sleep(1.0)  # a look is in flight: its ping waits for the stopped peer
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(timeout=10)
+        started = time.monotonic()
+        keeper.close()
+        assert time.monotonic() - started < 2.0, "closing waited for a DHT process that was gone"
+        assert not keeper._thread.is_alive()
+    finally:
+        os.kill(second.pid, signal.SIGCONT)
