@@ -22,7 +22,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -118,17 +118,29 @@ class InnerTrainer:
         return True
 
     @contextmanager
-    def _out_of_memory_explained(self) -> Iterator[None]:
-        """An allocation failure in forward or backward (training or validation) becomes StageOutOfMemory, naming
-        what shrinks the step."""
+    def _out_of_memory_explained(self, advice: Callable[[str], str] | None = None) -> Iterator[None]:
+        """An allocation failure (in forward or backward, training or validation, unless `advice` says where
+        else) becomes StageOutOfMemory, naming what shrinks the step."""
+        advice = advice or self._memory_advice
         try:
             yield
         except torch.OutOfMemoryError as e:
-            raise StageOutOfMemory(self._memory_advice(str(e).splitlines()[0])) from None
+            raise StageOutOfMemory(advice(str(e).splitlines()[0])) from None
         except RuntimeError as e:
             if "can't allocate memory" not in str(e):
                 raise
-            raise StageOutOfMemory(self._memory_advice(str(e).splitlines()[-1].strip())) from None
+            raise StageOutOfMemory(advice(str(e).splitlines()[-1].strip())) from None
+
+    def _optimizer_memory_advice(self, what: str) -> str:
+        """The optimizer's first step allocates its state: two fp32 moments per parameter (micro-batches do not
+        change that, more stages do)."""
+        n = self.n_params()
+        return (
+            f"stage {self.stage} ran out of {self.device.type} memory in the inner optimizer's step ({n:,} parameters: "
+            f"AdamW keeps two fp32 moments per parameter, {8 * n / 2**30:.2f} GiB, beside the weights and gradients, "
+            f"{8 * n / 2**30:.2f} GiB): {what}. Spread the parameters over more pipeline stages (--stages) or "
+            "devices with more memory; more micro-batches do not help here"
+        )
 
     def _memory_advice(self, what: str) -> str:
         inner, shape = self.cfg.inner, self.cfg.model.shape
@@ -214,7 +226,8 @@ class InnerTrainer:
         clip = self.cfg.inner.grad_clip
         if clip > 0:  # torch's clamped coefficient, on the device: no host sync before the optimizer step
             torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), clip, shared[0].sqrt())
-        self.optimizer.step()
+        with self._out_of_memory_explained(self._optimizer_memory_advice):
+            self.optimizer.step()
         loss = torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
         stop_flag, loss_value = torch.stack([shared[1], loss]).tolist()  # the step's one host sync
         if started is not None:
