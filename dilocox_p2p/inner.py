@@ -136,7 +136,7 @@ class InnerTrainer:
         change that, more stages do)."""
         n = self.n_params()
         return (
-            f"stage {self.stage} ran out of {self.device.type} memory in the inner optimizer's step ({n:,} parameters: "
+            f"stage {self.stage} ran out of {self.device.type} memory in the inner optimizer step ({n:,} parameters: "
             f"AdamW keeps two fp32 moments per parameter, {8 * n / 2**30:.2f} GiB, beside the weights and gradients, "
             f"{8 * n / 2**30:.2f} GiB): {what}. Spread the parameters over more pipeline stages (--stages) or "
             "devices with more memory; more micro-batches do not help here"

@@ -75,6 +75,6 @@ def test_an_optimizer_state_too_big_for_the_memory_names_more_stages_not_micro_b
         if child.is_alive():
             child.kill()
     assert outcome == "refused", (outcome, message)
-    assert "ran out of cpu memory in the inner optimizer's step" in message, message
+    assert "ran out of cpu memory in the inner optimizer step" in message, message
     assert "AdamW keeps two fp32 moments per parameter" in message and "--stages" in message
     assert "more micro-batches do not help" in message
