@@ -229,15 +229,19 @@ class RunRecords:
         self.peer_id = dht.peer_id.to_base58()
         assert self.peer_id == signer.worker_id, "the DHT runs under another key than the signer's"
         self.members_key = f"{run_id}:members:s{stage}"
+        self._member_expires = 0.0  # DHT time the member record last stored expires (a later one must outlive it)
         # workers whose member records speak another protocol version -> (that version, when they joined, whether
         # they train), read from the unverified record (its schema may differ): said to a joiner, never trusted
         self.foreign: dict[str, tuple[int, float, bool]] = {}
 
-    def _store(self, key: str, message: Any, ttl: float, *, round: int = 0, best_effort: bool = False) -> bool:
-        """Store `message` under `key`, signed for that key; a failure is counted, or only logged if `best_effort`."""
+    def _store(
+        self, key: str, message: Any, ttl: float, *, round: int = 0, best_effort: bool = False, expires: float = 0.0
+    ) -> bool:
+        """Store `message` under `key`, signed for that key, until `ttl` from now (or DHT time `expires`); a failure
+        is counted, or only logged if `best_effort`."""
         value = self.signer.seal(message, topic=key, round=round)
         try:
-            future = self.dht.store(key, subkey=self.peer_id, value=value, expiration_time=get_dht_time() + ttl,
+            future = self.dht.store(key, subkey=self.peer_id, value=value, expiration_time=expires or get_dht_time() + ttl,
                                     return_future=True)  # fmt: skip
             stored = self._result(future, f"storing {key}")
             failure = "" if stored else "no DHT node accepted it"
@@ -284,8 +288,18 @@ class RunRecords:
                                      "the peer cannot go on in the swarm: restart it with --resume") from None
 
     def publish_member(self, record: swarm_pb2.MemberRecord, ttl: float = MEMBER_TTL_S, *, leaving: bool = False) -> bool:
-        """Publish this worker's member record; `leaving`: the last one, best effort (it expires anyway)."""
-        return self._store(self.members_key, record, ttl, best_effort=leaving)
+        """Publish this worker's member record; `leaving`: the last one, best effort (it expires anyway).
+
+        A DHT node keeps a subkey's value with the latest expiration, so the last record expires just after
+        the one before it, not `ttl` from now: a record that expired sooner was refused by every node, and the
+        others took a worker that had left for a training member until its last heartbeat expired (dialing
+        it in vain for seconds when they borrowed an average)."""
+        if leaving:
+            expires = max(get_dht_time() + ttl, self._member_expires + 0.001)
+            return self._store(self.members_key, record, ttl, best_effort=True, expires=expires)
+        expires = get_dht_time() + ttl
+        self._member_expires = max(self._member_expires, expires)  # also if only some nodes took it
+        return self._store(self.members_key, record, ttl, expires=expires)
 
     def members(self) -> list[Member]:
         now = get_dht_time()

@@ -180,5 +180,6 @@ def test_members_left_with_three_different_copies_all_take_the_one_of_the_smalle
     ids = [worker_peer_id(p.run_dir, 0) for p in peers]
     kept = [i for i, r in zip(ids, rounds) if r[1]["faults"]["averages_adopted"] == 0]
     assert kept == [min(ids)], "the copy kept is not the smallest peer id's"
-    for peer in peers:
-        assert _faults(peer, "repairs") == 0
+    # one copy by adoption, no repair; round 2 may leave out a member suspected for the parts it withheld,
+    # which then takes the others' final state (a repair at the last boundary)
+    assert all(r[t]["faults"]["repairs"] == 0 for r in rounds for t in (0, 1))

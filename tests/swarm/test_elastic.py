@@ -9,7 +9,11 @@ import os
 import signal
 import time
 
+import hivemind
 import pytest
+
+from benchmarks.soak import worker_peer_id
+from dilocox_p2p.proto_gen import envelope_pb2, swarm_pb2
 
 pytestmark = pytest.mark.swarm
 
@@ -224,3 +228,28 @@ def test_an_overlapped_swarm_loses_a_killed_peer_and_takes_in_a_late_joiner_in_a
     assert later and all(r["group_sizes"] == [2] or r["applied_round"] in mine for r in later), [
         (r["applied_round"], r["group_sizes"]) for r in later
     ]
+
+
+def test_a_peer_that_stops_tells_the_others_at_once_that_it_no_longer_trains(swarm):
+    # its last member record must outlive the one before it: a DHT node keeps the latest expiration, and a
+    # record that expired sooner was refused everywhere; the others then took the peer that had left for a
+    # training member until its last heartbeat expired, and dialed it in vain when they borrowed an average
+    args = ("--rounds", "200", "--stages", "1", "--min-peers", "2")
+    stays, leaves = (swarm.start_peer(*args) for _ in range(2))
+    leaves.wait_for_round(1, timeout=120)
+    leaves.signal(signal.SIGTERM)
+    assert leaves.wait(timeout=60) == 128 + signal.SIGTERM, leaves.output()
+    assert "could not store" not in leaves.stage_log(0)
+    client = hivemind.DHT(initial_peers=swarm.initial, start=True)
+    try:
+        found = client.get(f"{swarm.run_id}:members:s0", latest=True)
+    finally:
+        client.shutdown()
+    records = {}
+    for worker_id, item in found.value.items():
+        body = envelope_pb2.Envelope.FromString(envelope_pb2.SignedEnvelope.FromString(item.value).body)
+        records[worker_id] = swarm_pb2.MemberRecord.FromString(body.payload)
+    assert records[worker_peer_id(stays.run_dir, 0)].training
+    assert not records[worker_peer_id(leaves.run_dir, 0)].training, "the others still take the stopped peer for a member"
+    stays.signal(signal.SIGTERM)
+    assert stays.wait(timeout=60) == 128 + signal.SIGTERM, stays.output()
