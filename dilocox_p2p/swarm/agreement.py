@@ -288,7 +288,9 @@ class Agreement:
         members taking a state as well (two members repairing the round before while a third trained the last
         one alone left that third deciding alone). A tie settles only once every such member's record is in:
         the smallest peer id decides a split pair, never a split that a third worker would break."""
-        live = self.membership.members(training_only=not resyncing_too)
+        # suspects too: one that failed in a round's all-reduce (a message that missed its pair under load) trains
+        # apart meanwhile, and its record is the one that shows the split; left out, a pair settled on itself
+        live = self.membership.members(training_only=not resyncing_too, suspects_too=True)
         training = {m.peer_id for m in live} | {self.peer_id}
         expected = {m.peer_id for m in live if m.record.boundary >= boundary - 2}
         expected.add(self.peer_id)
@@ -300,7 +302,7 @@ class Agreement:
 
     def _others_held(self, boundary: int) -> bool:
         """Other training members are at or past `boundary` (so they published a record of it)."""
-        return any(m.record.boundary >= boundary for m in self.membership.members(training_only=True))
+        return any(m.record.boundary >= boundary for m in self.membership.members(training_only=True, suspects_too=True))
 
     # ----- verified state downloads ---------------------------------------------------------------
     def fetch_state(self, boundary: int, donors: Sequence[str]) -> StateDownload | None:

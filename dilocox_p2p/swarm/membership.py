@@ -88,8 +88,9 @@ class Membership:
                 )
         return True
 
-    def members(self, *, training_only: bool = False, others_only: bool = True) -> list[Member]:
-        """Live members of this stage with this run's config (from the last refresh), suspects left out."""
+    def members(self, *, training_only: bool = False, others_only: bool = True, suspects_too: bool = False) -> list[Member]:
+        """Live members of this stage with this run's config (from the last refresh), suspects left out unless
+        `suspects_too` (a suspect is not grouped with, but its state still counts: agreement.py)."""
         with self._lock:
             members = list(self._members)
             suspects, banned = dict(self._suspects), set(self._banned)
@@ -101,7 +102,7 @@ class Membership:
             and (m.peer_id != self.peer_id or not others_only)
             and m.peer_id not in banned
             # a peer that failed in an all-reduce counts again once it heartbeats after the failure
-            and not (m.peer_id in suspects and m.expiration < suspects[m.peer_id] + MEMBER_TTL_S + HEARTBEAT_S)
+            and (suspects_too or not (m.peer_id in suspects and m.expiration < suspects[m.peer_id] + MEMBER_TTL_S + HEARTBEAT_S))
         ]
 
     def ban(self, peer_ids: list[str]) -> None:
