@@ -135,10 +135,11 @@ class InnerTrainer:
         """The optimizer's first step allocates its state: two fp32 moments per parameter (micro-batches do not
         change that, more stages do)."""
         n = self.n_params()
+        gib = 8 * n / 2**30  # two fp32 moments; the fp32 weights and their gradients take as much again
         return (
             f"stage {self.stage} ran out of {self.device.type} memory in the inner optimizer step ({n:,} parameters: "
-            f"AdamW keeps two fp32 moments per parameter, {8 * n / 2**30:.2f} GiB, beside the weights and gradients, "
-            f"{8 * n / 2**30:.2f} GiB): {what}. Spread the parameters over more pipeline stages (--stages) or "
+            f"AdamW keeps two fp32 moments per parameter, {gib:.2f} GiB, beside the weights and gradients, "
+            f"{gib:.2f} GiB): {what}. Spread the parameters over more pipeline stages (--stages) or "
             "devices with more memory; more micro-batches do not help here"
         )
 

@@ -22,7 +22,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from ..wire import swarm_pb2
 from .faults import FaultCounter, RefusalLog
 from .priority import lower_priority
 
-__all__ = ["EnvelopeValidator", "Heartbeat", "RunRecords", "run_keys", "start_dht"]
+__all__ = ["EnvelopeValidator", "Heartbeat", "RunRecords", "dht_result", "run_keys", "start_dht"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +205,32 @@ def _raise_start_error(cfg: SwarmConfig, e: Exception, *, unreachable: bool) -> 
     raise SwarmError(f"could not start the DHT node on {' '.join(cfg.host_maddrs)}: {text}") from None
 
 
+def dht_result(
+    dht: hivemind.DHT,
+    future: Any,
+    what: str,
+    *,
+    check_s: float = DHT_CALL_CHECK_S,
+    deadline: float = float("inf"),
+    cancelled: Callable[[], bool] | None = None,
+) -> Any:
+    """The result of a call into `dht`'s process. hivemind waits for that process without a limit: if it died
+    (the OOM killer, a signal sent to the whole process group), every call would hang its caller for good.
+    Looks every `check_s` whether it is alive (not at all once it is known dead): SwarmError if not;
+    TimeoutError past `deadline` (time.monotonic()) or once `cancelled()` (the future is then cancelled)."""
+    while True:
+        alive = dht.is_alive()
+        try:
+            return future.result(timeout=max(0.0, min(check_s if alive else 0.05, deadline - time.monotonic())))
+        except TimeoutError:
+            if not alive or not dht.is_alive():
+                raise SwarmError(f"{what}: this worker's DHT process has died (exit code {dht.exitcode}); "
+                                 "the peer cannot go on in the swarm: restart it with --resume") from None
+            if time.monotonic() >= deadline or (cancelled is not None and cancelled()):
+                future.cancel()
+                raise
+
+
 def reachable_maddrs(dht: hivemind.DHT) -> list[str]:
     """This node's full multiaddrs, addresses other machines can reach first (loopback last)."""
     maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
@@ -276,16 +302,7 @@ class RunRecords:
         return out
 
     def _result(self, future: Any, what: str) -> Any:
-        """A DHT call's result. hivemind waits for its DHT process without a limit: if that process died (the
-        OOM killer, a signal sent to the whole process group), every call would hang the worker for good."""
-        while True:
-            alive = self.dht.is_alive()  # dead already (a stop signalled to the process group): do not wait a slice
-            try:
-                return future.result(timeout=DHT_CALL_CHECK_S if alive else 0.05)
-            except TimeoutError:
-                if not alive or not self.dht.is_alive():
-                    raise SwarmError(f"{what}: this worker's DHT process has died (exit code {self.dht.exitcode}); "
-                                     "the peer cannot go on in the swarm: restart it with --resume") from None
+        return dht_result(self.dht, future, what)
 
     def publish_member(self, record: swarm_pb2.MemberRecord, ttl: float = MEMBER_TTL_S, *, leaving: bool = False) -> bool:
         """Publish this worker's member record; `leaving`: the last one, best effort (it expires anyway).

@@ -29,6 +29,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
+from .dht import dht_result
 from .faults import FaultCounter
 
 __all__ = ["FORGET_S", "RECONNECT_S", "RouteKeeper", "ping_missing"]
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 RECONNECT_S = 2.0
 FORGET_S = 300.0  # a member not seen for this long is no longer asked again (it left the run)
 PING_TIMEOUT_S = 5.0
-WAIT_SLICE_S = 0.2  # how often a wait for the DHT process looks whether the keeper closed or that process died
+WAIT_SLICE_S = 0.2  # how often a look waiting for the DHT process checks that the keeper is open and the process alive
 MAX_PINGS = 16  # at most this many missing peers are asked per look (the initial peers first)
 
 
@@ -113,20 +114,6 @@ class RouteKeeper:
                 if not self._closed.is_set() and self.dht.is_alive():
                     logger.debug("routing table check failed: %r", e)
 
-    def _wait(self, future: Any, *, deadline: float) -> Any:
-        """The result of a call in the DHT process, or None once this keeper closes or that process died: a
-        DHT process killed with the rest of the process group never answers, and the worker's exit waited
-        out the whole ping timeout for it (12-15 s per stop)."""
-        while True:
-            try:
-                return future.result(timeout=min(WAIT_SLICE_S, max(deadline - time.monotonic(), 0.0)))
-            except TimeoutError:
-                if self._closed.is_set() or not self.dht.is_alive():
-                    future.cancel()
-                    return None
-                if time.monotonic() >= deadline:
-                    raise
-
     def look(self) -> list[str]:
         """One look: ask the missing peers again; the ones that answered."""
         now = time.monotonic()
@@ -137,10 +124,12 @@ class RouteKeeper:
                 self._seen.pop(peer, None)
         self._seen = {p: t for p, t in self._seen.items() if now - t < FORGET_S}
         ping = functools.partial(ping_missing, initial=tuple(self.initial_peers), members=tuple(self._seen))
-        got = self._wait(self.dht.run_coroutine(ping, return_future=True), deadline=now + PING_TIMEOUT_S * 2 + 5)
-        if got is None:
-            return []
-        routes, answered = got
+        # a DHT process killed with the rest of the process group never answers: the worker's exit waited out
+        # the whole ping timeout for it (12-15 s per stop); a closing keeper does not wait for the pings either
+        routes, answered = dht_result(
+            self.dht, self.dht.run_coroutine(ping, return_future=True), "the routing table check",
+            check_s=WAIT_SLICE_S, deadline=now + PING_TIMEOUT_S * 2 + 5, cancelled=self._closed.is_set,
+        )  # fmt: skip
         if routes == 0 and not answered and (self.initial_peers or self._seen) and not self._isolated:
             self._isolated = True
             self.faults.count("routes_lost", "this worker's DHT node has no route to any other node, and none of its "
