@@ -46,10 +46,13 @@ class Group:
         first = signed_node("ar")
         nodes = [first] + [signed_node("ar", initial_peers=first[0].get_visible_maddrs()) for _ in range(n - 1)]
         self.dhts = [dht for dht, _, _ in nodes]
+        # request_timeout as a peer sets it (stage.py): hivemind's follower gives up on a leader's ACCEPTED
+        # after it, while the leader already counts it in, so a 2 s timeout on a loaded machine left a member
+        # out of the group it was counted in (it found no group, and the others missed its parts)
         self.averagers = [
             averager_class(
                 [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
-                start=True, min_group_size=2, min_matchmaking_time=5.0, request_timeout=2.0, allreduce_timeout=30.0,
+                start=True, min_group_size=2, min_matchmaking_time=5.0, request_timeout=5.0, allreduce_timeout=30.0,
                 next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
             )
             for dht, signer, gate in nodes
