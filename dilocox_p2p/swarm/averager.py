@@ -59,7 +59,7 @@ from .allreduce import ExactAllReduceRunner
 from .dial import redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
-from .matchmaking import hold_matchmaking_tasks
+from .matchmaking import hold_matchmaking_tasks, lower_target
 from .priority import lower_priority
 
 __all__ = ["DilocoxAverager", "HeldAverage", "RoundResult", "StateDownload"]
@@ -291,6 +291,11 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._call("_prepare_round", 30.0, **kwargs)
         return self.signer.seal(envelope_pb2.GroupTicket(schema=self.schema_hash), round=round)
 
+    def lower_target(self, round: int, target_group_size: int) -> bool:
+        """Lower round `round`'s target group size (members left the round after it began); a leader holding
+        that many members starts its group at once. Returns whether this call started a group."""
+        return self._call("_lower_target", 30.0, round=round, target=target_group_size)
+
     def gather_phase(
         self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float
     ) -> GatherResult:
@@ -356,6 +361,12 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             mm.group_key_manager.target_group_size = target
             self._current_round = round
             future.set_result(None)
+        except Exception as e:  # pragma: no cover - reported to the caller
+            future.set_exception(e)
+
+    async def _lower_target(self, round: int, target: int, future: MPFuture) -> None:
+        try:
+            future.set_result(round == self._current_round and await lower_target(self._matchmaking, target))
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
 

@@ -93,6 +93,10 @@ class RoundExchange:
         if not finite:  # the others average without it (matchmaking waits up to round_wait for it first)
             return self._agree(self._borrow("this worker's pseudo-gradient was not finite",
                                             wait_s=self.sw.round_wait + self.sw.allreduce_timeout))
+        if any(self.membership.finished(m, self.round) for m in others):  # a member a round behind: no group is left
+            average = self._borrow("its group had averaged this round before this worker started it")
+            self._log(average, expected=1 + len(others))
+            return self._agree(average)
         # Phase 2: all-reduce with them
         if self.stage.codec_for(self.round) is not None:
             return self._compressed(expected=1 + len(others))
@@ -132,7 +136,7 @@ class RoundExchange:
             gather=ticket, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False
         )
         try:
-            result, gave_up = self._wait_for_step(started)
+            result, gave_up = self._wait_for_step(started, expected)
             if result is not None:
                 for peer, reason in result.offenders.items():
                     self.stage.strike(peer, f"round {self.round}: {reason}")
@@ -142,11 +146,13 @@ class RoundExchange:
         finally:
             self._control = None
 
-    def _wait_for_step(self, started: float) -> tuple[RoundResult | None, str]:
+    def _wait_for_step(self, started: float, target: int) -> tuple[RoundResult | None, str]:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage has
         finished this round's all-reduce without us (its group formed and is done), or once no other member
         trains any more (the others left, or the one this worker waited for restarted and is joining again:
-        its new heartbeat says so long before the step's deadline). Returns (the result, why there is none)."""
+        its new heartbeat says so long before the step's deadline). When fewer members than `target` still
+        train, the target is lowered: a leader holding them all starts the group instead of waiting out
+        round_wait for a member that left (matchmaking.lower_target). Returns (the result, why there is none)."""
         while True:
             try:
                 return self._control.result(timeout=1.0), ""
@@ -163,6 +169,11 @@ class RoundExchange:
             if not others:
                 self._control.cancel()
                 return None, "no other member of the stage group trains any more"
+            if 1 + len(others) < target:
+                target = 1 + len(others)
+                started_now = self.averager.lower_target(self.round, target)
+                logger.info("round %d: %d member(s) still train: the group's target is now %d%s", self.round,
+                            len(others), target, " and this worker's group starts now" if started_now else "")
 
     def _compressed(self, expected: int) -> Average:
         """Phases 2-4 with compression: gather the group's messages, decode, hold what was applied."""

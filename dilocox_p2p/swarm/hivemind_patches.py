@@ -37,6 +37,9 @@ PATCHES: dict[str, str] = {
     "Matchmaking.group_key_manager.group_bits": "set per round: the group key spells the round",
     "Matchmaking.target_group_size / potential_leaders.target_group_size": "set per round",
     "GroupKeyManager.update_key_on_group_assembled": "replaced by a no-op (no key rotation)",
+    "Matchmaking.lock_request_join_group / current_followers / current_leader / assembled_group / "
+    "leader_assemble_group": "lower_target (matchmaking.py): a leader holding every member that still trains "
+    "starts its group at once instead of waiting out round_wait for one that left the round",
     "Matchmaking.look_for_group": "wrapped (matchmaking.py) to hold its task until it ends: a cancelled step's "
     "search was garbage-collected halfway and left the matchmaking locks held for good",
     # averaging/allreduce.py: AllReduceRunner (our swarm/allreduce.py: ExactAllReduceRunner)

@@ -16,6 +16,12 @@ cancelled, and then retries it ("caught CancelledError(), retrying"). That step 
 old round's ticket while the group key is already the next round's: it asked a leader of the next
 round to take it (refused: its ticket is of another round) and split that round's group in two.
 
+A round's target group size is the number of members that started it, and a leader holding fewer
+waits out its whole declared time (min_matchmaking_time = round_wait) before it starts with what it
+has. A member that leaves the round after it began (it stopped, or it takes the swarm's state) made
+the others wait that long every time. `lower_target` lowers the target once the stage's membership
+shows it, and a leader that already holds that many members starts its group at once.
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
 not the one prepared last (`stale(step)`) finds no group at once instead of looking.
@@ -28,7 +34,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold_matchmaking_tasks"]
+__all__ = ["hold_matchmaking_tasks", "lower_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +61,22 @@ def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> se
     matchmaking.look_for_group = look_for_group_held
     matchmaking._dilocox_held_tasks = held
     return held
+
+
+async def lower_target(matchmaking: Any, target: int) -> bool:
+    """Lower the search's target group size to `target` (never raise it); a leader that is not following
+    anyone and already holds `target` members (itself included) assembles its group now. Returns whether
+    this call assembled a group."""
+    mm = matchmaking
+    if mm.target_group_size is not None and target >= mm.target_group_size:
+        return False
+    mm.target_group_size = mm.potential_leaders.target_group_size = target
+    mm.group_key_manager.target_group_size = target
+    async with mm.lock_request_join_group:
+        ready = len(mm.current_followers) + 1 >= max(target, mm.min_group_size)
+        if not (mm.is_looking_for_group and mm.current_leader is None and not mm.assembled_group.done() and ready):
+            return False
+        logger.debug("a member left the round: the group of %d starts now", len(mm.current_followers) + 1)
+        await mm.leader_assemble_group()
+        return True
+

@@ -220,7 +220,8 @@ class SwarmStageWorker(StageWorker):
         The stages first agree on the target: the newest boundary any of their donors announced. Each
         then asks its donors (holders of the majority hash first) for the state of exactly that
         boundary: a donor serves it once its pending average is in, or, if it moved on meanwhile, the
-        copy it kept because the request was waiting. Asking each for "a state no older than" let the
+        copy it kept because the request was waiting. After a stage missed the target (its donors had moved
+        past it), the stages aim one boundary beyond the newest announced, which donors serve on reaching it. Asking each for "a state no older than" let the
         stages chase donors that moved on while they downloaded (one stage took a newer state than the
         other, round after round, until the run ended). If a stage could not get the target, all ask
         again for the newest. Returns the boundary the peer continues from, or None if nobody could
@@ -228,18 +229,24 @@ class SwarmStageWorker(StageWorker):
         """
         result: StateDownload | None = None
         rechecked = newer = False
+        ahead = 0
         for attempt in range(RESYNC_ATTEMPTS):
-            if attempt and not newer:
+            if attempt and not newer and not ahead:
                 time.sleep(0.5 * attempt)
             self.swarm.membership.refresh()
             donors = [m for m in self.swarm.membership.donors() if m.record.boundary >= boundary]
-            target = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
-            if target < boundary:
+            newest = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
+            if newest < boundary:
                 continue  # the others' records may not show this boundary yet
+            target = min(newest + ahead, self.rounds)
             if result is None or result.boundary != target:
-                result = self.swarm.agreement.fetch_state(target, self._donor_order(donors, target))
+                result = self.swarm.agreement.fetch_state(target, self._donor_order(donors, newest))
             got = self._all_gather(result.boundary if result is not None else -1)
-            if all(g == target for g in got):
+            # donors that train faster than this peer asks (rounds of a second without it) moved past the
+            # newest boundary they announced before a stage's request reached them: ask for the next one,
+            # which a donor serves when it gets there, instead of chasing them to the end of the run
+            ahead = 0 if all(g == target for g in got) else 1
+            if not ahead:
                 assert result is not None
                 # a state the donors left behind while it downloaded puts this peer a round behind them, where
                 # its exchanges find nobody: take the newer one, once (downloads slower than rounds never catch up)

@@ -42,7 +42,10 @@ class CollectingAverager(DilocoxAverager):
 
 
 class Group:
-    def __init__(self, n: int, averager_class: type[DilocoxAverager] = DilocoxAverager):
+    def __init__(
+        self, n: int, averager_class: type[DilocoxAverager] = DilocoxAverager, *,
+        min_matchmaking_time: float = 5.0, request_timeout: float = 5.0,
+    ):  # fmt: skip
         first = signed_node("ar")
         nodes = [first] + [signed_node("ar", initial_peers=first[0].get_visible_maddrs()) for _ in range(n - 1)]
         self.dhts = [dht for dht, _, _ in nodes]
@@ -52,7 +55,7 @@ class Group:
         self.averagers = [
             averager_class(
                 [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
-                start=True, min_group_size=2, min_matchmaking_time=5.0, request_timeout=5.0, allreduce_timeout=30.0,
+                start=True, min_group_size=2, min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout, allreduce_timeout=30.0,
                 next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
             )
             for dht, signer, gate in nodes
@@ -180,3 +183,36 @@ def test_a_step_cancelled_while_it_looks_for_a_group_leaves_the_averager_able_to
             assert result is not None and len(result.group) == 2
     finally:
         group.close()
+
+
+def _wait_until_looking(control, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while control.stage != AveragingStage.LOOKING_FOR_GROUP and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert control.stage == AveragingStage.LOOKING_FOR_GROUP
+
+
+def test_members_whose_third_left_the_round_group_at_once_instead_of_waiting_out_the_matchmaking_time():
+    # the round's target is 3, the third member never comes, and the leader would wait its whole declared
+    # time (60 s) before starting with two: lowering the target starts the group of two at once
+    group = Group(3, min_matchmaking_time=60.0)
+    try:
+        inputs = _inputs(2)
+        controls = []
+        for averager, tensors in zip(group.averagers[:2], inputs):
+            with averager.get_tensors() as buffers:
+                for buf, t in zip(buffers, tensors):
+                    buf.copy_(t)
+            ticket = averager.prepare_round(7, 3, admitted=group.ids)
+            controls.append(averager.step(gather=ticket, timeout=90.0, allow_retries=True, wait=False))
+        for control in controls:
+            _wait_until_looking(control)
+        assert not any(a.lower_target(6, 2) for a in group.averagers[:2]), "a call for another round lowered it"
+        started = [a.lower_target(7, 2) for a in group.averagers[:2]]
+        results = [control.result(timeout=20.0) for control in controls]  # within a third of the 60 s
+        assert started.count(True) <= 1, "only the leader starts the group"
+        for result in results:
+            assert sorted(result.group) == sorted(group.ids[:2]) and not result.missing
+    finally:
+        group.close()
+
