@@ -191,7 +191,15 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except AllreduceException as e:
+                # a member that does not know the group never joined it (the leader counted a follower that
+                # had given up on it: matchmaking.py): it sends nothing either, so stop waiting for its parts
+                if "BAD_GROUP_ID" in str(e) and peer_id in self.sender_peer_ids:
+                    logger.info("%s is not in this group (it never took the leader's answer): left out", peer_id)
+                    await self._ban_sender(peer_id)
+                raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         try:

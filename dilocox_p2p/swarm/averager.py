@@ -45,6 +45,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from .. import injection
@@ -59,7 +60,7 @@ from .allreduce import ExactAllReduceRunner
 from .dial import redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
-from .matchmaking import hold_matchmaking_tasks, lower_target
+from .matchmaking import hold_matchmaking_tasks, lower_target, outside_every_group
 from .priority import lower_priority
 
 __all__ = ["DilocoxAverager", "HeldAverage", "RoundResult", "StateDownload"]
@@ -415,6 +416,19 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As hivemind's, but a part of a group this worker is not in, nor about to join, is answered BAD_GROUP_ID
+        at once (matchmaking.outside_every_group). hivemind waits for some group to register: a leader that
+        counted this worker in after it had given up on the leader waited out its timeouts for it."""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups and outside_every_group(self._matchmaking, request.group_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:

@@ -30,6 +30,8 @@ PATCHES: dict[str, str] = {
     "DecentralizedAverager._rpc_handlers / _stub_type": "reset so that the subclass's own rpc_* handlers are served",
     "DecentralizedAverager._matchmaking": "read to set the group bits and target size per round",
     "DecentralizedAverager._running_groups": "read (asserted) as hivemind does when registering a group",
+    "DecentralizedAverager.rpc_aggregate_part": "a part of a group this worker is not in, nor joining "
+    "(Matchmaking.current_leader / assembled_group read), is answered BAD_GROUP_ID at once",
     "DecentralizedAverager._outer_pipe": "calls into the averager process (_prepare_round, _collect, _download_round)",
     "DecentralizedAverager._get_current_state_from_host_process": "fetches the state a joiner downloads",
     "DecentralizedAverager._p2p / serializer": "stubs for our RPCs; msgpack for state metadata",
@@ -47,7 +49,8 @@ PATCHES: dict[str, str] = {
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference",
     "AllReduceRunner._generate_input_for_peer / rpc_aggregate_part": "count bytes sent and received",
     "AllReduceRunner._get_peer_stub": "wrapped to count bytes received",
-    "AllReduceRunner._ban_sender": "called as hivemind does when a sender's stream ends early",
+    "AllReduceRunner._ban_sender": "called as hivemind does when a sender's stream ends early, and for a member "
+    "that answers BAD_GROUP_ID (it never joined the group)",
     # averaging/partition.py
     "TensorPartContainer._input_parts_by_peer": "read for each reducer's part sizes (missing spans)",
     "TensorPartContainer._outputs_registered_by_peer": "read when a reducer fails: its first undelivered part",

@@ -22,6 +22,13 @@ has. A member that leaves the round after it began (it stopped, or it takes the 
 the others wait that long every time. `lower_target` lowers the target once the stage's membership
 shows it, and a leader that already holds that many members starts its group at once.
 
+A follower gives up on a leader's ACCEPTED after request_timeout, while a leader whose event loop
+was starved (or whose join lock its own request held) may still take the request and count it in:
+the group then runs with a member that never learned of it. hivemind's member waits without end
+for such a group to register, and the others waited out their timeouts for its parts (a round of
+15 s instead of 1, seen on 2 busy cores). Its averager answers at once instead
+(`outside_every_group`), and the others leave it out as sender and reducer (allreduce.py).
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
 not the one prepared last (`stale(step)`) finds no group at once instead of looking.
@@ -30,11 +37,12 @@ not the one prepared last (`stale(step)`) finds no group at once instead of look
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold_matchmaking_tasks", "lower_target"]
+__all__ = ["hold_matchmaking_tasks", "lower_target", "outside_every_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +64,27 @@ def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> se
         if task is not None:
             held.add(task)
             task.add_done_callback(held.discard)
-        return await look_for_group(step, *args, **kwargs)
+        group = await look_for_group(step, *args, **kwargs)
+        if group is not None:
+            assembled.append(group.group_id)
+        return group
 
+    assembled: collections.deque[bytes] = collections.deque(maxlen=8)
     matchmaking.look_for_group = look_for_group_held
     matchmaking._dilocox_held_tasks = held
+    matchmaking._dilocox_assembled = assembled
     return held
+
+
+def outside_every_group(matchmaking: Any, group_id: bytes) -> bool:
+    """Whether this worker is neither in the group `group_id` (its search never returned it) nor about to learn
+    of a group: it follows no leader, and its own search assembled none. Its averager then answers a part of
+    that group at once: it was counted in by a leader it had given up on (module docstring)."""
+    return (
+        group_id not in getattr(matchmaking, "_dilocox_assembled", ())
+        and matchmaking.current_leader is None
+        and not matchmaking.assembled_group.done()
+    )
 
 
 async def lower_target(matchmaking: Any, target: int) -> bool:

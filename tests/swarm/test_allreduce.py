@@ -14,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import as_aiter
 
 from dilocox_p2p.average import AverageKind, ordered_mean
 from dilocox_p2p.swarm.averager import DilocoxAverager, HeldAverage
@@ -216,3 +219,29 @@ def test_members_whose_third_left_the_round_group_at_once_instead_of_waiting_out
     finally:
         group.close()
 
+
+
+def test_a_member_outside_every_group_answers_a_part_of_an_unknown_group_at_once(group):
+    # a leader may count in a follower that had given up on it (hivemind's matchmaking): that member never
+    # learns of the group, and hivemind's member waited without end for it to register while the others
+    # waited out their timeouts for its parts; it answers at once, and the others leave it out
+    member = group.averagers[1]
+    ticket = member.prepare_round(9, 3, admitted=group.ids)
+    control = member.step(gather=ticket, timeout=60.0, allow_retries=True, wait=False)  # looks for a group alone
+    _wait_until_looking(control)
+
+    async def send_a_part() -> list[int]:
+        p2p = await group.dhts[0].replicate_p2p()
+        stub = DilocoxAverager.get_stub(p2p, member.peer_id, namespace=member.prefix)
+        part = averaging_pb2.AveragingData(
+            code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"a group it never joined",
+            tensor_part=serialize_torch_tensor(torch.zeros(3)),
+        )  # fmt: skip
+        stream = await stub.rpc_aggregate_part(as_aiter(part))
+        return [message.code async for message in stream]
+
+    try:
+        codes = asyncio.run(asyncio.wait_for(send_a_part(), timeout=15.0))
+    finally:
+        control.cancel()
+    assert codes == [averaging_pb2.BAD_GROUP_ID]
