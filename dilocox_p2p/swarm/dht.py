@@ -18,6 +18,7 @@ counts it).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -144,6 +145,10 @@ def start_dht(
         identity_path=str(identity_path),
         check_if_identity_free=False,  # hivemind's check reads RSA keys only; the key is this worker's own file
     )
+    if loopback_only(kwargs["host_maddrs"]):
+        # nothing outside this machine can reach it: no UPnP/NAT-PMP port mapping (multicast probes of the LAN)
+        # and no AutoNAT service, both idle work in every daemon of a local swarm (tests, demos)
+        kwargs.update(nat_port_map=False, auto_nat=False)
     if cfg.auto_relay:  # behind NAT: reserve a slot on the relays among the initial peers (bootstrap --relay)
         kwargs.update(use_auto_relay=True, trusted_relays=list(cfg.initial_peers) or None)
     targets = [*cfg.initial_peers, *extra_peers]
@@ -160,6 +165,17 @@ def start_dht(
                 continue
             _raise_start_error(cfg, e, unreachable=unreachable)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def loopback_only(maddrs: Sequence[str]) -> bool:
+    """Whether every one of `maddrs` is an /ip4 or /ip6 address on loopback."""
+    hosts = [str(m).split("/")[2] for m in maddrs if str(m).split("/")[1:2] in (["ip4"], ["ip6"])]
+    if not maddrs or len(hosts) != len(maddrs):
+        return False
+    try:
+        return all(ipaddress.ip_address(h).is_loopback for h in hosts)
+    except ValueError:
+        return False
 
 
 def wait_until_listening(maddrs: Sequence[str], *, timeout: float) -> bool:

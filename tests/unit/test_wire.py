@@ -44,6 +44,14 @@ def test_stage_s_listens_on_port_plus_s_and_random_ports_stay_random():
     assert stage_maddr("/dns4/node1/tcp/4000", 1) == "/dns4/node1/tcp/4001"
 
 
+def test_only_a_node_listening_on_loopback_alone_skips_nat_port_mapping():
+    from dilocox_p2p.swarm.dht import loopback_only
+
+    assert loopback_only(["/ip4/127.0.0.1/tcp/0"]) and loopback_only(["/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0"])
+    assert not loopback_only(["/ip4/0.0.0.0/tcp/0"]) and not loopback_only(["/ip4/127.0.0.1/tcp/0", "/ip4/10.0.0.2/tcp/0"])
+    assert not loopback_only(["/dns4/localhost/tcp/4000"]) and not loopback_only([])
+
+
 def test_generated_protobuf_code_matches_the_schemas():
     result = subprocess.run([sys.executable, "scripts/gen_proto.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
