@@ -373,12 +373,15 @@ class RoundExchange:
     def _awaited(self, silent: set[str], waited: float) -> set[str]:
         """Those of the `silent` voters that may still announce their copy: not the ones whose member record
         shows them past this round (they took another group's average: a borrower announces nothing), and
-        after one chunk timeout, not the ones that failed in this round (suspects) or left."""
+        after one chunk timeout, not the ones that failed in this round (suspects), left, or no longer train
+        (a member restarted since, joining or taking the swarm's state, never announces this round's copy:
+        waiting for it held the round's average back for allreduce_timeout, and its own state download
+        with it, 60 s of a restart)."""
         members = {m.peer_id: m for m in self.membership.members(others_only=False)}
         return {
             p for p in silent
             if not (p in members and self.membership.finished(members[p], self.round))
-            and (waited < self.sw.chunk_timeout or p in members)
+            and (waited < self.sw.chunk_timeout or (p in members and members[p].record.training))
         }  # fmt: skip
 
     def _restricted(self, average: Average, record: swarm_pb2.AverageRecord, winner: str) -> Average | None:
