@@ -88,8 +88,15 @@ class Peer:
             time.sleep(0.2)
 
     def stop(self, signum: int = signal.SIGKILL) -> None:
+        """SIGKILL: the whole peer at once (a crash). SIGTERM: the launcher only, as `docker stop` or a supervisor
+        does; it stops its stages, which tell the swarm they leave. (A SIGTERM to the whole process group, as
+        systemd sends, also kills the DHT processes first: the leave record is then lost, and the others wait
+        for the peer's heartbeat to expire, up to 15 s.)"""
         try:
-            os.killpg(self.proc.pid, signum)
+            if signum == signal.SIGTERM:
+                self.proc.send_signal(signum)
+            else:
+                os.killpg(self.proc.pid, signum)
         except ProcessLookupError:
             pass
         try:
