@@ -93,10 +93,6 @@ class RoundExchange:
         if not finite:  # the others average without it (matchmaking waits up to round_wait for it first)
             return self._agree(self._borrow("this worker's pseudo-gradient was not finite",
                                             wait_s=self.sw.round_wait + self.sw.allreduce_timeout))
-        if any(self.membership.finished(m, self.round) for m in others):  # a member a round behind: no group is left
-            average = self._borrow("its group had averaged this round before this worker started it")
-            self._log(average, expected=1 + len(others))
-            return self._agree(average)
         # Phase 2: all-reduce with them
         if self.stage.codec_for(self.round) is not None:
             return self._compressed(expected=1 + len(others))
