@@ -60,7 +60,7 @@ from .allreduce import ExactAllReduceRunner
 from .dial import redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
-from .matchmaking import hold_matchmaking_tasks, lower_target, outside_every_group
+from .matchmaking import hold_matchmaking_tasks, lower_target, outside_every_group, set_target_size
 from .priority import lower_priority
 
 __all__ = ["DilocoxAverager", "HeldAverage", "RoundResult", "StateDownload"]
@@ -358,8 +358,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
             # size); the bits here are set per round, so that update is switched off
             mm.group_key_manager.update_key_on_group_assembled = _keep_group_key
-            mm.target_group_size = mm.potential_leaders.target_group_size = target
-            mm.group_key_manager.target_group_size = target
+            set_target_size(mm, target)
             self._current_round = round
             future.set_result(None)
         except Exception as e:  # pragma: no cover - reported to the caller

@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold_matchmaking_tasks", "lower_target", "outside_every_group"]
+__all__ = ["hold_matchmaking_tasks", "lower_target", "outside_every_group", "set_target_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,12 @@ def outside_every_group(matchmaking: Any, group_id: bytes) -> bool:
     )
 
 
+def set_target_size(matchmaking: Any, target: int) -> None:
+    """Set the search's target group size where hivemind reads it (matchmaking, leader queue, key manager)."""
+    matchmaking.target_group_size = matchmaking.potential_leaders.target_group_size = target
+    matchmaking.group_key_manager.target_group_size = target
+
+
 async def lower_target(matchmaking: Any, target: int) -> bool:
     """Lower the search's target group size to `target` (never raise it); a leader that is not following
     anyone and already holds `target` members (itself included) assembles its group now. Returns whether
@@ -94,8 +100,7 @@ async def lower_target(matchmaking: Any, target: int) -> bool:
     mm = matchmaking
     if mm.target_group_size is not None and target >= mm.target_group_size:
         return False
-    mm.target_group_size = mm.potential_leaders.target_group_size = target
-    mm.group_key_manager.target_group_size = target
+    set_target_size(mm, target)
     async with mm.lock_request_join_group:
         ready = len(mm.current_followers) + 1 >= max(target, mm.min_group_size)
         if not (mm.is_looking_for_group and mm.current_leader is None and not mm.assembled_group.done() and ready):
@@ -103,4 +108,3 @@ async def lower_target(matchmaking: Any, target: int) -> bool:
         logger.debug("a member left the round: the group of %d starts now", len(mm.current_followers) + 1)
         await mm.leader_assemble_group()
         return True
-

@@ -220,12 +220,13 @@ class SwarmStageWorker(StageWorker):
         The stages first agree on the target: the newest boundary any of their donors announced. Each
         then asks its donors (holders of the majority hash first) for the state of exactly that
         boundary: a donor serves it once its pending average is in, or, if it moved on meanwhile, the
-        copy it kept because the request was waiting. After a stage missed the target (its donors had moved
-        past it), the stages aim one boundary beyond the newest announced, which donors serve on reaching it. Asking each for "a state no older than" let the
-        stages chase donors that moved on while they downloaded (one stage took a newer state than the
-        other, round after round, until the run ended). If a stage could not get the target, all ask
-        again for the newest. Returns the boundary the peer continues from, or None if nobody could
-        serve a state. `reason` is the fault counter it counts as: "repairs" or "catch_ups".
+        copy it kept because the request was waiting. After a stage missed the target (its donors had
+        moved past it), the stages aim one boundary beyond the newest announced, which donors serve on
+        reaching it. Asking each for "a state no older than" let the stages chase donors that moved on
+        while they downloaded (one stage took a newer state than the other, round after round, until the
+        run ended). If a stage could not get the target, all ask again. Returns the boundary the peer
+        continues from, or None if nobody could serve a state. `reason` is the fault counter it counts
+        as: "repairs" or "catch_ups".
         """
         result: StateDownload | None = None
         rechecked = newer = False

@@ -58,8 +58,9 @@ class Group:
         self.averagers = [
             averager_class(
                 [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
-                start=True, min_group_size=2, min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout, allreduce_timeout=30.0,
-                next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
+                start=True, min_group_size=2, min_matchmaking_time=min_matchmaking_time,
+                request_timeout=request_timeout, allreduce_timeout=30.0, next_chunk_timeout=5.0,
+                allow_state_sharing=False, signer=signer, gate=gate,
             )
             for dht, signer, gate in nodes
         ]
