@@ -31,7 +31,7 @@ from typing import Any, Literal
 from multiaddr import Multiaddr
 
 from .config import Config, ModelShape
-from .endpoints import ensure_port_free, format_hostport, parse_hostport, stage_maddr
+from .endpoints import HOST_PROTOCOLS, ensure_port_free, format_hostport, maddr_host, parse_hostport, stage_maddr
 from .errors import ConfigError
 
 __all__ = [
@@ -69,7 +69,6 @@ CHECKPOINT_BYTES_PER_PARAM = {"theta_g": 4, "outer momentum": 4, "pending averag
 """fp32 bytes per parameter in one stage checkpoint (checkpoint.py; measured 24 B/param with the defaults)."""
 COMPRESSION_CHECKPOINT_BYTES_PER_PARAM = 4
 """With compression, the error feedback each codec keeps adds this (measured 28 B/param in all)."""
-_HOST_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +132,7 @@ def parse_peer_maddr(text: str) -> PeerAddress:
     except Exception as e:  # the multiaddr package raises several types
         raise ValueError(f"not a multiaddr ({e})") from None
     names = [p.name for p in m.protocols()]
-    host_proto = next((n for n in names if n in _HOST_PROTOCOLS), None)
+    host_proto = next((n for n in names if n in HOST_PROTOCOLS), None)
     if host_proto is None:
         raise ValueError("names no host: it must start with /ip4/, /ip6/ or /dns/")
     if "tcp" not in names:
@@ -150,16 +149,10 @@ def listen_hostport(maddr: str) -> tuple[str, int] | None:
     """(host, port) of a listen multiaddr with a fixed TCP port; None for port 0 or no TCP."""
     m = Multiaddr(maddr)
     names = [p.name for p in m.protocols()]
-    host_proto = next((n for n in names if n in _HOST_PROTOCOLS), None)
+    host_proto = next((n for n in names if n in HOST_PROTOCOLS), None)
     if host_proto is None or "tcp" not in names or int(m.value_for_protocol("tcp")) == 0:
         return None
     return str(m.value_for_protocol(host_proto)), int(m.value_for_protocol("tcp"))
-
-
-def _maddr_host(maddr: str) -> str:
-    m = Multiaddr(maddr)
-    proto = next((p.name for p in m.protocols() if p.name in _HOST_PROTOCOLS), None)
-    return str(m.value_for_protocol(proto)) if proto else ""
 
 
 def _maddr_port(maddr: str) -> str:
@@ -194,7 +187,7 @@ def announce_checks(
         return _explicit_announce_checks(announce_maddrs, remote, public, route_source) or [
             Check("PASS", what, f"{' '.join(announce_maddrs)} can be dialed from the initial peers' networks")
         ]
-    listen = [_maddr_host(m) for m in host_maddrs]
+    listen = [maddr_host(m) for m in host_maddrs]
     if remote and all(address_scope(h) == "loopback" for h in listen):
         port = _maddr_port(host_maddrs[0])
         return [Check("FAIL", what, f"this peer listens on loopback only ({' '.join(host_maddrs)}) but initial peer "
@@ -222,7 +215,7 @@ def _explicit_announce_checks(
 ) -> list[Check]:
     checks = []
     for maddr in announce_maddrs:
-        what, scope, port = f"announce address {maddr}", address_scope(_maddr_host(maddr)), _maddr_port(maddr)
+        what, scope, port = f"announce address {maddr}", address_scope(maddr_host(maddr)), _maddr_port(maddr)
         mine = _host_part(route_source)
         if port == "0":
             checks.append(Check("FAIL", what, "announces TCP port 0, which nobody can dial",

@@ -26,12 +26,13 @@ from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from multiaddr import Multiaddr
 
 from .errors import ConfigError, DilocoxError
 
 __all__ = [
-    "GrpcEndpoint", "bindable", "ensure_port_free", "fix_stage_ports", "format_hostport", "free_ports", "local_maddr",
-    "parse_hostport", "start_metrics_http", "write_atomically",
+    "HOST_PROTOCOLS", "GrpcEndpoint", "bindable", "ensure_port_free", "fix_stage_ports", "format_hostport", "free_ports",
+    "local_maddr", "loopback_only", "maddr_host", "parse_hostport", "start_metrics_http", "write_atomically",
 ]
 
 
@@ -168,6 +169,24 @@ def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+HOST_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
+
+
+def maddr_host(maddr: str) -> str:
+    """The host (IP address or DNS name) of a multiaddr; "" if it names none."""
+    m = Multiaddr(maddr)
+    proto = next((p.name for p in m.protocols() if p.name in HOST_PROTOCOLS), None)
+    return str(m.value_for_protocol(proto)) if proto else ""
+
+
+def loopback_only(maddrs: Sequence[str]) -> bool:
+    """Whether every one of `maddrs` is an /ip4 or /ip6 address on loopback (a DNS name is not taken as one)."""
+    try:
+        return bool(maddrs) and all(ipaddress.ip_address(maddr_host(m)).is_loopback for m in maddrs)
+    except ValueError:  # a DNS name, no host, or not a multiaddr
+        return False
 
 
 def stage_maddr(maddr: str, stage: int) -> str:

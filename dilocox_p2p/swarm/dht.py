@@ -18,7 +18,6 @@ counts it).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -35,7 +34,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from multiaddr import Multiaddr
 
 from ..config import SwarmConfig
-from ..endpoints import stage_maddr
+from ..endpoints import loopback_only, stage_maddr
 from ..envelope import ForeignProtocol, Gate, Opened, Signer
 from ..errors import SwarmError, SwarmUnreachable, WireRejected
 from ..proto_gen import envelope_pb2
@@ -165,17 +164,6 @@ def start_dht(
                 continue
             _raise_start_error(cfg, e, unreachable=unreachable)
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def loopback_only(maddrs: Sequence[str]) -> bool:
-    """Whether every one of `maddrs` is an /ip4 or /ip6 address on loopback."""
-    hosts = [str(m).split("/")[2] for m in maddrs if str(m).split("/")[1:2] in (["ip4"], ["ip6"])]
-    if not maddrs or len(hosts) != len(maddrs):
-        return False
-    try:
-        return all(ipaddress.ip_address(h).is_loopback for h in hosts)
-    except ValueError:
-        return False
 
 
 def wait_until_listening(maddrs: Sequence[str], *, timeout: float) -> bool:

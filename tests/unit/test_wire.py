@@ -45,7 +45,7 @@ def test_stage_s_listens_on_port_plus_s_and_random_ports_stay_random():
 
 
 def test_only_a_node_listening_on_loopback_alone_skips_nat_port_mapping():
-    from dilocox_p2p.swarm.dht import loopback_only
+    from dilocox_p2p.endpoints import loopback_only
 
     assert loopback_only(["/ip4/127.0.0.1/tcp/0"]) and loopback_only(["/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0"])
     assert not loopback_only(["/ip4/0.0.0.0/tcp/0"]) and not loopback_only(["/ip4/127.0.0.1/tcp/0", "/ip4/10.0.0.2/tcp/0"])
