@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .errors import StageOutOfMemory
+from .inner_optimizer import InnerAdamW
 from .model import StageModule, build_stage, lm_loss
 
 __all__ = ["InnerTrainer", "StepResult", "compile_unavailable", "lr_at", "resolve_compile", "resolve_precision"]
@@ -94,12 +95,11 @@ class InnerTrainer:
         self.schedule = _pipeline_schedule(cfg, self.module, stage, device, group) if n_stages > 1 else None
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.module.parameters() if p.dim() < 2]
-        fused = device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = InnerAdamW(
             [{"params": decay, "weight_decay": cfg.inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.inner.lr,
             betas=(cfg.inner.beta1, cfg.inner.beta2),
-            **({"fused": True} if fused else {"foreach": True}),
+            fused=device.type == "cuda",
         )
         self.total_steps = cfg.run.rounds * cfg.inner.steps
         logger.info("inner: %s on %s, %s", self.precision, device, "compiled" if self.compiled else "eager")

@@ -168,13 +168,19 @@ def _check_ports(cfg: Config) -> None:
 # at once and imports while the launcher checks ports, the run directory and the keys. It
 # forks before any stage initializes CUDA or threads.
 def _stage_modules(cfg: Config) -> list[str]:
-    # torch._dynamo: torch.optim imports it at an optimizer's first parameter group (0.8 s of CPU)
-    modules = ["dilocox_p2p.stage_process", "torch._dynamo"]
+    modules = ["dilocox_p2p.stage_process"]
     if cfg.model.stages > 1:
-        modules.append("torch.distributed.pipelining")
+        modules.append("torch.distributed.pipelining")  # it imports torch._dynamo too (0.9 s of CPU)
+    elif _may_compile(cfg):
+        modules.append("torch._dynamo")  # an eager peer of one stage never imports it (inner_optimizer.py)
     if cfg.swarm.enabled:
         modules.append("dilocox_p2p.swarm.worker")  # hivemind
     return modules
+
+
+def _may_compile(cfg: Config) -> bool:
+    """inner.compile may turn on (resolve_compile): on, or auto where a stage may run on CUDA."""
+    return cfg.inner.compile == "on" or (cfg.inner.compile == "auto" and cfg.run.device != "cpu")
 
 
 def _stage_context(cfg: Config) -> Any:
