@@ -83,6 +83,18 @@ def rounds_summary(metrics: Path) -> list[str]:
     return out
 
 
+PEER_ID = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]{40,}")
+DATE = re.compile(r"^\d{4}-\d\d-\d\d ")
+
+
+def shortened(line: str) -> str:
+    """A log line in fewer characters (CI shows a bounded part of its output): no date, peer ids as their
+    last 6 characters (as the logs' own context shows them), no package prefix of module names."""
+    line = DATE.sub("", line)
+    line = PEER_ID.sub(lambda m: ".." + m.group(0)[-6:], line)
+    return line.replace("dilocox_p2p.", "")
+
+
 def digest(folder: Path) -> str:
     """Every warning and error of each stage log under `folder`, then its last lines, then each peer's round
     records in short (last: CI shows the end of its output); bounded."""
@@ -91,7 +103,8 @@ def digest(folder: Path) -> str:
         text = log.read_text(errors="replace").splitlines()
         lines.append(f"--- {log.relative_to(folder)} ({len(text)} lines)")
         noted = [line for line in text if " WARN" in line or " ERROR" in line or '"level": "WARN' in line]
-        lines += [*noted, f"--- last {DIGEST_TAIL} lines of {log.name}", *text[-DIGEST_TAIL:]]
+        tail = [f"--- last {DIGEST_TAIL} lines of {log.name}", *text[-DIGEST_TAIL:]]
+        lines += [shortened(line) for line in (*noted, *tail)]
     if len(lines) > DIGEST_MAX_LINES:
         lines = lines[:DIGEST_MAX_LINES] + [f"[... {len(lines) - DIGEST_MAX_LINES} more lines in {folder} ...]"]
     for metrics in sorted(folder.rglob("metrics.jsonl")):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helpers.artifacts import digest, rounds_summary
+from tests.helpers.artifacts import digest, rounds_summary, shortened
 
 pytestmark = pytest.mark.unit
 
@@ -39,3 +39,10 @@ def test_the_digest_ends_with_each_peers_rounds_after_the_warnings_of_its_logs(t
     text = digest(tmp_path).splitlines()
     assert "10:01 WARN lost a route" in text[:3]
     assert text[-2:] == ["--- round records of peer0", "  round 0: ['averaged'] groups [2]"]
+
+
+def test_log_lines_lose_their_date_full_peer_ids_and_package_prefix_in_the_digest():
+    line = ("2026-11-26 23:58:25 WARN [peer ..HWcM8y stage 0] dilocox_p2p.swarm.faults: state of round 21 not taken "
+            "from 12D3KooWHXdirZQfz9fvq3TRKje2SvaPgEPF1jMDDdP4rSuzNmjV: STATE_GONE (donor at 22)  [downloads_failed]")
+    assert shortened(line) == ("23:58:25 WARN [peer ..HWcM8y stage 0] swarm.faults: state of round 21 not taken "
+                               "from ..uzNmjV: STATE_GONE (donor at 22)  [downloads_failed]")
