@@ -86,6 +86,7 @@ class SoakPeer:
     retries: int = 0  # exits with 75 (no initial peer answered), restarted as a supervisor would
     frozen_until: float | None = None
     joined_at: float = 0.0
+    life_start: float = 0.0  # wall time of its latest start
 
 
 class Soak:
@@ -127,6 +128,7 @@ class Soak:
 
     def _spawn(self, peer: SoakPeer, cmd: list[str]) -> SoakPeer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        peer.life_start = time.time()
         if peer.index > 0 or peer.kills or peer.retries:  # the first start of peer 0 starts the swarm; every
             cmd = [*cmd, "--initial-peers", *self.initial()]  # other start joins it through live peers
         if self.lab is not None:
@@ -195,8 +197,13 @@ class Soak:
                 self.undo(action, index)
 
     def candidates(self) -> list[SoakPeer]:
-        """Live, unfrozen peers: any may be hit (joiners learn the others from the DHT, not only peer 0)."""
-        return [p for p in self.peers if self.alive(p) and p.frozen_until is None]
+        """Live, unfrozen peers that trained since they (re)started: any may be hit (joiners learn the others from
+        the DHT, not only peer 0). A peer still starting is not: frozen or killed before it is back, its return
+        would slip past the run's end, where nothing can judge it."""
+        return [p for p in self.peers if self.alive(p) and p.frozen_until is None and self.trained_in_this_life(p)]
+
+    def trained_in_this_life(self, peer: SoakPeer) -> bool:
+        return any(r.get("time", 0) >= peer.life_start for r in read_records(peer.run_dir))
 
     def fire(self, event: Event, current: int) -> None:
         event.time, event.fired_round = round(self.now(), 2), current
