@@ -143,6 +143,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         # reducer i owns a contiguous block of the flattened tensors: remember its part sizes
         self.part_sizes_by_peer = [[part.numel() for part, _ in parts] for parts in container._input_parts_by_peer]
         self.failed_from: dict[int, int] = {}  # reducer index -> first part it did not deliver
+        self.outsiders: set[PeerID] = set()  # members that answered that they are in no such group
         self.bytes_sent = self.bytes_received = 0
         self.kill_on_first_part = kill_on_first_part
         me = self.ordered_peer_ids.index(self.peer_id)
@@ -198,6 +199,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 # had given up on it: matchmaking.py): it sends nothing either, so stop waiting for its parts
                 if "BAD_GROUP_ID" in str(e) and peer_id in self.sender_peer_ids:
                     logger.info("%s is not in this group (it never took the leader's answer): left out", peer_id)
+                    self.outsiders.add(peer_id)
                     await self._ban_sender(peer_id)
                 raise
         peer_index = self.ordered_peer_ids.index(peer_id)

@@ -117,6 +117,8 @@ class RoundResult:
     bytes_received: int = 0
     failed_reducers: list[str] = field(default_factory=list)
     banned_senders: list[str] = field(default_factory=list)
+    outsiders: list[str] = field(default_factory=list)
+    """Members the leader counted in that never learnt of the group (they hold no copy of its average)."""
     offenders: dict[str, str] = field(default_factory=dict)
     """Members whose contribution (as sender) or average (as reducer) was refused here, and why."""
     messages: list[bytes | None] | None = None
@@ -487,6 +489,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             bytes_received=runner.bytes_received,
             failed_reducers=[peers[i] for i in sorted(runner.failed_from)],
             banned_senders=[p.to_base58() for p in runner.banned_senders],
+            outsiders=sorted(p.to_base58() for p in runner.outsiders),
             offenders=runner.offenders(),
         )
 

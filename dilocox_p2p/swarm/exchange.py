@@ -51,6 +51,16 @@ logger = logging.getLogger(__name__)
 AGREE_POLL_S = 0.2  # phase 5 reads the group's average records this often until the majority is settled
 
 
+def mending_order(result: RoundResult, me: str) -> list[str]:
+    """Whom a member asks for the spans its all-reduce missed: the others of the group, those whose reducers
+    delivered first (a "failed" one may be alive), never a member that was in no such group. Hivemind's leader
+    can count in a follower that had already given up on it; that one looks for a group of its own, and asked
+    for this round's average it waited out the request (10 s) for an average of another group."""
+    failed, outsiders = set(result.failed_reducers), set(result.outsiders)
+    others = [p for p in result.group if p != me and p not in outsiders]
+    return sorted(others, key=lambda p: p in failed)
+
+
 class RoundExchange:
     """The exchange of one round's pseudo-gradient with the stage group."""
 
@@ -238,10 +248,8 @@ class RoundExchange:
         answered: list[str] = []
         mended_from: list[str] = []
         skip = injection.armed("skip_mending", round=self.round, stage=self.stage.stage)
-        if result.missing and not skip:  # ask the members whose reducers delivered first; a "failed" one may be alive
-            failed = set(result.failed_reducers)
-            order = sorted((p for p in result.group if p != self.stage.peer_id), key=lambda p: p in failed)
-            collected = self._collect(order, start=raw)
+        if result.missing and not skip:
+            collected = self._collect(mending_order(result, self.stage.peer_id), start=raw)
             raw, answered, mended_from = collected.average or raw, collected.answered, collected.mended_from
             bytes_received += collected.bytes_received
         # a reducer that answered is alive (the failure was on the way to this worker only), and when

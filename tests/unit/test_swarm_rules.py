@@ -16,6 +16,8 @@ import pytest
 from dilocox_p2p import injection
 from dilocox_p2p.swarm import dial
 from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
+from dilocox_p2p.swarm.averager import RoundResult
+from dilocox_p2p.swarm.exchange import mending_order
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
 from dilocox_p2p.swarm.membership import config_diff
 
@@ -29,6 +31,12 @@ def test_the_majority_is_the_most_held_hash_and_a_tie_goes_to_the_smallest_peer_
     assert majority_hash({"z": "h1", "a": "h2", "b": "h2", "c": "h1"}) == "h2"
     assert majority_hash({"a": "", "b": "h3"}) == "h3"  # an empty hash (not known yet) does not vote
     assert majority_hash({}) is None and majority_hash({"a": ""}) is None
+
+
+def test_a_member_mends_from_the_others_whose_reducers_delivered_first_and_never_asks_one_outside_the_group():
+    result = RoundResult(round=7, group=["a", "b", "c", "d", "e"], group_id=b"g", missing=((0, 4),),
+                         failed_reducers=["b", "e"], banned_senders=["e"], outsiders=["e"])  # fmt: skip
+    assert mending_order(result, "c") == ["a", "d", "b"]  # e never learnt of the group: it holds no copy
 
 
 def test_a_strict_majority_is_counted_from_the_hash_held_most_often():
