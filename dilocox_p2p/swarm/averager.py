@@ -426,11 +426,14 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         at once (matchmaking.outside_every_group). hivemind waits for some group to register: a leader that
         counted this worker in after it had given up on the leader waited out its timeouts for it."""
         request = await anext(stream)
-        if request.group_id not in self._running_groups and outside_every_group(self._matchmaking, request.group_id):
+        if self._outside_group(request.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    def _outside_group(self, group_id: bytes) -> bool:
+        return group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         me = self.peer_id.to_base58()

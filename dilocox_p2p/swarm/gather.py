@@ -52,6 +52,7 @@ KEYS_KEPT = 2  # (group, phase) inboxes kept: this phase and the one before, for
 DELIVERY_WAIT_S = 3.0  # how long a member waits for the others to pull its message
 RELAY_WAIT_S = 2.0  # how long a holder is asked to wait for a message it may still be pulling itself
 CUT_SHORT = "cut short"  # a pull whose stream ended before the whole message came: asked again, never a strike
+OUTSIDE = "in no such group"  # the answer of a member a leader counted in after it had given up on the leader
 
 
 @dataclass
@@ -86,6 +87,10 @@ class MessageGather:
         self._delivered: dict[tuple[bytes, int], set[str]] = collections.defaultdict(set)  # who pulled my message
         self._messages_served = 0  # replies that carried a message, counted for fault injection
 
+    def _outside_group(self, group_id: bytes) -> bool:
+        """Whether this worker is in no group `group_id` and about to join none (the averager knows)."""
+        return False
+
     def _box(self, group_id: bytes, phase: int) -> dict[str, tuple[bytes, bytes]]:
         key = (group_id, phase)
         if key not in self._inbox:
@@ -119,7 +124,8 @@ class MessageGather:
             else:
                 box[peer] = got
                 answered.append(peer)
-        for sender in [p for p in others if p not in box]:  # relay what missed this worker
+        outsiders = {f.split(":")[0] for f in result.failures if f.endswith(OUTSIDE)}
+        for sender in [p for p in others if p not in box and p not in outsiders]:  # relay what missed this worker
             for holder in answered:
                 until = min(deadline, time.monotonic() + RELAY_WAIT_S)
                 got, reason, size = await self._pull_whole(holder, group_id, phase, sender, until)
@@ -217,6 +223,10 @@ class MessageGather:
         request, nonce = opened.message, opened.envelope.nonce
         if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
             header.reason = "another run, config or stage"
+            yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
+            return
+        if self._outside_group(request.group_id):  # it will never hold a message of that group
+            header.status, header.reason = swarm_pb2.STATE_LACKING, OUTSIDE
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 120.0)

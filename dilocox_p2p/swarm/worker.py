@@ -376,8 +376,10 @@ class SwarmStageWorker(StageWorker):
             logger.info("left with workers of stage %d still on another state at the final round", self.stage)
 
     def _all_hold(self, boundary: int, ours: str) -> bool:
-        """Every other live worker of this stage announced `ours` for `boundary`."""
-        others = {m.peer_id for m in self.swarm.membership.members()}
+        """Every other live worker of this stage announced `ours` for `boundary`, suspects too: a member that
+        failed the last exchange (one a leader counted in after it had given up on the leader is suspected by the
+        others) borrows the group's average from those still here, and only then announces the final state."""
+        others = {m.peer_id for m in self.swarm.membership.members(suspects_too=True)}
         try:
             hashes = {p: r.state_hash for p, r in self.swarm.records.round_records(boundary).items()}
         except Exception as e:

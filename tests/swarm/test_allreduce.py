@@ -246,3 +246,22 @@ def test_a_member_outside_every_group_answers_a_part_of_an_unknown_group_at_once
     finally:
         control.cancel()
     assert codes == [averaging_pb2.BAD_GROUP_ID]
+
+
+def test_a_member_outside_every_group_answers_a_request_for_a_compressed_message_of_that_group_at_once(group):
+    # the same member with compression: the others pulled its phase message, and it held each request until the
+    # request's wait ran out (20 s) for a message it would never have; it answers at once, and nobody relays for it
+    member, asking = group.averagers[1], group.averagers[0]
+    ticket = member.prepare_round(9, 3, admitted=group.ids)
+    control = member.step(gather=ticket, timeout=60.0, allow_retries=True, wait=False)  # looks for a group alone
+    _wait_until_looking(control)
+    try:
+        started = time.monotonic()
+        result = asking.gather_phase(9, 2, b"", group=group.ids[:2], group_id=b"a group it never joined",
+                                     timeout=20.0)  # fmt: skip
+        took = time.monotonic() - started
+    finally:
+        control.cancel()
+    assert result.messages == [b"", None]  # (these averagers compress nothing: an empty message)
+    assert result.failures == [f"{group.ids[1]}: STATE_LACKING in no such group"], result.failures
+    assert took < 10.0, f"the answer took {took:.1f} s"
