@@ -27,7 +27,10 @@ was starved (or whose join lock its own request held) may still take the request
 the group then runs with a member that never learned of it. hivemind's member waits without end
 for such a group to register, and the others waited out their timeouts for its parts (a round of
 15 s instead of 1, seen on 2 busy cores). Its averager answers at once instead
-(`outside_every_group`), and the others leave it out as sender and reducer (allreduce.py).
+(`outside_every_group`): a part of that group (BAD_GROUP_ID) or a request for a compressed message
+of it (gather.py); the others leave it out as sender and reducer (allreduce.py), never ask it for
+the spans they miss (exchange.mending_order), and at the last round wait for it to take the final
+state before they leave (swarm/worker.py, `_all_hold`).
 
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
