@@ -196,6 +196,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._state_asked = mp.Value(ctypes.c_int64, -1)  # the boundary a state fetch from the host is for
         self._state_fetch: asyncio.Lock | None = None  # one fetch at a time (averager process): _state_asked is shared
         self._failed_round = mp.Value(ctypes.c_int64, -1)  # the latest round whose exchange failed here
+        self._counted_out = mp.Value(ctypes.c_int64, -1)  # the latest round a group it never learnt of held it
         self._state_provider: StateProvider | None = None
         self._current_round = -1
         self._held: dict[int, HeldAverage] = {}
@@ -225,6 +226,12 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         """This worker's own exchange of `round` failed: members asking for its average are told at once
         that it lacks one too (so that members all stranded alike know it and need not resync)."""
         self._failed_round.value = round
+
+    def counted_out(self, round: int) -> bool:
+        """A member of a group of round `round` asked this worker for its part or message while this worker
+        looked for a group: a leader counted it in after it had given up on the leader (matchmaking.py). That
+        group averages without it; looking on for another finds nobody (the others are in it)."""
+        return self._counted_out.value == round
 
     def refused_total(self) -> int:
         """Requests and join requests refused by the averager process so far."""
@@ -433,7 +440,10 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             yield message
 
     def _outside_group(self, group_id: bytes) -> bool:
-        return group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
+        outside = group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
+        if outside and self._matchmaking.is_looking_for_group:
+            self._counted_out.value = self._current_round
+        return outside
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         me = self.peer_id.to_base58()

@@ -158,13 +158,20 @@ class RoundExchange:
         trains any more (the others left, or the one this worker waited for restarted and is joining again:
         its new heartbeat says so long before the step's deadline). When fewer members than `target` still
         train, the target is lowered: a leader holding them all starts the group instead of waiting out
-        round_wait for a member that left (matchmaking.lower_target). Returns (the result, why there is none)."""
+        round_wait for a member that left (matchmaking.lower_target). And at once when a leader counted this
+        worker into a group after it had given up on the leader: its members asked it for its part (it borrows
+        their average). Returns (the result, why there is none)."""
         while True:
             try:
                 return self._control.result(timeout=1.0), ""
             except TimeoutError:
                 pass
-            if self._control.stage != AveragingStage.LOOKING_FOR_GROUP or time.monotonic() - started < self.sw.round_wait / 4:
+            if self._control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                continue
+            if self.averager.counted_out(self.round):  # the others average without it, in a group it never joined
+                self._control.cancel()
+                return None, "a leader counted this worker into a group after it had given up on the leader"
+            if time.monotonic() - started < self.sw.round_wait / 4:
                 continue
             if not self.membership.refresh():
                 continue  # a failed lookup says nothing about who trains

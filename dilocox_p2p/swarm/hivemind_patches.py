@@ -31,7 +31,9 @@ PATCHES: dict[str, str] = {
     "DecentralizedAverager._matchmaking": "read to set the group bits and target size per round",
     "DecentralizedAverager._running_groups": "read (asserted) as hivemind does when registering a group",
     "DecentralizedAverager.rpc_aggregate_part": "a part of a group this worker is not in, nor joining "
-    "(Matchmaking.current_leader / assembled_group read), is answered BAD_GROUP_ID at once",
+    "(Matchmaking.current_leader / assembled_group read), is answered BAD_GROUP_ID at once; a request for a "
+    "compressed message of such a group is answered at once too (gather.py), and while Matchmaking."
+    "is_looking_for_group the round is marked counted out: the stage stops looking and borrows",
     "DecentralizedAverager._outer_pipe": "calls into the averager process (_prepare_round, _collect, _download_round)",
     "DecentralizedAverager._get_current_state_from_host_process": "fetches the state a joiner downloads",
     "DecentralizedAverager._p2p / serializer": "stubs for our RPCs; msgpack for state metadata",

@@ -241,8 +241,11 @@ def test_a_member_outside_every_group_answers_a_part_of_an_unknown_group_at_once
         stream = await stub.rpc_aggregate_part(as_aiter(part))
         return [message.code async for message in stream]
 
+    assert not member.counted_out(9)
     try:
         codes = asyncio.run(asyncio.wait_for(send_a_part(), timeout=15.0))
+        # and it knows that a group of its round averages without it: its stage stops looking and borrows
+        assert member.counted_out(9) and not member.counted_out(8)
     finally:
         control.cancel()
     assert codes == [averaging_pb2.BAD_GROUP_ID]
