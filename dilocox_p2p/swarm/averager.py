@@ -154,6 +154,11 @@ class StateDownload:
 StateProvider = Callable[[int], StageState | None]  # the complete state of a boundary, if held
 
 
+async def _drained(stream: AsyncIterator[Any]) -> None:
+    async for _ in stream:
+        pass
+
+
 async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
     """Replaces hivemind's group-key rotation (the bits are set per round). hivemind 1.1.10 passes
     `is_leader=`, 1.1.11-1.1.12 only the group info: accept both."""
@@ -435,6 +440,12 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         request = await anext(stream)
         if self._outside_group(request.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            # read the rest of the sender's parts before closing: a stream closed under its writer broke the
+            # sender's pipe, and it took that for a failed reducer, not a member outside the group
+            try:
+                await asyncio.wait_for(_drained(stream), timeout=self.next_chunk_timeout)
+            except Exception as e:
+                logger.debug("the parts of a group this worker is not in did not end: %r", e)
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
