@@ -29,7 +29,6 @@ from ..average import Average, Averager, AverageKind, average_hash
 from ..outer import RoundOutcome
 from ..logs import set_log_context
 from ..state import StageState
-from ..wire import swarm_pb2
 from ..worker import StageWorker
 from .agreement import majority_hash
 from .averager import StateDownload
@@ -242,9 +241,7 @@ class SwarmStageWorker(StageWorker):
                 continue  # the others' records may not show this boundary yet
             target = min(newest + ahead, self.rounds)
             if result is None or result.boundary != target:
-                result = self._own_if_majority(target) or self.swarm.agreement.fetch_state(
-                    target, self._donor_order(donors, newest)
-                )
+                result = self.swarm.agreement.fetch_state(target, self._donor_order(donors, newest))
             got = self._all_gather(result.boundary if result is not None else -1)
             # donors that train faster than this peer asks (rounds of a second without it) moved past the
             # newest boundary they announced before a stage's request reached them: ask for the next one,
@@ -266,26 +263,6 @@ class SwarmStageWorker(StageWorker):
                            RESYNC_ATTEMPTS, boundary)
         return None
 
-    def _own_if_majority(self, boundary: int) -> StateDownload | None:
-        """This worker's own state of `boundary`, where a strict majority of the stage group's voters announced
-        its hash (and its pending average's): a peer resyncs all its stages together, and a stage that holds
-        the majority's state already keeps it instead of downloading the same from a donor. Not on a tie, nor
-        while the others' records are missing: then it asks donors, whose states `verify` checks."""
-        state = self.outer.state()
-        if state is None or state.boundary != boundary:
-            return None
-        try:
-            records = self.swarm.records.round_records(boundary)
-        except Exception as e:
-            self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
-            return None
-        voters = self.swarm.membership.voters()
-        ours, pending = state.hash(), state.pending_hash()
-        holders = [p for p, r in records.items() if p in voters and r.state_hash == ours and r.pending_hash == pending]
-        if 2 * len(set(holders) | {self.swarm.peer_id}) <= len(voters):
-            return None
-        return StateDownload(swarm_pb2.STATE_OK, boundary, self.swarm.peer_id, state, ours)
-
     def _donor_order(self, donors: list[Member], target: int) -> list[str]:
         """Donors holding the majority hash of their boundary first, the most advanced first."""
         try:
@@ -303,18 +280,12 @@ class SwarmStageWorker(StageWorker):
         self.swarm.exchanges.abandon_before(download.boundary)
         self.swarm.agreement.forget()
         self.swarm.membership.forgive()  # its own failures, not the others' (a frozen peer suspects everyone)
-        own = download.donor == self.swarm.peer_id
-        if not own:
-            self.outer.load_state(download.state)
-            for codec in self.swarm.codecs:
-                codec.reset()  # its error feedback was measured against a state it left
+        self.outer.load_state(download.state)
+        for codec in self.swarm.codecs:
+            codec.reset()  # its error feedback was measured against a state it left
         self.swarm.set_state(download.boundary, ready=False, training=True)
-        if own:
-            logger.info("kept its own state of round %d: the stage group's majority holds it (hash %s)",
-                        download.boundary, download.state_hash[:12])
-        else:
-            self.swarm.faults.count(reason, "took the state of round %d from %s (hash %s; this worker was at round %d)",
-                                    download.boundary, download.donor, download.state_hash[:12], was)
+        self.swarm.faults.count(reason, "took the state of round %d from %s (hash %s; this worker was at round %d)",
+                                download.boundary, download.donor, download.state_hash[:12], was)
         self._publish(download.boundary)
 
     # ----- boundaries ---------------------------------------------------------------------------------
