@@ -19,7 +19,7 @@ from torch.optim.adamw import adamw
 
 __all__ = ["InnerAdamW"]
 
-_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class InnerAdamW:
@@ -50,11 +50,7 @@ class InnerAdamW:
     def _new_state(self, p: torch.Tensor, fused: bool) -> dict[str, torch.Tensor]:
         # as torch.optim.Adam: `step` stays on the host unless the fused kernel reads it on the device
         step = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
-        return {
-            "step": step,
-            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-        }
+        return {"step": step, **{key: torch.zeros_like(p, memory_format=torch.preserve_format) for key in _MOMENTS}}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -114,5 +110,5 @@ class InnerAdamW:
             p = by_number[int(number)]
             # as torch.optim.Adam loads it: the moments as the parameter, `step` in fp32 where the update reads it
             step = values["step"].detach().to(p.device if fused[p] else "cpu", torch.float32).clone()
-            moments = {key: values[key].detach().to(p.device, p.dtype).clone() for key in _STATE_KEYS[1:]}
+            moments = {key: values[key].detach().to(p.device, p.dtype).clone() for key in _MOMENTS}
             self.state[p] = {"step": step, **moments}

@@ -451,6 +451,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             yield message
 
     def _outside_group(self, group_id: bytes) -> bool:
+        """matchmaking.outside_every_group, for a request of a member of group `group_id`; asked while this
+        worker looks for a group, it also marks the round counted out (`counted_out`)."""
         outside = group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
         if outside and self._matchmaking.is_looking_for_group:
             self._counted_out.value = self._current_round

@@ -114,17 +114,18 @@ class MessageGather:
         result = GatherResult(messages=[])
         others = [p for p in peers if p != me]
         pulls = [self._pull_whole(p, group_id, phase, p, deadline) for p in others]
-        answered = []
+        answered, outsiders = [], set()
         for peer, (got, reason, size) in zip(others, await asyncio.gather(*pulls)):
             result.bytes_received += size
             if got is None:
                 result.failures.append(f"{peer}: {reason}")
                 if reason.startswith("refused"):
                     result.offenders[peer] = reason
+                elif reason.endswith(OUTSIDE):  # it never learnt of the group: nobody holds its message
+                    outsiders.add(peer)
             else:
                 box[peer] = got
                 answered.append(peer)
-        outsiders = {f.split(":")[0] for f in result.failures if f.endswith(OUTSIDE)}
         for sender in [p for p in others if p not in box and p not in outsiders]:  # relay what missed this worker
             for holder in answered:
                 until = min(deadline, time.monotonic() + RELAY_WAIT_S)
