@@ -24,8 +24,9 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import SwarmConfig
 from ..state import StageState
@@ -45,17 +46,20 @@ CHECK_POLL_S = 0.5  # while the latest boundary's check is not settled, its reco
 EARLY_POLLS = 40  # ... at most this many times; then it waits for the next boundary (the records there are then)
 
 
-def majority_hash(hashes: dict[str, str]) -> str | None:
-    """The hash most workers hold. Empty ones don't vote. A tie goes to the hash held by the smallest
-    peer id: every peer picks the same, and the same worker wins a tie at every boundary, so a split
-    pair is repaired one way (the other worker takes its state) instead of trading states."""
+def majority_hash(hashes: dict[str, str], rank: Callable[[str], Any] = str) -> str | None:
+    """The hash most workers hold. Empty ones don't vote. A tie goes to the hash held by the worker of
+    smallest `rank` (RunRecords.rank: its peer's key first, then its worker id): every peer picks the same,
+    and the same peer wins a tie at every boundary and in every stage, so a split pair is repaired one way
+    (the other peer takes the state of all its stages) instead of trading states. Ranked by worker id
+    alone, a pair whose two stages both split could each be in the minority in one stage: both resynced,
+    and neither found a donor that trained."""
     holders: dict[str, list[str]] = {}
     for peer, h in hashes.items():
         if h:
             holders.setdefault(h, []).append(peer)
     if not holders:
         return None
-    return min(holders, key=lambda h: (-len(holders[h]), min(holders[h])))
+    return min(holders, key=lambda h: (-len(holders[h]), min(rank(p) for p in holders[h])))
 
 
 def held_by_most(hashes: Iterable[str]) -> int:
@@ -269,7 +273,7 @@ class Agreement:
         return hashes
 
     def _decide(self, boundary: int, state_hash: str, hashes: dict[str, str], *, when: str) -> Repair | None:
-        winner = majority_hash(hashes)
+        winner = majority_hash(hashes, self.records.rank)
         if winner is None or winner == state_hash:
             return None
         holders = sorted(p for p, h in hashes.items() if h == winner)
@@ -332,13 +336,13 @@ class Agreement:
         voters = self.membership.voters()
         records = {p: r for p, r in records.items() if p in voters}
         ours = state.hash()
-        winner = majority_hash({p: r.state_hash for p, r in records.items()})
+        winner = majority_hash({p: r.state_hash for p, r in records.items()}, self.records.rank)
         if winner is None:
             return f"no worker announced a state for round {state.boundary}"
         if ours != winner:
             return f"its state hash {ours[:12]} is not the majority's {winner[:12]}"
         if state.pending is not None:
-            pending = majority_hash({p: r.pending_hash for p, r in records.items()})
+            pending = majority_hash({p: r.pending_hash for p, r in records.items()}, self.records.rank)
             if pending is None:
                 return f"no worker announced the average of round {state.pending.round}"
             if state.pending_hash() != pending:

@@ -263,6 +263,8 @@ class RunRecords:
         # workers whose member records speak another protocol version -> (that version, when they joined, whether
         # they train), read from the unverified record (its schema may differ): said to a joiner, never trusted
         self.foreign: dict[str, tuple[int, float, bool]] = {}
+        # worker -> the key of the peer that vouches for it, as its signed records showed (rank)
+        self._owners: dict[str, bytes] = {self.peer_id: bytes(signer.certificate.peer_key)}
 
     def _store(
         self, key: str, message: Any, ttl: float, *, round: int = 0, best_effort: bool = False, expires: float = 0.0
@@ -303,7 +305,14 @@ class RunRecords:
                 self.faults.count("records_refused", "refused a record under %s: %s", key, e)
                 continue
             out[subkey] = (opened, item.expiration_time)
+            self._owners[subkey] = bytes(opened.peer_key)
         return out
+
+    def rank(self, worker_id: str) -> tuple[bytes, str]:
+        """Who wins a tie between hashes (agreement.majority_hash): the worker whose peer key is smallest, then
+        the smallest worker id. One peer's workers rank alike in every stage, so a peer wins or loses a tie in
+        all its stages at once. A worker none of whose records were read yet ranks after the known ones."""
+        return self._owners.get(worker_id, b"\xff" * 33), worker_id
 
     def _result(self, future: Any, what: str) -> Any:
         return dht_result(self.dht, future, what)

@@ -320,7 +320,7 @@ class RoundExchange:
         round (suspects) or left are not waited for, members still mending are; after
         `allreduce_timeout` it decides with the records there are (a split left then is found
         by the hash check and repaired at the next boundary). The majority's copy (a tie: the
-        smallest peer id's, as in agreement.py) is made from this worker's own where it covers
+        the one its smallest-ranked holder holds, as in agreement.py) is made from this worker's own where it covers
         more (the majority's missing spans left out again: no download), else downloaded from
         a holder and checked against its hash; if that fails too, the average is marked
         `off_majority` and the worker takes the swarm's state at the boundary, before theta_g is
@@ -338,7 +338,7 @@ class RoundExchange:
         hashes = {p: r.average_hash for p, r in records.items()}
         if me in voters:
             hashes[me] = mine
-        winner = majority_hash(hashes)
+        winner = majority_hash(hashes, self.stage.records.rank)
         if winner is None or winner == mine:
             return average
         holders = sorted(p for p, h in hashes.items() if h == winner and p != me)

@@ -212,7 +212,9 @@ class SwarmStageWorker(StageWorker):
         except Exception as e:
             self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
             return True  # nothing says otherwise; the first hash check will tell
-        return majority_hash({p: r.state_hash for p, r in records.items()}) in (None, self.outer.hash())
+        return majority_hash({p: r.state_hash for p, r in records.items()}, self.swarm.records.rank) in (
+            None, self.outer.hash()
+        )
 
     def _resync(self, boundary: int, *, reason: str) -> int | None:
         """All stages of this peer take the swarm's state at one common boundary >= `boundary`.
@@ -271,7 +273,7 @@ class SwarmStageWorker(StageWorker):
             self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", target, e)
             records = {}
         hashes = {p: r.state_hash for p, r in records.items() if p != self.swarm.peer_id}
-        winner = majority_hash(hashes)
+        winner = majority_hash(hashes, self.swarm.records.rank)
         ranked = sorted(donors, key=lambda m: (hashes.get(m.peer_id, winner) != winner, -m.record.boundary))
         return [m.peer_id for m in ranked]
 
