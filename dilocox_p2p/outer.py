@@ -226,7 +226,10 @@ class OuterLoop:
         self.pending_lost: int | None = None  # restored without the average that was in flight (round)
         self.lock = threading.RLock()  # held while the state changes, so a copy served to a peer is consistent
         self._previews: ThreadPoolExecutor | None = None  # streaming: prepares each merge (_prepare_merge)
-        self.before_step: Callable[[], None] | None = None  # called under the lock before the state moves on
+        # called under the lock before the state moves on to the next boundary (not when the run's end drains the
+        # last average into the state of the same boundary: that state was never announced, and kept for a joiner
+        # it was served against records announcing the drained one)
+        self.before_step: Callable[[], None] | None = None
 
     @torch.no_grad()
     def load_into_model(self) -> None:
@@ -372,7 +375,7 @@ class OuterLoop:
         average = pending.future.result() if pending is not None else None
         waited = time.perf_counter() - started
         with self.lock:
-            if self.before_step is not None:
+            if self.before_step is not None and boundary != self.boundary:
                 self.before_step()
             if average is not None and average.kind.applies:
                 self.optimizer.step(average.tensors, missing=average.missing, indices=self.fragment_indices(pending.round))

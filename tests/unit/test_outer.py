@@ -207,6 +207,21 @@ def test_delayed_mode_applies_round_t_minus_1_average_at_end_of_round_t_and_drai
     assert loop.drain().applied == ()
 
 
+def test_the_state_is_offered_for_keeping_before_each_step_to_a_new_boundary_but_not_before_the_final_drain():
+    # before_step keeps the complete state of the boundary being left for a waiting joiner (swarm/worker.py); the
+    # drain at the run's end changes the state of the last boundary in place, before that boundary is announced
+    loop = _make_loop("delayed", RecordingAverager(scale=0.5))
+    seen: list[tuple[int, str]] = []
+    loop.before_step = lambda: seen.append((loop.boundary, loop.hash()))
+    for t in range(2):
+        _train_inner(loop, t)
+        loop.end_round(t)
+    assert [b for b, _ in seen] == [0, 1]
+    before_drain = loop.hash()
+    assert loop.drain().applied_round == 1
+    assert [b for b, _ in seen] == [0, 1] and loop.hash() != before_drain
+
+
 def test_delayed_mode_launches_round_t_before_waiting_for_round_t_minus_1():
     averager = RecordingAverager()
     loop = _make_loop("delayed", averager)
