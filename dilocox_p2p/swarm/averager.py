@@ -60,7 +60,15 @@ from .allreduce import ExactAllReduceRunner
 from .dial import redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
-from .matchmaking import hold_matchmaking_tasks, lower_target, outside_every_group, set_target_size
+from .matchmaking import (
+    drop_stale_searches,
+    hold_matchmaking_tasks,
+    joining,
+    lower_target,
+    outside_every_group,
+    set_target_size,
+    track_join_requests,
+)
 from .priority import lower_priority
 
 __all__ = ["DilocoxAverager", "HeldAverage", "RoundResult", "StateDownload"]
@@ -72,6 +80,7 @@ KEEP_AVERAGES = 3  # recent rounds' averages kept for group members that miss pa
 MAX_WAIT_S = 600.0  # the longest a request may ask a donor to wait
 ALIVE_CHECK_S = 1.0  # a call into the averager process checks that the process lives this often
 GATHER_SHARE = 0.7  # share of allreduce_timeout the first gather of a compressed round may take
+JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
 
 
 def round_group_bits(round: int) -> str:
@@ -368,12 +377,15 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             if not getattr(mm.potential_leaders, "_dilocox_filtered", False):
                 _ask_only_admitted_leaders(mm.potential_leaders, self)
             hold_matchmaking_tasks(mm, self._stale_step)  # a cancelled step unwinds, and never looks again
+            track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
             mm.group_key_manager.group_bits = round_group_bits(round)
             # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
             # size); the bits here are set per round, so that update is switched off
             mm.group_key_manager.update_key_on_group_assembled = _keep_group_key
             set_target_size(mm, target)
             self._current_round = round
+            if drop_stale_searches(mm, self._stale_step):
+                logger.info("round %d: a search of an earlier round was still looking for a group; cancelled", round)
             future.set_result(None)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
@@ -438,7 +450,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         at once (matchmaking.outside_every_group). hivemind waits for some group to register: a leader that
         counted this worker in after it had given up on the leader waited out its timeouts for it."""
         request = await anext(stream)
-        if self._outside_group(request.group_id):
+        if await self._outside_group(request.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             # read the rest of the sender's parts before closing: a stream closed under its writer broke the
             # sender's pipe, and it took that for a failed reducer, not a member outside the group
@@ -450,9 +462,14 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
-    def _outside_group(self, group_id: bytes) -> bool:
-        """matchmaking.outside_every_group, for a request of a member of group `group_id`; asked while this
-        worker looks for a group, it also marks the round counted out (`counted_out`)."""
+    async def _outside_group(self, group_id: bytes) -> bool:
+        """matchmaking.outside_every_group, for a request of a member of group `group_id`, once this worker's
+        requests to leaders in flight have ended (at most the matchmaking's request_timeout and a second): the
+        leader of that group may have taken one and started before its answer came. Asked while this worker
+        looks for a group, it also marks the round counted out (`counted_out`)."""
+        deadline = time.monotonic() + self._matchmaking.request_timeout + 1.0
+        while group_id not in self._running_groups and joining(self._matchmaking) and time.monotonic() < deadline:
+            await asyncio.sleep(JOIN_POLL_S)
         outside = group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
         if outside and self._matchmaking.is_looking_for_group:
             self._counted_out.value = self._current_round

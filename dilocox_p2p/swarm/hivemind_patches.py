@@ -31,7 +31,7 @@ PATCHES: dict[str, str] = {
     "DecentralizedAverager._matchmaking": "read to set the group bits and target size per round",
     "DecentralizedAverager._running_groups": "read (asserted) as hivemind does when registering a group",
     "DecentralizedAverager.rpc_aggregate_part": "a part of a group this worker is not in, nor joining "
-    "(Matchmaking.current_leader / assembled_group read), is answered BAD_GROUP_ID at once; a request for a "
+    "(Matchmaking.current_leader / assembled_group read, no join request in flight), is answered BAD_GROUP_ID at once; a request for a "
     "compressed message of such a group is answered at once too (gather.py), and while Matchmaking."
     "is_looking_for_group the round is marked counted out: the stage stops looking and borrows",
     "DecentralizedAverager._outer_pipe": "calls into the averager process (_prepare_round, _collect, _download_round)",
@@ -45,7 +45,11 @@ PATCHES: dict[str, str] = {
     "leader_assemble_group": "lower_target (matchmaking.py): a leader holding every member that still trains "
     "starts its group at once instead of waiting out round_wait for one that left the round",
     "Matchmaking.look_for_group": "wrapped (matchmaking.py) to hold its task until it ends: a cancelled step's "
-    "search was garbage-collected halfway and left the matchmaking locks held for good",
+    "search was garbage-collected halfway and left the matchmaking locks held for good; a search whose step is of "
+    "an earlier round is cancelled (StepControl.cancel) when a round is prepared",
+    "Matchmaking._request_join_group": "wrapped (matchmaking.track_join_requests) to count requests in flight: a "
+    "part that reaches a follower before its leader's ACCEPTED waits for that answer instead of BAD_GROUP_ID",
+    "Matchmaking.request_timeout": "read: how long a part waits for a request in flight to end",
     # averaging/allreduce.py: AllReduceRunner (our swarm/allreduce.py: ExactAllReduceRunner)
     "AllReduceRunner._communicate_with_peer": "own parts: averaged part registered as is; failures reported",
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference",

@@ -32,6 +32,13 @@ of it (gather.py); the others leave it out as sender and reducer (allreduce.py),
 the spans they miss (exchange.mending_order), and at the last round wait for it to take the final
 state before they leave (swarm/worker.py, `_all_hold`).
 
+A leader that takes a request and fills its group starts the all-reduce at once, and the other
+members' parts may reach the new follower before the leader's ACCEPTED does (hivemind's own
+comment in `rpc_aggregate_part`). A worker whose request to a leader is still in flight is
+therefore not outside every group yet: `track_join_requests` counts those requests, and the
+averager waits for them to end before it answers (answered at once, a busy start's round 0 lost
+a member that joined its group a moment later).
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
 not the one prepared last (`stale(step)`) finds no group at once instead of looking.
@@ -45,28 +52,31 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold_matchmaking_tasks", "lower_target", "outside_every_group", "set_target_size"]
+__all__ = ["drop_stale_searches", "hold_matchmaking_tasks", "joining", "lower_target", "outside_every_group", "set_target_size",
+           "track_join_requests"]
 
 logger = logging.getLogger(__name__)
 
 
-def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> set[asyncio.Task]:
+def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> dict[asyncio.Task, Any]:
     """Wrap `matchmaking.look_for_group` (once) so that the task running it is held until it finishes, and a
-    `stale` step (hivemind's StepControl) finds no group; returns the set that holds the tasks."""
-    held: set[asyncio.Task] | None = getattr(matchmaking, "_dilocox_held_tasks", None)
+    `stale` step (hivemind's StepControl) is cancelled and finds no group (cancelled, hivemind's step does not
+    retry it); returns the held tasks, each with its step (`drop_stale_searches`)."""
+    held: dict[asyncio.Task, Any] | None = getattr(matchmaking, "_dilocox_held_tasks", None)
     if held is not None:
         return held
-    held = set()
+    held = {}
     look_for_group = matchmaking.look_for_group
 
     async def look_for_group_held(step: Any, *args: Any, **kwargs: Any) -> Any:
         if stale(step):
-            logger.debug("a step of an earlier round looked for a group again; it finds none")
+            logger.debug("a step of an earlier round looked for a group again; it is cancelled")
+            step.cancel()
             return None
         task = asyncio.current_task()
         if task is not None:
-            held.add(task)
-            task.add_done_callback(held.discard)
+            held[task] = step
+            task.add_done_callback(lambda done: held.pop(done, None))
         group = await look_for_group(step, *args, **kwargs)
         if group is not None:
             assembled.append(group.group_id)
@@ -79,13 +89,53 @@ def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> se
     return held
 
 
+def drop_stale_searches(matchmaking: Any, stale: Callable[[Any], bool]) -> int:
+    """Cancel every search still looking for a group with a `stale` step (one of an earlier round); returns how
+    many. Called when a round is prepared: a step of an earlier round that hivemind retried went on looking
+    under the new round's group key with its old round's ticket, which every leader refuses, and held the
+    matchmaking lock that the new round's step waited for (both stranded a round after a resync, seen in the
+    pair split test)."""
+    dropped = 0
+    for task, step in list(getattr(matchmaking, "_dilocox_held_tasks", {}).items()):
+        if not task.done() and stale(step):
+            step.cancel()
+            task.cancel()
+            dropped += 1
+    return dropped
+
+
+def track_join_requests(matchmaking: Any) -> None:
+    """Wrap `matchmaking._request_join_group` (once) so that `joining` tells whether a request to a leader is in
+    flight (a leader's redirect to another leader is a nested request, counted too)."""
+    if hasattr(matchmaking, "_dilocox_joining"):
+        return
+    matchmaking._dilocox_joining = 0
+    request_join_group = matchmaking._request_join_group
+
+    async def request_join_group_tracked(leader: Any, *args: Any, **kwargs: Any) -> Any:
+        matchmaking._dilocox_joining += 1
+        try:
+            return await request_join_group(leader, *args, **kwargs)
+        finally:
+            matchmaking._dilocox_joining -= 1
+
+    matchmaking._request_join_group = request_join_group_tracked
+
+
+def joining(matchmaking: Any) -> bool:
+    """Whether a request of this worker to a leader is in flight (`track_join_requests`)."""
+    return bool(getattr(matchmaking, "_dilocox_joining", 0))
+
+
 def outside_every_group(matchmaking: Any, group_id: bytes) -> bool:
     """Whether this worker is neither in the group `group_id` (its search never returned it) nor about to learn
-    of a group: it follows no leader, and its own search assembled none. Its averager then answers a part of
-    that group at once: it was counted in by a leader it had given up on (module docstring)."""
+    of a group: it follows no leader, waits for no leader's answer, and its own search assembled none. Its
+    averager then answers a part of that group at once: it was counted in by a leader it had given up on
+    (module docstring)."""
     return (
         group_id not in getattr(matchmaking, "_dilocox_assembled", ())
         and matchmaking.current_leader is None
+        and not joining(matchmaking)
         and not matchmaking.assembled_group.done()
     )
 
