@@ -69,7 +69,7 @@ def held_by_most(hashes: Iterable[str]) -> int:
 
 def tied_with(hashes: dict[str, str], state_hash: str) -> bool:
     """Whether `state_hash` is held by as many of `hashes` as the hash held most. Records that do not settle
-    the check (some expected worker's missing) must not repair on a tie: the smallest peer id would break it,
+    the check (some expected worker's missing) must not repair on a tie: the smallest rank would break it,
     and the missing worker may hold this worker's hash (two healthy workers of three, one's record late)."""
     counts = collections.Counter(h for h in hashes.values() if h)
     return counts[state_hash] == max(counts.values(), default=0)
@@ -288,10 +288,10 @@ class Agreement:
         a hash held by a strict majority of the workers expected there, or every expected worker's record in
         without a tie. Expected: the training members at most two boundaries behind (a member record lags its
         worker by up to a heartbeat; one one boundary behind counted as absent let two of three workers, one of
-        them corrupted, tie and settle on the smallest peer id), and `resyncing_too`, at the last boundary, the
+        them corrupted, tie and settle on the smallest rank), and `resyncing_too`, at the last boundary, the
         members taking a state as well (two members repairing the round before while a third trained the last
         one alone left that third deciding alone). A tie settles only once every such member's record is in:
-        the smallest peer id decides a split pair, never a split that a third worker would break."""
+        the smallest rank (peer key) decides a split pair, never a split that a third worker would break."""
         # suspects too: one that failed in a round's all-reduce (a message that missed its pair under load) trains
         # apart meanwhile, and its record is the one that shows the split; left out, a pair settled on itself
         live = self.membership.members(training_only=not resyncing_too, suspects_too=True)
