@@ -35,16 +35,23 @@ def unreachable(reason: str) -> bool:
     return any(marker in reason for marker in _UNREACHABLE) and "connection refused" not in reason
 
 
-async def redial(call: Callable[[], Awaitable[T]], deadline: float, *, what: str) -> T:
-    """`call()` (a result tuple whose second item is the failure reason, "" on success), repeated while its
-    peer cannot be dialed, for at most REDIAL_WINDOW_S and until `deadline` (time.monotonic())."""
+async def redial(
+    call: Callable[[], Awaitable[T]],
+    deadline: float,
+    *,
+    what: str,
+    retry_s: float = DIAL_RETRY_S,
+    window_s: float = REDIAL_WINDOW_S,
+) -> T:
+    """`call()` (a result tuple whose second item is the failure reason, "" on success), repeated every `retry_s`
+    while its peer cannot be dialed, for at most `window_s` and until `deadline` (time.monotonic())."""
     result = await call()
-    tries, until = 1, min(deadline, time.monotonic() + REDIAL_WINDOW_S)
-    while unreachable(str(result[1])) and until - time.monotonic() > DIAL_RETRY_S:
+    tries, until = 1, min(deadline, time.monotonic() + window_s)
+    while unreachable(str(result[1])) and until - time.monotonic() > retry_s:
         if tries == 1:
             logger.info("%s: the peer could not be dialed (%s); asking again for a few seconds", what,
                         str(result[1])[:120])  # fmt: skip
-        await asyncio.sleep(DIAL_RETRY_S)
+        await asyncio.sleep(retry_s)
         result = await call()
         tries += 1
     return result

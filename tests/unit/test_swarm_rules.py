@@ -135,6 +135,8 @@ def test_a_reply_that_stalls_costs_one_chunk_timeout_not_the_whole_budget():
 
 
 def test_a_peer_that_could_not_be_dialed_is_asked_again_until_it_answers_or_the_deadline():
+    # the dial backoff's timings scaled down 20x (retry 1 s -> 0.05 s, window 6 s -> 0.3 s): the same rules
+    fast = dict(what="test", retry_s=0.05, window_s=0.3)
     replies = iter([(None, "ControlFailure('failed to dial ... dial backoff')", 0), (None, "Connect failed", 0),
                     ("copy", "", 7)])  # fmt: skip
     calls = []
@@ -143,21 +145,29 @@ def test_a_peer_that_could_not_be_dialed_is_asked_again_until_it_answers_or_the_
         calls.append(1)
         return next(replies)
 
-    got = asyncio.run(dial.redial(call, time.monotonic() + 10, what="test"))
+    got = asyncio.run(dial.redial(call, time.monotonic() + 10, **fast))
     assert got == ("copy", "", 7) and len(calls) == 3
-    refused = [(None, "refused: altered", 0)]
-    assert asyncio.run(dial.redial(lambda: _returning(refused), time.monotonic() + 10, what="test"))[1] == "refused: altered"
+    assert _calls(dial.redial, [(None, "refused: altered", 0)], 10, **fast) == (1, "refused: altered")
+    short, _ = _calls(dial.redial, [(None, "dial backoff", 0)], 0.15, **fast)
+    assert short <= 1 + 0.15 / 0.05  # the deadline comes first (a late wake-up only means fewer calls)
     started = time.monotonic()
-    gone = asyncio.run(dial.redial(lambda: _returning([(None, "dial backoff", 0)]), time.monotonic() + 2.5, what="test"))
-    assert gone[1] == "dial backoff" and time.monotonic() - started < 2.5  # the deadline
-    started = time.monotonic()
-    gone = asyncio.run(dial.redial(lambda: _returning([(None, "dial backoff", 0)]), time.monotonic() + 60, what="test"))
-    assert time.monotonic() - started < dial.REDIAL_WINDOW_S + 0.5  # a peer that never comes back costs the window
+    _, why = _calls(dial.redial, [(None, "dial backoff", 0)], 60, **fast)  # a peer that never comes back ...
+    assert why == "dial backoff" and time.monotonic() - started >= 0.25  # ... costs the window
     refused = [(None, "failed to dial: dial tcp4 127.0.0.1:1: connect: connection refused", 0)]
-    started = time.monotonic()
-    asyncio.run(dial.redial(lambda: _returning(refused), time.monotonic() + 60, what="test"))
-    assert time.monotonic() - started < 0.5  # nothing listens there: not asked again
+    assert _calls(dial.redial, refused, 60, **fast)[0] == 1  # nothing listens there: not asked again
+    assert dial.REDIAL_WINDOW_S > 5.0  # the real window outlasts go-libp2p's first dial backoff (5 s)
 
 
-async def _returning(values):
-    return values[0]
+def _calls(redial, values, within: float, **kwargs) -> tuple[int, str]:
+    """How many times `redial` called a request that always returns `values[0]` within `within` seconds, and the
+    failure it ended with."""
+    calls = []
+
+    async def call():
+        calls.append(1)
+        return values[0]
+
+    result = asyncio.run(redial(call, time.monotonic() + within, **kwargs))
+    return len(calls), result[1]
+
+
