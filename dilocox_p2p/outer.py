@@ -191,6 +191,9 @@ class RoundOutcome:
 class _Pending:
     round: int
     future: Future[Average]
+    # this worker's own pseudo-gradient of the round: a checkpoint taken while the average is in flight keeps it,
+    # so that a worker resumed where nobody has that average any more applies it alone (`own_for_lost_pending`)
+    own: list[torch.Tensor] | None = None
     # streaming: theta_g of the round's fragment after this average's step, computed off the training thread
     # as soon as the average arrives (None: not prepared; the merge computes it itself)
     preview: Future[list[torch.Tensor] | None] | None = None
@@ -224,6 +227,7 @@ class OuterLoop:
         self.pending: _Pending | None = None
         self.boundary = 0  # rounds completed: theta_g is theta_g(boundary)
         self.pending_lost: int | None = None  # restored without the average that was in flight (round)
+        self._lost_own: list[torch.Tensor] | None = None  # ... and with this worker's own pseudo-gradient of it
         self.lock = threading.RLock()  # held while the state changes, so a copy served to a peer is consistent
         self._previews: ThreadPoolExecutor | None = None  # streaming: prepares each merge (_prepare_merge)
         # called under the lock before the state moves on to the next boundary (not when the run's end drains the
@@ -272,7 +276,7 @@ class OuterLoop:
         if self.mode == "streaming":
             return self._end_streaming(round)
         delta = pseudo_gradient(self.start if self.start is not None else self.theta_g, self.params)
-        launched = _Pending(round, self.averager.all_reduce(delta, round=round))
+        launched = _Pending(round, self.averager.all_reduce(delta, round=round), own=delta)
         if self.mode == "sync":
             return self._apply(launched, keep=None, boundary=round + 1)
         outcome = self._apply(self.pending, keep=launched, boundary=round + 1)
@@ -304,7 +308,7 @@ class OuterLoop:
 
         def launch() -> _Pending:  # under the lock, after the step: a state served is never half-way
             delta = pseudo_gradient([self.theta_g[i] for i in indices], [self.params[i] for i in indices])
-            return self._prepare_merge(_Pending(round, self.averager.all_reduce(delta, round=round)))
+            return self._prepare_merge(_Pending(round, self.averager.all_reduce(delta, round=round), own=delta))
 
         outcome = self._apply(self.pending, keep=launch, boundary=round + 1)
         return RoundOutcome(outcome.applied, outcome.seconds_wait + waited)
@@ -427,7 +431,7 @@ class OuterLoop:
                 dst.copy_(src)
             for dst, src in zip(self.optimizer.buffers, state.momentum):
                 dst.copy_(src)
-            self.boundary, self.pending, self.pending_lost = state.boundary, None, None
+            self.boundary, self.pending, self.pending_lost, self._lost_own = state.boundary, None, None, None
             self.start = self._last_delta = None  # the swarm's state: no correction of this peer's yet
             self._holds_local, self._merged = False, None  # streaming: the next round starts from theta_g
             if state.pending is not None:
@@ -435,20 +439,28 @@ class OuterLoop:
                 future.set_result(state.pending.average)
                 self.pending = _Pending(state.pending.round, future)
 
-    def forget_lost_pending(self) -> int | None:
-        """Give up on the average lost with a checkpoint (nobody could serve it); return its round."""
+    def forget_lost_pending(self) -> tuple[int | None, bool]:
+        """Nobody could serve the average lost with a checkpoint: apply this worker's own pseudo-gradient of that
+        round in its place (as a round it averaged alone: what a lone peer would have applied) where the
+        checkpoint kept it, else nothing. Returns (its round, whether the own one stands in)."""
         with self.lock:
-            lost, self.pending_lost = self.pending_lost, None
-        return lost
+            lost, own = self.pending_lost, self._lost_own
+            self.pending_lost = self._lost_own = None
+            if lost is not None and own is not None:
+                future: Future[Average] = Future()
+                future.set_result(Average(kind=AverageKind.ALONE, tensors=own))
+                self.pending = _Pending(lost, future)
+        return lost, own is not None
 
     # ----- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """theta_g, momentum and the pending average if it is already known."""
         with self.lock:
             state = self.state()
-            lost = self.pending_lost
+            lost, own = self.pending_lost, self._lost_own
             if state is None and lost is None and self.pending is not None:
                 lost = self.pending.round  # still in flight: a resumed worker must get it from its stage group
+                own = self.pending.own
             pending = None
             if state is not None and state.pending is not None:
                 average = state.pending.average
@@ -465,6 +477,7 @@ class OuterLoop:
                 "momentum": self.optimizer.buffers,
                 "pending": pending,
                 "pending_lost": lost,
+                "pending_own": own if lost is not None else None,
                 "own": self._own_state(),
             }
 
@@ -491,6 +504,8 @@ class OuterLoop:
         own = saved.get("own") or {}
         with self.lock, torch.no_grad():
             self.pending_lost = saved.get("pending_lost")
+            own_pending = saved.get("pending_own")
+            self._lost_own = list(own_pending) if own_pending is not None and self.pending_lost is not None else None
             if own.get("start") is not None and self.mode in ("eager", "own"):
                 self.start, self._last_delta = list(own["start"]), own.get("last_delta")
             if own.get("local") is not None and self.mode == "streaming":

@@ -198,8 +198,11 @@ class SwarmStageWorker(StageWorker):
             return start
         boundary = self._resync(start, reason="catch_ups")
         if boundary is None:
-            lost = self.outer.forget_lost_pending()
-            if lost is not None:
+            lost, alone = self.outer.forget_lost_pending()
+            if lost is not None and alone:
+                logger.warning("no live worker had the average of round %d that was in flight at the checkpoint; "
+                               "this worker's own pseudo-gradient of it is applied, as if it averaged alone", lost)
+            elif lost is not None:
                 self.swarm.faults.count(
                     "pending_dropped", "no live worker had the average of round %d that was in flight at the "
                     "checkpoint; it is skipped (a later hash check repairs this worker if it differs)", lost,

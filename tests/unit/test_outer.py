@@ -331,6 +331,31 @@ def test_a_checkpoint_taken_while_an_average_is_in_flight_names_the_round_it_lac
     assert restored.hash() == original.hash()
 
 
+@pytest.mark.parametrize("mode", ["delayed", "streaming"])
+def test_a_worker_resumed_where_nobody_has_the_average_in_flight_applies_its_own_pseudo_gradient_as_if_alone(mode):
+    # a lone peer (its "average" is its own pseudo-gradient) checkpointed while that exchange was in flight: resumed
+    # with nobody to take the average from, it applies its own and goes on bit for bit as if never interrupted
+    original = _make_loop(mode, RecordingAverager(scale=1.0, resolve="on_wait"))
+    for t in range(2):
+        _train_inner(original, t)
+        original.end_round(t)
+    state = _through_disk(original.state_dict())
+    assert state["pending_lost"] == 1 and state["pending_own"] is not None
+    restored = _make_loop(mode, RecordingAverager(scale=1.0, resolve="on_wait"))
+    restored.load_state_dict(state)
+    assert restored.forget_lost_pending() == (1, True)
+    assert restored.pending_lost is None
+    for loop in (original, restored):
+        _train_inner(loop, 2)
+        assert loop.end_round(2).applied_round == 1
+    assert restored.hash() == original.hash()
+    # an older checkpoint without the own pseudo-gradient: the average is dropped, as before
+    del state["pending_own"]
+    old = _make_loop(mode, RecordingAverager(scale=1.0, resolve="on_wait"))
+    old.load_state_dict(state)
+    assert old.forget_lost_pending() == (1, False) and old.pending is None
+
+
 def test_a_checkpoint_taken_after_the_average_arrived_carries_it():
     original = _make_loop("delayed", RecordingAverager(resolve="at_launch"))
     for t in range(2):
