@@ -107,6 +107,13 @@ class RoundExchange:
             self._hold(self.tensors, AverageKind.ALONE, (self.stage.peer_id,), b"")
             return Average(kind=AverageKind.ALONE, tensors=self.tensors)
         self._window_start = time.time()
+        if finite and all(self.membership.finished(m, self.round) for m in others):
+            # a round behind (it took a state the others had left, or thawed): nobody will group for this round any
+            # more. Borrowing at once, not after matchmaking gave up (round_wait / 4), it reaches the others' round
+            # while they still wait for it (they wait for a member that started the round before theirs)
+            average = self._borrow("the stage group averaged without this worker")
+            self._log(average, expected=1 + len(others))
+            return self._agree(average)
         if not finite:  # the others average without it (matchmaking waits up to round_wait for it first)
             return self._agree(self._borrow("this worker's pseudo-gradient was not finite",
                                             wait_s=self.sw.round_wait + self.sw.allreduce_timeout))
