@@ -482,6 +482,9 @@ class ExchangeQueue:
             self.abandon_below = max(self.abandon_below, round)
             running = self._running
         if running is not None and running.round < round:
+            # members of its group that ask this worker for the round's average are told at once that it has none
+            # (they waited out their whole request for it, 10 s, while it resynced)
+            self.stage.averager.mark_failed(running.round)
             running.cancel()
 
     def close(self, timeout: float) -> None:
