@@ -134,6 +134,12 @@ class RoundResult:
     """With compression: the group's phase-1 messages, in group order (None: never received)."""
     failures: list[str] = field(default_factory=list)
 
+    def alone_with_outsiders(self, me: str) -> bool:
+        """Whether every other member of `me`'s group was counted in after it had given up on the leader: those
+        joined other groups of the round, and this "average" is `me`'s own. `me` borrows theirs instead (kept, it
+        would be a minority state: repaired a round later), and never serves it as the group's."""
+        return bool(self.outsiders) and set(self.group) - set(self.outsiders) <= {me}
+
 
 @dataclass
 class Collected:
@@ -522,7 +528,6 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             tensor.copy_(averaged)
         peers = tuple(p.to_base58() for p in group_info.peer_ids)
         kind = AverageKind.PARTIAL if missing else AverageKind.AVERAGED
-        self._hold(HeldAverage(round, kind, outputs, missing, peers, group_id))
         self._last_result = RoundResult(
             round=round,
             group=list(peers),
@@ -535,6 +540,10 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             outsiders=sorted(p.to_base58() for p in runner.outsiders),
             offenders=runner.offenders(),
         )
+        # a member whose every other member was an outsider holds no average of the group: served, a member that
+        # had given up on this group borrowed this worker's own half-reduced parts and split from the rest (busy run)
+        if not self._last_result.alone_with_outsiders(self.peer_id.to_base58()):
+            self._hold(HeldAverage(round, kind, outputs, missing, peers, group_id))
 
     async def _gather_first_phase(self, round: int, group_info: GroupInfo, group_id: bytes) -> None:
         peers = [p.to_base58() for p in group_info.peer_ids]

@@ -61,13 +61,6 @@ def mending_order(result: RoundResult, me: str) -> list[str]:
     return sorted(others, key=lambda p: p in failed)
 
 
-def alone_with_outsiders(result: RoundResult, me: str) -> bool:
-    """Whether every other member of this worker's group was counted in after it had given up on the leader:
-    those joined other groups of the round, and this worker's "average" is its own. It borrows theirs instead
-    (kept, it would be a minority state: repaired a round later)."""
-    return bool(result.outsiders) and set(result.group) - set(result.outsiders) <= {me}
-
-
 class RoundExchange:
     """The exchange of one round's pseudo-gradient with the stage group."""
 
@@ -160,7 +153,7 @@ class RoundExchange:
             if result is not None:
                 for peer, reason in result.offenders.items():
                     self.stage.strike(peer, f"round {self.round}: {reason}")
-                if alone_with_outsiders(result, self.stage.peer_id):
+                if result.alone_with_outsiders(self.stage.peer_id):
                     return None, "every other member of its group had given up on this group's leader"
             return result, gave_up
         except BaseException as e:  # includes the CancelledError of an abandoned round

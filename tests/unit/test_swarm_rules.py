@@ -17,7 +17,7 @@ from dilocox_p2p import injection
 from dilocox_p2p.swarm import dial
 from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
 from dilocox_p2p.swarm.averager import RoundResult
-from dilocox_p2p.swarm.exchange import alone_with_outsiders, mending_order
+from dilocox_p2p.swarm.exchange import mending_order
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
 from dilocox_p2p.swarm.membership import config_diff
 
@@ -42,9 +42,9 @@ def test_a_member_mends_from_the_others_whose_reducers_delivered_first_and_never
 def test_a_member_whose_every_other_member_was_in_no_such_group_holds_no_average_of_a_group():
     pair = RoundResult(round=2, group=["a", "b"], group_id=b"g", missing=((0, 4),), outsiders=["b"])
     trio = RoundResult(round=2, group=["a", "b", "c"], group_id=b"g", missing=((0, 4),), outsiders=["b"])
-    assert alone_with_outsiders(pair, "a")  # b averaged in another group of the round: a borrows from it
-    assert not alone_with_outsiders(trio, "a")  # a and c averaged together without b
-    assert not alone_with_outsiders(RoundResult(round=2, group=["a", "b"], group_id=b"g", missing=()), "a")
+    assert pair.alone_with_outsiders("a")  # b averaged in another group of the round: a borrows from it
+    assert not trio.alone_with_outsiders("a")  # a and c averaged together without b
+    assert not RoundResult(round=2, group=["a", "b"], group_id=b"g", missing=()).alone_with_outsiders("a")
 
 
 def test_a_strict_majority_is_counted_from_the_hash_held_most_often():
