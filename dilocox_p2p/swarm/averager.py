@@ -220,6 +220,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._state_provider: StateProvider | None = None
         self._current_round = -1
         self._held: dict[int, HeldAverage] = {}
+        self._dropped_up_to = -1  # the latest round whose average was held here and dropped (KEEP_AVERAGES)
         self._last_result: RoundResult | None = None
         self._payload: bytes | None = None  # this round's compressed message (phase 1), if compressed
         # messages go to the averager process through shared memory: hivemind's command pipe is
@@ -590,6 +591,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._held[held.round] = held
         for old in sorted(self._held)[:-KEEP_AVERAGES]:
             del self._held[old]
+            self._dropped_up_to = max(self._dropped_up_to, old)
 
     # ----- averager process: mending and borrowing -----------------------------------------
     async def _collect(
@@ -749,6 +751,12 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         while request.round not in self._held and time.monotonic() < deadline and not lacking():
             await asyncio.sleep(0.2)
         held = self._held.get(request.round)
+        if held is None and request.round <= self._dropped_up_to:
+            # it had that average and moved KEEP_AVERAGES rounds past it: the asker is behind the stage group, not
+            # stranded alike with it (LACKING told a joiner that fell rounds behind to keep its own state)
+            header.status, header.reason = swarm_pb2.STATE_GONE, f"this worker is at round {self._current_round}"
+            yield self._head(header, nonce=nonce)
+            return
         if held is None:
             header.status = swarm_pb2.STATE_LACKING if lacking() else swarm_pb2.STATE_NOT_READY
             yield self._head(header, nonce=nonce)
