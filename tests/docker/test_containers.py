@@ -110,6 +110,7 @@ def test_containers_agree_survive_a_kill_take_a_late_joiner_and_resume_from_thei
     back = wait_for(p1, "back in the swarm for 2 rounds", lambda s: len(s["recent_rounds"]) >= 2, timeout=400)
     logs = subprocess.run(["docker", "logs", p1], capture_output=True, text=True).stderr
     resumed = [int(m) for m in re.findall(r"resumed from round (\d+)", logs)]
-    assert resumed and before - 2 <= resumed[-1] <= before, (before, resumed)
+    # the round in flight when the status was read may end, and be checkpointed, before the kill lands
+    assert resumed and before - 2 <= resumed[-1] <= before + 1, (before, resumed)
     assert_agree({p0: status(p0), p1: status(p1)}, since=back["recent_rounds"][0]["round"], at_least=1)
     assert subprocess.run(["docker", "exec", p1, "dilocox-peer", "health", "/data/run"]).returncode == 0
