@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, TimeoutError
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +44,7 @@ from .averager import Collected, HeldAverage, RoundResult
 if TYPE_CHECKING:
     from .stage import SwarmStage
 
-__all__ = ["ExchangeQueue", "RoundExchange"]
+__all__ = ["ExchangeQueue", "RoundExchange", "mending_order", "suspects_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,18 @@ def mending_order(result: RoundResult, me: str) -> list[str]:
     failed, outsiders = set(result.failed_reducers), set(result.outsiders)
     others = [p for p in result.group if p != me and p not in outsiders]
     return sorted(others, key=lambda p: p in failed)
+
+
+def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool) -> list[str]:
+    """The members of `result`'s group that failed in its all-reduce and gave no sign of life since: not
+    expected in the next groups until they heartbeat again (membership.suspect). A reducer that answered
+    the mending is alive (the failure was on the way to this worker only); once nothing is missing
+    (`mended`) every reducer delivered its part to someone. An outsider answered as well: it is in no such
+    group (a leader counted it in after it had given up on the leader). Suspected, it was left out of the
+    next rounds' expected count: a leader's target fell one short, the outsider filled the place first, and
+    the member that place was meant for borrowed, round after round (busy run F7)."""
+    alive = {*answered, *result.outsiders, *(result.failed_reducers if mended else ())}
+    return [p for p in (*result.failed_reducers, *result.banned_senders) if p not in alive]
 
 
 class RoundExchange:
@@ -268,10 +280,7 @@ class RoundExchange:
             collected = self._collect(mending_order(result, self.stage.peer_id), start=raw)
             raw, answered, mended_from = collected.average or raw, collected.answered, collected.mended_from
             bytes_received += collected.bytes_received
-        # a reducer that answered is alive (the failure was on the way to this worker only), and when
-        # nothing is missing any more every reducer delivered its part to someone
-        alive = set(answered) | (set(result.failed_reducers) if not raw.missing else set())
-        self.membership.suspect([p for p in result.failed_reducers + result.banned_senders if p not in alive])
+        self.membership.suspect(suspects_after(result, answered, mended=not raw.missing))
         return raw.to_average(
             bytes_sent=result.bytes_sent,
             bytes_received=bytes_received,

@@ -17,7 +17,7 @@ from dilocox_p2p import injection
 from dilocox_p2p.swarm import dial
 from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
 from dilocox_p2p.swarm.averager import RoundResult
-from dilocox_p2p.swarm.exchange import mending_order
+from dilocox_p2p.swarm.exchange import mending_order, suspects_after
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
 from dilocox_p2p.swarm.membership import config_diff
 
@@ -37,6 +37,16 @@ def test_a_member_mends_from_the_others_whose_reducers_delivered_first_and_never
     result = RoundResult(round=7, group=["a", "b", "c", "d", "e"], group_id=b"g", missing=((0, 4),),
                          failed_reducers=["b", "e"], banned_senders=["e"], outsiders=["e"])  # fmt: skip
     assert mending_order(result, "c") == ["a", "d", "b"]  # e never learnt of the group: it holds no copy
+
+
+def test_a_failed_reducer_is_suspected_unless_it_answered_or_was_in_no_such_group():
+    result = RoundResult(round=3, group=["a", "b", "c", "d"], group_id=b"g", missing=((0, 4),),
+                         failed_reducers=["b", "c", "d"], outsiders=["d"])  # fmt: skip
+    # d answered that it is in no such group: alive, and expected in the next round like any member
+    assert suspects_after(result, answered=["c"], mended=False) == ["b"]
+    assert suspects_after(result, answered=[], mended=True) == []  # mended: every reducer delivered to someone
+    banned = RoundResult(round=3, group=["a", "b"], group_id=b"g", missing=(), banned_senders=["b"])
+    assert suspects_after(banned, answered=[], mended=True) == ["b"]
 
 
 def test_a_member_whose_every_other_member_was_in_no_such_group_holds_no_average_of_a_group():
