@@ -61,6 +61,7 @@ from .dial import redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
 from .matchmaking import (
+    count_extra_followers,
     drop_stale_searches,
     hold_matchmaking_tasks,
     joining,
@@ -207,6 +208,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self.fragments = as_fragments(fragments, len(averaged_tensors))
         self.signer, self.gate, self.max_norm_ratio = signer, gate, max_norm_ratio
         self._admitted: frozenset[str] = frozenset()  # this round's admissible group members (prepare_round)
+        self._expected: frozenset[str] | None = None  # the members this round's target counts (None: any member)
+        self._extras: set[str] = set()  # followers accepted this round that the target did not count
         self._refusals = RefusalLog()
         self._refused_total = mp.Value(ctypes.c_int64, 0)  # read by the host for the requests_refused count
         self._boundary = mp.Value(ctypes.c_int64, -1)
@@ -312,13 +315,16 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         *,
         admitted: Sequence[str] = (),
         banned: Sequence[str] = (),
+        expected: Sequence[str] | None = None,
     ) -> bytes:
         """Set up the next step: its round, target group size, the workers it may group with (`admitted`,
         besides this one) and those banned, and with compression this worker's phase-1 message (the step
-        then all-gathers messages instead of running the butterfly). Returns the signed GroupTicket
-        to pass to `step(gather=...)`."""
+        then all-gathers messages instead of running the butterfly). `expected`: the other workers the target
+        counts; a follower outside them raises the target by one as it joins (matchmaking.count_extra_followers).
+        Returns the signed GroupTicket to pass to `step(gather=...)`."""
         size = self._stage(payload) if payload is not None else -1
-        kwargs = dict(round=round, target=target_group_size, payload_size=size, admitted=list(admitted), banned=list(banned))
+        kwargs = dict(round=round, target=target_group_size, payload_size=size, admitted=list(admitted), banned=list(banned),
+                      expected=None if expected is None else list(expected))  # fmt: skip
         self._call("_prepare_round", 30.0, **kwargs)
         return self.signer.seal(envelope_pb2.GroupTicket(schema=self.schema_hash), round=round)
 
@@ -374,8 +380,9 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
 
     # ----- averager process: the all-reduce -------------------------------------------------
     async def _prepare_round(
-        self, round: int, target: int, payload_size: int, admitted: list[str], banned: list[str], future: MPFuture
-    ) -> None:
+        self, round: int, target: int, payload_size: int, admitted: list[str], banned: list[str],
+        expected: list[str] | None, future: MPFuture,
+    ) -> None:  # fmt: skip
         try:
             self._payload = self._unstage(payload_size) if payload_size >= 0 else None
             self._admitted = frozenset(admitted) - frozenset(banned)
@@ -385,6 +392,9 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
                 _ask_only_admitted_leaders(mm.potential_leaders, self)
             hold_matchmaking_tasks(mm, self._stale_step)  # a cancelled step unwinds, and never looks again
             track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
+            count_extra_followers(mm, self._count_extra)  # a follower the target did not count raises it
+            self._expected = None if expected is None else frozenset(expected)
+            self._extras = set()
             mm.group_key_manager.group_bits = round_group_bits(round)
             # hivemind rotates the bits after a group forms (and fails when a group outgrows the target
             # size); the bits here are set per round, so that update is switched off
@@ -398,10 +408,18 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             future.set_exception(e)
 
     async def _lower_target(self, round: int, target: int, future: MPFuture) -> None:
-        try:
-            future.set_result(round == self._current_round and await lower_target(self._matchmaking, target))
+        try:  # the followers that joined beyond the expected members still count
+            lowered = round == self._current_round and await lower_target(self._matchmaking, target + len(self._extras))
+            future.set_result(lowered)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
+
+    def _count_extra(self, peer: str) -> bool:
+        """Whether `peer`, accepted as a follower, is one this round's target did not count (once per round)."""
+        if self._expected is None or peer in self._expected or peer in self._extras:
+            return False
+        self._extras.add(peer)
+        return True
 
     def _stale_step(self, step: Any) -> bool:
         """Whether hivemind's `step` carries the ticket of another round than the one prepared last (a cancelled

@@ -80,6 +80,7 @@ class RoundExchange:
         self.stage, self.round, self.tensors = stage, round, tensors
         self.sw, self.averager, self.membership = stage.sw, stage.averager, stage.membership
         self._control: Any = None  # hivemind's StepControl while the all-reduce runs
+        self._expected: list[str] = []  # the other members this round's target counts (phase 1)
         self._window_start = 0.0
 
     def abandoned(self) -> bool:
@@ -103,6 +104,7 @@ class RoundExchange:
         self._play_hostile()
         # Phase 1: wait until the stage's live members have started this round
         others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self.abandoned)
+        self._expected = [m.peer_id for m in others]
         if self.abandoned():
             return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if not others:
@@ -154,7 +156,7 @@ class RoundExchange:
                     buf.copy_(t)
         ticket = self.averager.prepare_round(
             self.round, expected, payload=payload,
-            admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()),
+            admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()), expected=self._expected,
         )  # fmt: skip
         started = time.monotonic()
         self._control = self.averager.step(

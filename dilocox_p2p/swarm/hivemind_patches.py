@@ -50,6 +50,9 @@ PATCHES: dict[str, str] = {
     "Matchmaking._request_join_group": "wrapped (matchmaking.track_join_requests) to count requests in flight: a "
     "part that reaches a follower before its leader's ACCEPTED waits for that answer instead of BAD_GROUP_ID",
     "Matchmaking.request_timeout": "read: how long a part waits for a request in flight to end",
+    "Matchmaking._check_reasons_to_reject": "wrapped (matchmaking.count_extra_followers): a follower accepted that the "
+    "round's target did not count (a suspect, alive after all) raises the target by one instead of taking the place "
+    "of a member the target was counted for",
     # averaging/allreduce.py: AllReduceRunner (our swarm/allreduce.py: ExactAllReduceRunner)
     "AllReduceRunner._communicate_with_peer": "own parts: averaged part registered as is; failures reported",
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference",

@@ -39,6 +39,13 @@ therefore not outside every group yet: `track_join_requests` counts those reques
 averager waits for them to end before it answers (answered at once, a busy start's round 0 lost
 a member that joined its group a moment later).
 
+A round's target counts the members this worker expects (those that started the round and are not
+suspected of having failed in an all-reduce: membership.py). A member left out of that count may still
+come: a suspect that is alive after all. Accepted first, it filled the place of a member the target was
+counted for, the group started without that member, and it borrowed the group's average (seen under
+load, where a member starved of CPU fails as a reducer now and then). `count_extra_followers` raises the
+target by one for each follower the leader did not count on, so the group waits for the members it did.
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
 not the one prepared last (`stale(step)`) finds no group at once instead of looking.
@@ -52,8 +59,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["drop_stale_searches", "hold_matchmaking_tasks", "joining", "lower_target", "outside_every_group", "set_target_size",
-           "track_join_requests"]
+__all__ = ["count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "lower_target",
+           "outside_every_group", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +127,24 @@ def track_join_requests(matchmaking: Any) -> None:
             matchmaking._dilocox_joining -= 1
 
     matchmaking._request_join_group = request_join_group_tracked
+
+
+def count_extra_followers(matchmaking: Any, extra: Callable[[str], bool]) -> None:
+    """Wrap `matchmaking._check_reasons_to_reject` (once): a follower that the leader accepts and that `extra`
+    says the round's target did not count (extra records it, and says so once per round) raises the target
+    by one (module docstring)."""
+    if getattr(matchmaking, "_dilocox_counts_extras", False):
+        return
+    matchmaking._dilocox_counts_extras = True
+    check = matchmaking._check_reasons_to_reject
+
+    def check_and_count(request: Any, context: Any) -> Any:
+        refusal = check(request, context)
+        if refusal is None and matchmaking.target_group_size is not None and extra(context.remote_id.to_base58()):
+            set_target_size(matchmaking, matchmaking.target_group_size + 1)
+        return refusal
+
+    matchmaking._check_reasons_to_reject = check_and_count
 
 
 def joining(matchmaking: Any) -> bool:

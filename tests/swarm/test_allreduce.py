@@ -44,6 +44,13 @@ class CollectingAverager(DilocoxAverager):
         future.set_result(None)
 
 
+class FollowedAverager(DilocoxAverager):
+    """Tells the followers its search has accepted so far (its averager process's matchmaking state)."""
+
+    async def _followers(self, future: MPFuture) -> None:
+        future.set_result(sorted(p.to_base58() for p in self._matchmaking.current_followers))
+
+
 class Group:
     def __init__(
         self, n: int, averager_class: type[DilocoxAverager] = DilocoxAverager, *,
@@ -220,6 +227,35 @@ def test_members_whose_third_left_the_round_group_at_once_instead_of_waiting_out
     finally:
         group.close()
 
+
+def test_a_follower_the_leader_did_not_count_on_raises_its_target_instead_of_taking_an_expected_members_place():
+    # the leader's target counts itself and one member it expects; the third is a suspect (it failed as a reducer
+    # under load) and alive after all. Accepted first, it filled the place meant for the expected member: the
+    # group of two started at once and the expected member borrowed (busy run F7). Now it raises the target.
+    group = Group(3, FollowedAverager, min_matchmaking_time=60.0)
+    try:
+        leader, member, suspect = group.averagers
+        ids = group.ids
+        controls = {}
+
+        def start(averager, target: int, expected: list[str]) -> None:
+            ticket = averager.prepare_round(8, target, admitted=ids, expected=expected)
+            controls[averager] = averager.step(gather=ticket, timeout=90.0, allow_retries=True, wait=False)
+            _wait_until_looking(controls[averager])
+
+        start(leader, 2, [ids[1]])
+        start(suspect, 3, [ids[0], ids[1]])
+        deadline = time.monotonic() + 30
+        # until the leader holds the suspect (or, counting it in its target of two, already started without the member)
+        while leader._call("_followers", 10.0) != [ids[2]] and controls[suspect].stage == AveragingStage.LOOKING_FOR_GROUP:
+            assert time.monotonic() < deadline, "the suspect never followed the leader"
+            time.sleep(0.05)
+        start(member, 2, [ids[0]])
+        for name, averager in (("leader", leader), ("suspect", suspect), ("member", member)):
+            result = controls[averager].result(timeout=30.0)  # within half the 60 s
+            assert sorted(result.group) == sorted(ids) and not result.missing, f"the {name}'s group: {result.group}"
+    finally:
+        group.close()
 
 
 def test_a_member_outside_every_group_answers_a_part_of_an_unknown_group_at_once(group):
