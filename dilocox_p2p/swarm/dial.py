@@ -7,24 +7,35 @@ rest of a round: a member's message "not received", an average nobody could fetc
 split in two (CI saw a topk round end that way). Requests that could not reach their peer are
 repeated every DIAL_RETRY_S for REDIAL_WINDOW_S (one backoff and a margin) within their deadline;
 a refused connection (nothing listens: the peer is gone), a refusal or a timeout of a reached
-peer are not repeated. A member that died costs a round at most that window.
+peer are not repeated.
+
+A peer in dial backoff may be gone, too: the dial that put it there found nothing listening (a
+member killed in an all-reduce: the others' parts to it were refused, and every request for its
+average then said "dial backoff"), and each survivor waited out the whole window for it, every
+round it died in (10 s, in tests and in the churn soak). Before asking again, the addresses the
+backoff names are probed with a plain TCP connection: when each refuses it, the peer is gone. An
+address that cannot be probed (relayed, QUIC) or that does not answer at all keeps the window.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-__all__ = ["redial", "unreachable"]
+__all__ = ["gone", "redial", "unreachable"]
 
 logger = logging.getLogger(__name__)
 
 DIAL_RETRY_S = 1.0
 REDIAL_WINDOW_S = 6.0
 _UNREACHABLE = ("failed to dial", "dial backoff", "Connect failed", "no addresses")
+PROBE_S = 0.5  # a TCP probe of a backed-off address that neither connects nor is refused within it proves nothing
+_BACKED_OFF = re.compile(r"\[([^\]]+)\] dial backoff")  # go-libp2p: "  * [MULTIADDR] dial backoff" per address
+_PLAIN_TCP = re.compile(r"/ip[46]/([^/]+)/tcp/(\d+)")
 
 T = TypeVar("T", bound=tuple)
 
@@ -33,6 +44,25 @@ def unreachable(reason: str) -> bool:
     """Whether a request failed because its peer could not be dialed for now (not because the peer answered,
     nor because nothing listens at its address)."""
     return any(marker in reason for marker in _UNREACHABLE) and "connection refused" not in reason
+
+
+async def gone(reason: str, *, probe_s: float = PROBE_S) -> bool:
+    """Whether the peer a failed request named in dial backoff (`reason`) is gone: every address the backoff
+    names is plain TCP and refuses a connection now (module docstring)."""
+    addresses = [_PLAIN_TCP.fullmatch(maddr) for maddr in _BACKED_OFF.findall(reason)]
+    if not addresses or not all(addresses):
+        return False
+    for address in addresses:
+        assert address is not None
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(address[1], int(address[2])), timeout=probe_s)
+        except ConnectionRefusedError:
+            continue
+        except (OSError, asyncio.TimeoutError, ValueError):
+            return False
+        writer.close()
+        return False  # something listens there
+    return True
 
 
 async def redial(
@@ -47,7 +77,7 @@ async def redial(
     while its peer cannot be dialed, for at most `window_s` and until `deadline` (time.monotonic())."""
     result = await call()
     tries, until = 1, min(deadline, time.monotonic() + window_s)
-    while unreachable(str(result[1])) and until - time.monotonic() > retry_s:
+    while unreachable(str(result[1])) and until - time.monotonic() > retry_s and not await gone(str(result[1])):
         if tries == 1:
             logger.info("%s: the peer could not be dialed (%s); asking again for a few seconds", what,
                         str(result[1])[:120])  # fmt: skip

@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 import logging
+import socket
 
 import pytest
 
@@ -166,6 +167,30 @@ def test_a_peer_that_could_not_be_dialed_is_asked_again_until_it_answers_or_the_
     refused = [(None, "failed to dial: dial tcp4 127.0.0.1:1: connect: connection refused", 0)]
     assert _calls(dial.redial, refused, 60, **fast)[0] == 1  # nothing listens there: not asked again
     assert dial.REDIAL_WINDOW_S > 5.0  # the real window outlasts go-libp2p's first dial backoff (5 s)
+
+
+def test_a_peer_in_dial_backoff_whose_every_address_refuses_a_connection_is_gone_and_not_asked_again():
+    # a member killed in an all-reduce: the dial that put it in backoff found nothing listening, and every
+    # survivor asked it again for the whole window (dial.py); a plain TCP probe of the addresses tells
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+        live, dead = listening.getsockname()[1], closed.getsockname()[1]
+
+        def backoff(*ports: int) -> str:
+            named = "".join(f"\\n  * [/ip4/127.0.0.1/tcp/{p}] dial backoff" for p in ports)
+            return f"ControlFailure('Connect failed. msg=failed to dial: failed to dial 12D3KooX: all dials failed{named}')"
+
+        assert asyncio.run(dial.gone(backoff(dead)))
+        assert not asyncio.run(dial.gone(backoff(dead, live)))  # one address still listens: maybe it is there
+        assert not asyncio.run(dial.gone("failed to dial: dial backoff"))  # no address named: nothing to probe
+        relayed = "all dials failed\\n  * [/ip4/1.2.3.4/tcp/4001/p2p/12D3KooR/p2p-circuit] dial backoff"
+        assert not asyncio.run(dial.gone(relayed))
+        assert not asyncio.run(dial.gone(backoff(dead) + relayed))  # a relay may still reach it
+        fast = dict(what="test", retry_s=0.05, window_s=0.3)
+        assert _calls(dial.redial, [(None, backoff(dead), 0)], 60, **fast)[0] == 1
+        assert _calls(dial.redial, [(None, backoff(live), 0)], 60, **fast)[0] > 1
 
 
 def _calls(redial, values, within: float, **kwargs) -> tuple[int, str]:
