@@ -152,8 +152,16 @@ def start_dht(
         kwargs.update(use_auto_relay=True, trusted_relays=list(cfg.initial_peers) or None)
     targets = [*cfg.initial_peers, *extra_peers]
     for attempt in range(JOIN_ATTEMPTS):
-        if targets:  # a peer still starting (or restarting), or this peer's stage 0, is tried the moment it listens
-            wait_until_listening(targets, timeout=JOIN_RETRY_S * max(attempt, 1))
+        # a peer still starting (or restarting), or this peer's stage 0, is tried the moment it listens; while
+        # none does, starting a node (a p2p daemon that dials them) cannot join: it is not started in vain
+        listening = not targets or wait_until_listening(targets, timeout=JOIN_RETRY_S * max(attempt, 1))
+        if not listening and cfg.initial_peers:
+            if attempt + 1 < JOIN_ATTEMPTS:
+                logger.warning("no initial peer accepts connections yet; waiting up to %d s more",
+                               JOIN_RETRY_S * (attempt + 1))  # fmt: skip
+                continue
+            _raise_start_error(cfg, ConnectionRefusedError("no initial peer accepts TCP connections at its address"),
+                               unreachable=True)  # fmt: skip
         try:
             return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
         except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
