@@ -57,7 +57,7 @@ from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
 from .allreduce import ExactAllReduceRunner
-from .dial import redial, unreachable
+from .dial import gone, redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
 from .matchmaking import (
@@ -79,6 +79,7 @@ logger = logging.getLogger(__name__)
 ROUND_BITS = 24
 KEEP_AVERAGES = 3  # recent rounds' averages kept for group members that miss parts of theirs
 MAX_WAIT_S = 600.0  # the longest a request may ask a donor to wait
+RESTARTED = "this worker restarted"  # the reason a worker lacks a round's average: its process began after it
 ALIVE_CHECK_S = 1.0  # a call into the averager process checks that the process lives this often
 GATHER_SHARE = 0.7  # share of allreduce_timeout the first gather of a compressed round may take
 JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
@@ -152,6 +153,9 @@ class Collected:
     failures: list[str] = field(default_factory=list)
     lacking: list[str] = field(default_factory=list)
     """Members that answered that they have no average of the round either."""
+    gone: list[str] = field(default_factory=list)
+    """Members that left the round: nothing listens at their addresses any more (dial.gone), or they restarted
+    since (RESTARTED). Neither announces its copy of the round's average."""
     bytes_received: int = 0
 
 
@@ -219,6 +223,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._state_asked = mp.Value(ctypes.c_int64, -1)  # the boundary a state fetch from the host is for
         self._state_fetch: asyncio.Lock | None = None  # one fetch at a time (averager process): _state_asked is shared
         self._failed_round = mp.Value(ctypes.c_int64, -1)  # the latest round whose exchange failed here
+        self._life_start = mp.Value(ctypes.c_int64, -1)  # the boundary this process started from (set_life_start)
         self._counted_out = mp.Value(ctypes.c_int64, -1)  # the latest round a group it never learnt of held it
         self._state_provider: StateProvider | None = None
         self._current_round = -1
@@ -245,6 +250,11 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         with self._boundary.get_lock():
             self._boundary.value = boundary
             self._state_ready.value = ready
+
+    def set_life_start(self, boundary: int) -> None:
+        """This worker's process started from `boundary` (its checkpoint's, 0 if new): it holds no average of an
+        earlier round, and says so at once to a member of that round's group that asks (RESTARTED)."""
+        self._life_start.value = boundary
 
     def mark_failed(self, round: int) -> None:
         """This worker's own exchange of `round` failed: members asking for its average are told at once
@@ -682,11 +692,15 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             if got is None and unreachable(reason):
                 unreached.append(peer)
                 continue
+            if got is None and ("connection refused" in reason or RESTARTED in reason):
+                out.gone.append(peer)
             if self._noted(out, peer, got, reason, size):
                 yield peer, got
         for peer in unreached:
             got, reason, size = await redial(lambda: self._fetch_within(peer, round, wait_s, deadline), deadline,
                                              what=f"round {round}: the average held by {peer}")  # fmt: skip
+            if got is None and unreachable(reason) and await gone(reason):
+                out.gone.append(peer)
             if self._noted(out, peer, got, reason, size):
                 yield peer, got
 
@@ -763,8 +777,11 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
 
+        def restarted() -> bool:  # the member of that round's group that asks knew this worker's earlier life
+            return request.round < self._life_start.value
+
         def lacking() -> bool:
-            return self._current_round > request.round or self._failed_round.value == request.round
+            return self._current_round > request.round or self._failed_round.value == request.round or restarted()
 
         while request.round not in self._held and time.monotonic() < deadline and not lacking():
             await asyncio.sleep(0.2)
@@ -777,6 +794,8 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             return
         if held is None:
             header.status = swarm_pb2.STATE_LACKING if lacking() else swarm_pb2.STATE_NOT_READY
+            if restarted():
+                header.reason = f"{RESTARTED} at round {self._life_start.value}"
             yield self._head(header, nonce=nonce)
             return
         chunks, digest = self._tensor_chunks(held.tensors)

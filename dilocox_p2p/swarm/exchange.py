@@ -81,6 +81,7 @@ class RoundExchange:
         self.sw, self.averager, self.membership = stage.sw, stage.averager, stage.membership
         self._control: Any = None  # hivemind's StepControl while the all-reduce runs
         self._expected: list[str] = []  # the other members this round's target counts (phase 1)
+        self._gone: set[str] = set()  # members found gone while collecting: nothing listens at their addresses
         self._window_start = 0.0
 
     def abandoned(self) -> bool:
@@ -316,6 +317,7 @@ class RoundExchange:
         )
         for failure in collected.failures:
             self.stage.faults.count("downloads_failed", "round %d: no average from %s", self.round, failure)
+        self._gone.update(collected.gone)
         return collected
 
     # ----- phase 5 -------------------------------------------------------------------------
@@ -407,11 +409,14 @@ class RoundExchange:
         after one chunk timeout, not the ones that failed in this round (suspects), left, or no longer train
         (a member restarted since, joining or taking the swarm's state, never announces this round's copy:
         waiting for it held the round's average back for allreduce_timeout, and its own state download
-        with it, 60 s of a restart)."""
+        with it, 60 s of a restart). One found gone while this worker collected (nothing listens at its
+        addresses: it died in the round) is not waited for at all: a member killed in a pair's all-reduce
+        held the survivor's round back a chunk timeout more."""
         members = {m.peer_id: m for m in self.membership.members(others_only=False)}
         return {
             p for p in silent
-            if not (p in members and self.membership.finished(members[p], self.round))
+            if p not in self._gone
+            and not (p in members and self.membership.finished(members[p], self.round))
             and (waited < self.sw.chunk_timeout or (p in members and members[p].record.training))
         }  # fmt: skip
 

@@ -146,6 +146,7 @@ class SwarmStageWorker(StageWorker):
     # ----- start ----------------------------------------------------------------------------------
     def on_start(self, start: int) -> int:
         swarm = self.swarm
+        swarm.averager.set_life_start(start)  # a member that asks for an average of before `start` is told at once
         swarm.start()
         self.outer.before_step = self._keep_for_joiner
         self._announce(swarm.maddrs())

@@ -172,6 +172,21 @@ def test_a_member_without_an_average_borrows_the_whole_average_from_the_group(gr
     assert nothing.average is None and len(nothing.failures) == 2
 
 
+def test_a_member_restarted_since_says_at_once_that_it_holds_no_average_of_a_round_before_its_restart(group):
+    # a member killed in round 4's all-reduce and restarted from its checkpoint at once: the others, mending round
+    # 4, asked the new process for its copy and it held each request for the whole wait; it answers at once now,
+    # and the asker knows it will never announce a copy of that round either (exchange.py, _awaited)
+    asking, restarted = group.averagers[0], group.averagers[1]
+    restarted.set_life_start(5)
+    started = time.monotonic()
+    collected = asking.collect(4, [group.ids[1]], start=None, wait_s=10.0, deadline_s=30.0)
+    assert time.monotonic() - started < 5.0, "the restarted member held the request"
+    assert collected.average is None and collected.gone == [group.ids[1]]
+    assert "restarted at round 5" in collected.failures[0], collected.failures
+    later = asking.collect(5, [group.ids[1]], start=None, wait_s=0.5, deadline_s=30.0)  # it may still hold round 5's
+    assert later.average is None and later.gone == [] and "STATE_NOT_READY" in later.failures[0], later.failures
+
+
 def test_a_step_cancelled_while_it_looks_for_a_group_leaves_the_averager_able_to_group_again():
     # hivemind does not await the matchmaking it cancels, and only weak references hold it while its clean-up
     # waits for the DHT: collected halfway, it kept the matchmaking locks, and that averager never grouped again
