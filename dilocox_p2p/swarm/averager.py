@@ -434,8 +434,9 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
     def _stale_step(self, step: Any) -> bool:
         """Whether hivemind's `step` carries the ticket of another round than the one prepared last (a cancelled
         step that hivemind retried: matchmaking.py)."""
-        try:
-            signed = envelope_pb2.SignedEnvelope.FromString(step.data_for_gather or b"")
+        try:  # hivemind's data for gather: (bandwidth, mode, user data), our signed ticket the user data
+            _, _, user = self.serializer.loads(step.data_for_gather)
+            signed = envelope_pb2.SignedEnvelope.FromString(self.serializer.loads(user))
             return envelope_pb2.Envelope.FromString(signed.body).round != self._current_round
         except Exception:  # noqa: BLE001 - not a ticket of ours: the group's checks refuse it
             return False

@@ -34,7 +34,6 @@ DIAL_RETRY_S = 1.0
 REDIAL_WINDOW_S = 6.0
 _UNREACHABLE = ("failed to dial", "dial backoff", "Connect failed", "no addresses")
 PROBE_S = 0.5  # a TCP probe of a backed-off address that neither connects nor is refused within it proves nothing
-_BACKED_OFF = re.compile(r"\[([^\]]+)\] dial backoff")  # go-libp2p: "  * [MULTIADDR] dial backoff" per address
 _PLAIN_TCP = re.compile(r"/ip[46]/([^/]+)/tcp/(\d+)")
 
 T = TypeVar("T", bound=tuple)
@@ -47,13 +46,18 @@ def unreachable(reason: str) -> bool:
 
 
 async def gone(reason: str, *, probe_s: float = PROBE_S) -> bool:
-    """Whether the peer a failed request named in dial backoff (`reason`) is gone: every address the backoff
-    names is plain TCP and refuses a connection now (module docstring)."""
-    addresses = [_PLAIN_TCP.fullmatch(maddr) for maddr in _BACKED_OFF.findall(reason)]
-    if not addresses or not all(addresses):
+    """Whether the peer of a failed dial (`reason`, go-libp2p's "* [MULTIADDR] why" per address) is gone:
+    every address it names refused the connection, or is in dial backoff and refuses a plain TCP probe now
+    (module docstring). An address that failed otherwise, or cannot be probed, may still reach it."""
+    entries = [chunk.split("]", 1) for chunk in reason.split("* [")[1:]]
+    if not entries or any(len(entry) != 2 for entry in entries):
         return False
-    for address in addresses:
-        assert address is not None
+    for maddr, why in entries:
+        if "connection refused" in why.split("* [")[0]:
+            continue
+        address = _PLAIN_TCP.fullmatch(maddr)
+        if "dial backoff" not in why or address is None:
+            return False
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(address[1], int(address[2])), timeout=probe_s)
         except ConnectionRefusedError:

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, TimeoutError
+from concurrent.futures import Future, InvalidStateError, TimeoutError
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +61,15 @@ def mending_order(result: RoundResult, me: str) -> list[str]:
     return sorted(others, key=lambda p: p in failed)
 
 
+def _cancel_step(control: Any) -> None:
+    """Cancel hivemind's step; one the averager process already ended (a stale search it dropped when the next
+    round was prepared: matchmaking.drop_stale_searches) cannot be cancelled again, and needs not be."""
+    try:
+        control.cancel()
+    except InvalidStateError:
+        logger.debug("the step was already ended by the averager process")
+
+
 def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool) -> list[str]:
     """The members of `result`'s group that failed in its all-reduce and gave no sign of life since: not
     expected in the next groups until they heartbeat again (membership.suspect). A reducer that answered
@@ -90,7 +99,7 @@ class RoundExchange:
     def cancel(self) -> None:
         control = self._control
         if control is not None:
-            control.cancel()
+            _cancel_step(control)
 
     def run(self) -> Average:
         finite = is_finite(self.tensors)
@@ -184,7 +193,9 @@ class RoundExchange:
         train, the target is lowered: a leader holding them all starts the group instead of waiting out
         round_wait for a member that left (matchmaking.lower_target). And at once when a leader counted this
         worker into a group after it had given up on the leader: its members asked it for its part (it borrows
-        their average). Returns (the result, why there is none)."""
+        their average). A member that is gone (killed: its record still says it trains) is found by a probe
+        and left out of the target too (membership.drop_gone). Returns (the result, why there is none)."""
+        probed = False
         while True:
             try:
                 return self._control.result(timeout=1.0), ""
@@ -193,18 +204,22 @@ class RoundExchange:
             if self._control.stage != AveragingStage.LOOKING_FOR_GROUP:
                 continue
             if self.averager.counted_out(self.round):  # the others average without it, in a group it never joined
-                self._control.cancel()
+                _cancel_step(self._control)
                 return None, "a leader counted this worker into a group after it had given up on the leader"
             if time.monotonic() - started < self.sw.round_wait / 4:
                 continue
             if not self.membership.refresh():
                 continue  # a failed lookup says nothing about who trains
             others = self.membership.members(training_only=True)
+            if not probed:  # a member killed in the round left a record that still says it trains
+                probed = True
+                if self.membership.drop_gone([m.peer_id for m in others], self.round):
+                    others = self.membership.members(training_only=True)
             if any(self.membership.finished(m, self.round) for m in others):
-                self._control.cancel()
+                _cancel_step(self._control)
                 return None, "the stage group averaged without this worker"
             if not others:
-                self._control.cancel()
+                _cancel_step(self._control)
                 return None, "no other member of the stage group trains any more"
             if 1 + len(others) < target:
                 target = 1 + len(others)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from concurrent.futures import InvalidStateError
 from collections.abc import Callable
 from typing import Any
 
@@ -78,7 +79,7 @@ def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> di
     async def look_for_group_held(step: Any, *args: Any, **kwargs: Any) -> Any:
         if stale(step):
             logger.debug("a step of an earlier round looked for a group again; it is cancelled")
-            step.cancel()
+            _cancel_step(step)
             return None
         task = asyncio.current_task()
         if task is not None:
@@ -104,11 +105,19 @@ def drop_stale_searches(matchmaking: Any, stale: Callable[[Any], bool]) -> int:
     pair split test)."""
     dropped = 0
     for task, step in list(getattr(matchmaking, "_dilocox_held_tasks", {}).items()):
-        if not task.done() and stale(step):
-            step.cancel()
+        if not task.done() and not task.cancelling() and stale(step):
+            _cancel_step(step)
             task.cancel()
             dropped += 1
     return dropped
+
+
+def _cancel_step(step: Any) -> None:
+    """Cancel hivemind's StepControl; one cancelled already (its cancel signal is set) raises, and needs nothing."""
+    try:
+        step.cancel()
+    except InvalidStateError:
+        logger.debug("the step was cancelled already")
 
 
 def track_join_requests(matchmaking: Any) -> None:

@@ -28,6 +28,7 @@ __all__ = ["Membership", "config_diff"]
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
+PROBE_AFTER_S = 1.0  # members still not at a round after this long are probed once: gone ones are not waited for
 BARRIER_POLL_S = 0.25  # the start barrier is looked at more often: every peer of the quorum waits on it
 
 
@@ -52,10 +53,13 @@ class Membership:
         self._lock = threading.Lock()
         self._members: list[Member] = []
         self._suspects: dict[str, float] = {}  # peer id -> DHT time it failed in an all-reduce
+        self._gone: dict[str, float] = {}  # peer id -> joined_at of the life found gone (drop_gone); a restart is a new one
         self._refused: set[str] = set()
         self._banned: set[str] = set()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="members", daemon=True)
+        # which of some peers are gone (their p2p daemon refuses connections): reconnect.RouteKeeper.gone
+        self.prober: Callable[[list[str]], list[str]] | None = None
 
     def start(self) -> None:
         self.refresh()
@@ -93,11 +97,12 @@ class Membership:
         `suspects_too` (a suspect is not grouped with, but its state still counts: agreement.py)."""
         with self._lock:
             members = list(self._members)
-            suspects, banned = dict(self._suspects), set(self._banned)
+            suspects, banned, gone = dict(self._suspects), set(self._banned), dict(self._gone)
         return [
             m
             for m in members
             if m.record.config_hash == self.config_hash
+            and gone.get(m.peer_id) != m.record.joined_at  # not the record of a life found gone
             and (m.record.training or not training_only)
             and (m.peer_id != self.peer_id or not others_only)
             and m.peer_id not in banned
@@ -127,6 +132,20 @@ class Membership:
         with self._lock:
             for peer_id in peer_ids:
                 self._suspects[peer_id] = now
+
+    def drop_gone(self, peer_ids: list[str], round: int) -> list[str]:
+        """Probe `peer_ids` (members this worker waits for); the ones that are gone are no members any more (until
+        a new life of theirs publishes a record), and are returned. A peer killed with SIGKILL leaves a live member
+        record behind, and the others waited for it: to start a round, in matchmaking, for its final state
+        (reconnect.py)."""
+        gone = self.prober(peer_ids) if self.prober is not None and peer_ids else []
+        if gone:
+            logger.info("round %d: %s gone (nothing listens at their addresses): not waited for", round,
+                        ", ".join(p[-8:] for p in gone))  # fmt: skip
+            with self._lock:
+                lives = {m.peer_id: m.record.joined_at for m in self._members}
+                self._gone.update((peer_id, lives[peer_id]) for peer_id in gone if peer_id in lives)
+        return gone
 
     def forgive(self) -> None:
         """Drop every suspicion: this worker was the one behind (frozen, or on a stale state), so the
@@ -160,13 +179,19 @@ class Membership:
         makes it poll the DHT in a tight loop for as long as the slowest peer needs (measured:
         most of a CPU core on a 2-core machine while a peer is one round behind).
         """
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline, probed = started + timeout, False
         while True:
             self.refresh()
             coming = [m for m in self.members(training_only=True)
                       if m.record.averaging_round >= round - 1 or m.record.boundary == round]  # fmt: skip
-            if all(m.record.averaging_round >= round for m in coming) or time.monotonic() >= deadline or give_up():
+            late = [m.peer_id for m in coming if m.record.averaging_round < round]
+            if not late or time.monotonic() >= deadline or give_up():
                 return coming
+            if not probed and time.monotonic() - started >= PROBE_AFTER_S:
+                probed = True
+                if self.drop_gone(late, round):
+                    continue
             time.sleep(POLL_S)
 
     def wait_for_peers(self, count: int, timeout: float, *, give_up: Callable[[], bool] = lambda: False) -> list[str]:

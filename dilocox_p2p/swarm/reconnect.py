@@ -14,6 +14,12 @@ route is left, the members it saw in the last FORGET_S seconds. It pings each; a
 both routing tables (hivemind adds the caller of every incoming call), and the first DHT lookup
 after that finds the rest of the swarm through it. A worker that lost every route is counted
 (`routes_lost`) and says when it is back.
+
+`RouteKeeper.gone` tells which of some members are gone: their p2p daemon refuses connections
+(a peer killed with SIGKILL leaves its member record behind for MEMBER_TTL_S, and the others
+took it for a training member: they waited round_wait for it in matchmaking, then again for it
+to start the next round). A member that the daemon reaches, or whose addresses do not answer at
+all (a stopped process, a link down), is not gone: it may come back.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
 from .dht import dht_result
+from .dial import gone
 from .faults import FaultCounter
 
-__all__ = ["FORGET_S", "RECONNECT_S", "RouteKeeper", "ping_missing"]
+__all__ = ["FORGET_S", "RECONNECT_S", "RouteKeeper", "gone_peers", "ping_missing"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,23 @@ async def ping_missing(_dht: Any, node: Any, initial: Sequence[str], members: Se
     return len(present), [peer for peer in answers if peer]
 
 
+GONE_PROBE_S = 2.0  # how long a probe of one member may take (a connection refused answers at once)
+
+
+async def gone_peers(_dht: Any, node: Any, peers: Sequence[str]) -> list[str]:
+    """In the DHT process: those of `peers` whose every known address refuses a connection (module docstring)."""
+
+    async def probe(peer: str) -> str | None:
+        try:
+            await asyncio.wait_for(node.p2p._client.connect(PeerID.from_base58(peer), []), GONE_PROBE_S)
+        except Exception as e:  # noqa: BLE001 - go-libp2p names each address and why its dial failed
+            return peer if await gone(str(e)) else None
+        return None
+
+    answers = await asyncio.gather(*(probe(peer) for peer in peers[:MAX_PINGS]))
+    return [peer for peer in answers if peer]
+
+
 class RouteKeeper:
     """Keeps this worker's DHT node connected to the swarm (module docstring). `members`: the other members
     of the stage as last looked up, peer id -> whether it trains (a member that left cleanly said it does not)."""
@@ -113,6 +137,20 @@ class RouteKeeper:
             except Exception as e:  # noqa: BLE001 - the DHT process may be shutting down; the next look tries again
                 if not self._closed.is_set() and self.dht.is_alive():
                     logger.debug("routing table check failed: %r", e)
+
+    def gone(self, peers: Sequence[str]) -> list[str]:
+        """Those of `peers` that are gone (module docstring); [] if the DHT process could not tell in time."""
+        if not peers:
+            return []
+        try:
+            return dht_result(
+                self.dht, self.dht.run_coroutine(functools.partial(gone_peers, peers=tuple(peers)), return_future=True),
+                "a probe of members", check_s=WAIT_SLICE_S, deadline=time.monotonic() + GONE_PROBE_S + 3,
+                cancelled=self._closed.is_set,
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - nothing is concluded from a probe that failed
+            logger.debug("could not probe %d members: %r", len(peers), e)
+            return []
 
     def look(self) -> list[str]:
         """One look: ask the missing peers again; the ones that answered."""

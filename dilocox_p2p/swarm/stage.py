@@ -135,6 +135,7 @@ class SwarmStage:
             self.dht, initial_peers=[*self.sw.initial_peers, *extra_peers], faults=self.faults,
             members=lambda: {m.peer_id: m.record.training for m in self.membership.members()},
         )  # fmt: skip
+        self.membership.prober = self.routes.gone
         self._closed = False
 
     def fragment_indices(self, round: int) -> list[int]:

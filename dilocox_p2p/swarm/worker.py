@@ -75,6 +75,7 @@ class SwarmStageWorker(StageWorker):
         startup.mark("dht")
         self._offered = -1  # the boundary whose state joiners may download (its round record is out)
         self._leave_by: float | None = None  # time.monotonic() by which it leaves after the last round
+        self._final_probed = False  # whether the members silent at the final round were probed (_all_hold)
         self._last_boundary = time.monotonic()  # when this worker last reached a boundary (or started)
         self._stop = threading.Event()  # set by the stop signal; a watcher then abandons the exchanges
         threading.Thread(target=self._abandon_on_stop, name="stop-watch", daemon=True).start()
@@ -391,7 +392,11 @@ class SwarmStageWorker(StageWorker):
         except Exception as e:
             self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
             return False
-        return all(hashes.get(p) == ours for p in others)
+        silent = sorted(p for p in others if hashes.get(p) != ours)
+        if silent and not self._final_probed:  # a member killed in the last rounds never announces one
+            self._final_probed = True
+            silent = sorted(set(silent) - set(self.swarm.membership.drop_gone(silent, boundary)))
+        return not silent
 
     def after_boundary(self, boundary: int, state_hash: str, outcome: RoundOutcome) -> None:
         self._publish(boundary, state_hash=state_hash, outcome=outcome)

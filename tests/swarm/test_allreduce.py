@@ -273,6 +273,25 @@ def test_a_follower_the_leader_did_not_count_on_raises_its_target_instead_of_tak
         group.close()
 
 
+def test_a_search_of_an_earlier_round_is_cancelled_when_the_next_round_is_prepared(group):
+    # a step that hivemind retried went on looking under the next round's group key with its old ticket: every
+    # leader refused it, and it held the matchmaking lock the next round's step waited for (a late joiner's
+    # round 18 stalled 10 s that way); preparing a round cancels such a search
+    member = group.averagers[0]
+    ticket = member.prepare_round(11, 3, admitted=group.ids)
+    control = member.step(gather=ticket, timeout=60.0, allow_retries=True, wait=False)  # looks for a group alone
+    _wait_until_looking(control)
+    member.prepare_round(12, 3, admitted=group.ids)
+    deadline = time.monotonic() + 10.0
+    while control.stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert control.stage == AveragingStage.FINISHED, f"the round-11 search still runs: {control.stage}"
+    started = time.monotonic()
+    for result, _ in group.all_reduce(12, _inputs(3), weights=[1.0, 1.0, 1.0]):
+        assert sorted(result.group) == sorted(group.ids) and not result.missing
+    assert time.monotonic() - started < 10.0  # the round's target was met: nobody waited out the matchmaking time
+
+
 def test_a_member_outside_every_group_answers_a_part_of_an_unknown_group_at_once(group):
     # a leader may count in a follower that had given up on it (hivemind's matchmaking): that member never
     # learns of the group, and hivemind's member waited without end for it to register while the others

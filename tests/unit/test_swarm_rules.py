@@ -188,6 +188,10 @@ def test_a_peer_in_dial_backoff_whose_every_address_refuses_a_connection_is_gone
         relayed = "all dials failed\\n  * [/ip4/1.2.3.4/tcp/4001/p2p/12D3KooR/p2p-circuit] dial backoff"
         assert not asyncio.run(dial.gone(relayed))
         assert not asyncio.run(dial.gone(backoff(dead) + relayed))  # a relay may still reach it
+        refused = f"all dials failed\\n  * [/ip4/127.0.0.1/tcp/{dead}] dial tcp4 127.0.0.1:{dead}: connect: connection refused"
+        assert asyncio.run(dial.gone(refused)) and asyncio.run(dial.gone(refused + backoff(dead)[-60:]))
+        timed_out = "all dials failed\\n  * [/ip4/10.0.0.9/tcp/4001] dial tcp4 10.0.0.9:4001: i/o timeout"
+        assert not asyncio.run(dial.gone(refused + timed_out))  # that address may still reach it
         fast = dict(what="test", retry_s=0.05, window_s=0.3)
         assert _calls(dial.redial, [(None, backoff(dead), 0)], 60, **fast)[0] == 1
         assert _calls(dial.redial, [(None, backoff(live), 0)], 60, **fast)[0] > 1
