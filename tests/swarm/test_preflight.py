@@ -85,16 +85,23 @@ def test_doctor_passes_against_a_live_bootstrap_and_names_each_problem_with_its_
 def test_join_exits_75_when_no_initial_peer_answers_and_2_when_a_stage_port_is_taken(tmp_path):
     dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/12D3KooWPfUv6gf1EiQqcHcf457i1pkpsjdMW9R8F92hbH4DMNfZ"
     join = [sys.executable, "-m", "dilocox_p2p.cli", "join", "--preset", "tiny", "--device", "cpu", "--stages", "2"]
-    unreachable = subprocess.run([*join, "--run-dir", str(tmp_path / "a"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                  "--initial-peers", dead], capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert unreachable.returncode == 75, unreachable.stderr[-3000:]  # temporary: a supervisor retries
-    assert "could not join the swarm through --initial-peers" in unreachable.stderr
-    with socket.socket() as taken:  # stage 1 of a peer on port P listens on P + 1
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1] - 1
-        busy = subprocess.run([*join, "--run-dir", str(tmp_path / "b"), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    # the peer that cannot join waits for its initial peer to listen (8 s in all) while the other one runs
+    unreachable = subprocess.Popen([*join, "--run-dir", str(tmp_path / "a"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                    "--initial-peers", dead], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        with socket.socket() as taken:  # stage 1 of a peer on port P listens on P + 1
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1] - 1
+            busy = subprocess.run([*join, "--run-dir", str(tmp_path / "b"), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
+                                  capture_output=True, text=True, timeout=120)  # fmt: skip
+        _, stderr = unreachable.communicate(timeout=120)
+    finally:
+        if unreachable.poll() is None:
+            unreachable.kill()
+            unreachable.communicate()
+    assert unreachable.returncode == 75, stderr[-3000:]  # temporary: a supervisor retries
+    assert "could not join the swarm through --initial-peers" in stderr
     lines = busy.stderr.strip().splitlines()
     assert busy.returncode == 2 and len(lines) == 1 and "--host-maddrs (stage" in lines[0] and "in use" in lines[0], busy.stderr
     assert not (tmp_path / "b").exists()
