@@ -36,7 +36,6 @@ from hivemind.averaging.control import AveragingStage
 
 from .. import injection, startup
 from ..average import Average, AverageKind, Spans, average_hash, intersect_spans, spans_by_tensor
-from ..compression.codec import is_finite
 from ..wire import swarm_pb2
 from .agreement import held_by_most, majority_hash
 from .averager import Collected, HeldAverage, RoundResult
@@ -85,8 +84,8 @@ def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool
 class RoundExchange:
     """The exchange of one round's pseudo-gradient with the stage group."""
 
-    def __init__(self, stage: SwarmStage, round: int, tensors: list[torch.Tensor]):
-        self.stage, self.round, self.tensors = stage, round, tensors
+    def __init__(self, stage: SwarmStage, round: int, tensors: list[torch.Tensor], *, finite: bool = True):
+        self.stage, self.round, self.tensors, self.finite = stage, round, tensors, finite
         self.sw, self.averager, self.membership = stage.sw, stage.averager, stage.membership
         self._control: Any = None  # hivemind's StepControl while the all-reduce runs
         self._expected: list[str] = []  # the other members this round's target counts (phase 1)
@@ -102,7 +101,7 @@ class RoundExchange:
             _cancel_step(control)
 
     def run(self) -> Average:
-        finite = is_finite(self.tensors)
+        finite = self.finite  # stage.all_reduce looked (and told the others if not: MemberRecord.sitting_out)
         if not finite:
             self.stage.faults.count(
                 "nonfinite_dropped",
@@ -215,6 +214,7 @@ class RoundExchange:
                 probed = True
                 if self.membership.drop_gone([m.peer_id for m in others], self.round):
                     others = self.membership.members(training_only=True)
+            others = [m for m in others if not self.membership.sits_out(m, self.round)]
             if any(self.membership.finished(m, self.round) for m in others):
                 _cancel_step(self._control)
                 return None, "the stage group averaged without this worker"
@@ -495,9 +495,9 @@ class ExchangeQueue:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, round: int, tensors: list[torch.Tensor]) -> Future[Average]:
+    def submit(self, round: int, tensors: list[torch.Tensor], *, finite: bool = True) -> Future[Average]:
         future: Future[Average] = Future()
-        self._jobs.put((future, RoundExchange(self.stage, round, tensors)))
+        self._jobs.put((future, RoundExchange(self.stage, round, tensors, finite=finite)))
         return future
 
     def abandon_before(self, round: int) -> None:

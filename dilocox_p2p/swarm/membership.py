@@ -159,6 +159,12 @@ class Membership:
         return sorted(members, key=lambda m: (-m.record.boundary, not m.record.state_ready, m.record.joined_at))
 
     @staticmethod
+    def sits_out(member: Member, round: int) -> bool:
+        """The member has nothing to send in round `round` (a non-finite pseudo-gradient): it takes the group's
+        average instead, and nobody waits for it (MemberRecord.sitting_out)."""
+        return member.record.sitting_out == round + 1
+
+    @staticmethod
     def finished(member: Member, round: int) -> bool:
         """The member's record shows it completed round `round`'s all-reduce."""
         b = member.record.boundary
@@ -183,8 +189,8 @@ class Membership:
         deadline, probed = started + timeout, False
         while True:
             self.refresh()
-            coming = [m for m in self.members(training_only=True)
-                      if m.record.averaging_round >= round - 1 or m.record.boundary == round]  # fmt: skip
+            coming = [m for m in self.members(training_only=True) if not self.sits_out(m, round)
+                      and (m.record.averaging_round >= round - 1 or m.record.boundary == round)]  # fmt: skip
             late = [m.peer_id for m in coming if m.record.averaging_round < round]
             if not late or time.monotonic() >= deadline or give_up():
                 return coming

@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 
 from .. import injection
 from ..average import Average
-from ..compression.codec import StageCodec
+from ..compression.codec import StageCodec, is_finite
 from ..fragments import as_fragments, fragment_of, of_round
 from ..config import Config, config_hash, shared_fields
 from ..identity import peer_id_of, worker_identity
@@ -224,7 +224,9 @@ class SwarmStage:
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:
         if injection.armed("nan_pseudo_gradient", round=round, stage=self.stage):
             tensors[0].view(-1)[0] = float("nan")
-        self.heartbeat.update(averaging_round=round, wait=False)  # tells the others this round is ready to average
+        finite = is_finite(tensors)
+        # tells the others this round is ready to average, or that this worker sits it out (nothing to send)
+        self.heartbeat.update(averaging_round=round, sitting_out=0 if finite else round + 1, wait=False)
         # a worker alone in the run goes through the exchange too: it holds its average of one, which a
         # member that shows up during the round (a restarted peer) borrows to stay in agreement
-        return self.exchanges.submit(round, list(tensors))
+        return self.exchanges.submit(round, list(tensors), finite=finite)
