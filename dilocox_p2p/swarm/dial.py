@@ -53,7 +53,7 @@ async def gone(reason: str, *, probe_s: float = PROBE_S) -> bool:
     if not entries or any(len(entry) != 2 for entry in entries):
         return False
     for maddr, why in entries:
-        if "connection refused" in why.split("* [")[0]:
+        if "connection refused" in why:
             continue
         address = _PLAIN_TCP.fullmatch(maddr)
         if "dial backoff" not in why or address is None:

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, InvalidStateError, TimeoutError
+from concurrent.futures import Future, TimeoutError
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +39,7 @@ from ..average import Average, AverageKind, Spans, average_hash, intersect_spans
 from ..wire import swarm_pb2
 from .agreement import held_by_most, majority_hash
 from .averager import Collected, HeldAverage, RoundResult
+from .matchmaking import cancel_step
 
 if TYPE_CHECKING:
     from .stage import SwarmStage
@@ -58,15 +59,6 @@ def mending_order(result: RoundResult, me: str) -> list[str]:
     failed, outsiders = set(result.failed_reducers), set(result.outsiders)
     others = [p for p in result.group if p != me and p not in outsiders]
     return sorted(others, key=lambda p: p in failed)
-
-
-def _cancel_step(control: Any) -> None:
-    """Cancel hivemind's step; one the averager process already ended (a stale search it dropped when the next
-    round was prepared: matchmaking.drop_stale_searches) cannot be cancelled again, and needs not be."""
-    try:
-        control.cancel()
-    except InvalidStateError:
-        logger.debug("the step was already ended by the averager process")
 
 
 def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool) -> list[str]:
@@ -98,7 +90,7 @@ class RoundExchange:
     def cancel(self) -> None:
         control = self._control
         if control is not None:
-            _cancel_step(control)
+            cancel_step(control)
 
     def run(self) -> Average:
         finite = self.finite  # stage.all_reduce looked (and told the others if not: MemberRecord.sitting_out)
@@ -203,7 +195,7 @@ class RoundExchange:
             if self._control.stage != AveragingStage.LOOKING_FOR_GROUP:
                 continue
             if self.averager.counted_out(self.round):  # the others average without it, in a group it never joined
-                _cancel_step(self._control)
+                cancel_step(self._control)
                 return None, "a leader counted this worker into a group after it had given up on the leader"
             if time.monotonic() - started < self.sw.round_wait / 4:
                 continue
@@ -216,10 +208,10 @@ class RoundExchange:
                     others = self.membership.members(training_only=True)
             others = [m for m in others if not self.membership.sits_out(m, self.round)]
             if any(self.membership.finished(m, self.round) for m in others):
-                _cancel_step(self._control)
+                cancel_step(self._control)
                 return None, "the stage group averaged without this worker"
             if not others:
-                _cancel_step(self._control)
+                cancel_step(self._control)
                 return None, "no other member of the stage group trains any more"
             if 1 + len(others) < target:
                 target = 1 + len(others)

@@ -60,7 +60,7 @@ from concurrent.futures import InvalidStateError
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "lower_target",
+__all__ = ["cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "lower_target",
            "outside_every_group", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> di
     async def look_for_group_held(step: Any, *args: Any, **kwargs: Any) -> Any:
         if stale(step):
             logger.debug("a step of an earlier round looked for a group again; it is cancelled")
-            _cancel_step(step)
+            cancel_step(step)
             return None
         task = asyncio.current_task()
         if task is not None:
@@ -106,14 +106,15 @@ def drop_stale_searches(matchmaking: Any, stale: Callable[[Any], bool]) -> int:
     dropped = 0
     for task, step in list(getattr(matchmaking, "_dilocox_held_tasks", {}).items()):
         if not task.done() and not task.cancelling() and stale(step):
-            _cancel_step(step)
+            cancel_step(step)
             task.cancel()
             dropped += 1
     return dropped
 
 
-def _cancel_step(step: Any) -> None:
-    """Cancel hivemind's StepControl; one cancelled already (its cancel signal is set) raises, and needs nothing."""
+def cancel_step(step: Any) -> None:
+    """Cancel hivemind's StepControl. One cancelled already raises, and needs nothing: the averager process dropped
+    it as stale and the host gives up on it too, or the other way round."""
     try:
         step.cancel()
     except InvalidStateError:

@@ -189,12 +189,13 @@ class Membership:
         deadline, probed, said_sitting = started + timeout, False, False
         while True:
             self.refresh()
-            sitting = [m.peer_id for m in self.members(training_only=True) if self.sits_out(m, round)]
+            training = self.members(training_only=True)
+            sitting = [m.peer_id for m in training if self.sits_out(m, round)]
             if sitting and not said_sitting:
                 said_sitting = True
                 logger.info("round %d: %s sit(s) it out (nothing to send): not waited for", round,
                             ", ".join(p[-8:] for p in sitting))  # fmt: skip
-            coming = [m for m in self.members(training_only=True) if m.peer_id not in sitting
+            coming = [m for m in training if m.peer_id not in sitting
                       and (m.record.averaging_round >= round - 1 or m.record.boundary == round)]  # fmt: skip
             late = [m.peer_id for m in coming if m.record.averaging_round < round]
             if not late or time.monotonic() >= deadline or give_up():
