@@ -592,6 +592,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             messages=gathered.messages,
             failures=gathered.failures,
             offenders=gathered.offenders,
+            outsiders=gathered.outsiders,
         )
 
     async def _gather_phase(

@@ -44,7 +44,7 @@ from .matchmaking import cancel_step
 if TYPE_CHECKING:
     from .stage import SwarmStage
 
-__all__ = ["ExchangeQueue", "RoundExchange", "mending_order", "suspects_after"]
+__all__ = ["ExchangeQueue", "RoundExchange", "gather_suspects", "mending_order", "suspects_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,15 @@ def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool
     the member that place was meant for borrowed, round after round (busy run F7)."""
     alive = {*answered, *result.outsiders, *(result.failed_reducers if mended else ())}
     return [p for p in (*result.failed_reducers, *result.banned_senders) if p not in alive]
+
+
+def gather_suspects(group: Sequence[str], rejected: Iterable[int], outsiders: Iterable[str], *, me: str) -> list[str]:
+    """The members of a compressed round's group whose message was left out (indices `rejected`), except
+    outsiders: a member that answered it is in no such group (a leader counted it in after it had given up on
+    the leader) is alive. Suspected, it was left out of the next rounds' targets, whose groups then started
+    without it round after round while it waited alone (CI run of 2026-11-27, a 3-peer low-rank round 0)."""
+    outside = set(outsiders)
+    return [group[i] for i in rejected if group[i] != me and group[i] not in outside]
 
 
 class RoundExchange:
@@ -233,6 +242,7 @@ class RoundExchange:
             return self._agree(self._borrow(failure, wait_s=self.sw.allreduce_timeout))
         messages, failures = result.messages, list(result.failures)
         sent, received = result.bytes_sent, result.bytes_received
+        outsiders = set(result.outsiders)
         if codec.phases == 2:
             second = self.averager.gather_phase(
                 self.round, 2, round_codec.message(2, messages),
@@ -241,6 +251,7 @@ class RoundExchange:
             messages = second.messages
             sent, received = sent + second.bytes_sent, received + second.bytes_received
             failures += second.failures
+            outsiders |= set(second.outsiders)
             for peer, reason in second.offenders.items():
                 self.stage.strike(peer, f"round {self.round} phase 2: {reason}")
         decoded = round_codec.average(messages)
@@ -252,7 +263,7 @@ class RoundExchange:
                 self.stage.strike(result.group[index], f"round {self.round}: its message {reason}")
         for failure in failures:
             logger.info("round %d: %s", self.round, failure)
-        self.membership.suspect([result.group[i] for i in decoded.rejected if result.group[i] != self.stage.peer_id])
+        self.membership.suspect(gather_suspects(result.group, decoded.rejected, outsiders, me=self.stage.peer_id))
         self._hold(decoded.tensors, AverageKind.AVERAGED, used, result.group_id)
         average = Average(
             kind=AverageKind.AVERAGED, tensors=decoded.tensors, group=used, bytes_sent=sent, bytes_received=received,

@@ -65,6 +65,8 @@ class GatherResult:
     failures: list[str] = field(default_factory=list)
     offenders: dict[str, str] = field(default_factory=dict)
     """Members that served a message that failed its author's digest, and why."""
+    outsiders: list[str] = field(default_factory=list)
+    """Members that answered they are in no such group (OUTSIDE): alive, their message never existed."""
 
 
 class MessageGather:
@@ -138,6 +140,7 @@ class MessageGather:
                 if reason.startswith("refused"):
                     result.offenders[holder] = reason
         result.messages = [box[p][0] if p in box else None for p in peers]
+        result.outsiders = sorted(outsiders)
         key, until = (group_id, phase), min(deadline, time.monotonic() + DELIVERY_WAIT_S)
         while not set(answered) <= self._delivered[key] and time.monotonic() < until:
             await asyncio.sleep(0.02)

@@ -18,7 +18,7 @@ from dilocox_p2p import injection
 from dilocox_p2p.swarm import dial
 from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
 from dilocox_p2p.swarm.averager import RoundResult
-from dilocox_p2p.swarm.exchange import mending_order, suspects_after
+from dilocox_p2p.swarm.exchange import gather_suspects, mending_order, suspects_after
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
 from dilocox_p2p.swarm.membership import config_diff
 
@@ -48,6 +48,13 @@ def test_a_failed_reducer_is_suspected_unless_it_answered_or_was_in_no_such_grou
     assert suspects_after(result, answered=[], mended=True) == []  # mended: every reducer delivered to someone
     banned = RoundResult(round=3, group=["a", "b"], group_id=b"g", missing=(), banned_senders=["b"])
     assert suspects_after(banned, answered=[], mended=True) == ["b"]
+
+
+def test_a_compressed_rounds_member_whose_message_was_left_out_is_suspected_unless_it_was_in_no_such_group():
+    group = ["a", "b", "c", "d"]
+    # b's message never came; d's never existed (it answered it is in no such group); a is this worker
+    assert gather_suspects(group, [0, 1, 3], ["d"], me="a") == ["b"]
+    assert gather_suspects(group, [], [], me="a") == []
 
 
 def test_a_member_whose_every_other_member_was_in_no_such_group_holds_no_average_of_a_group():
