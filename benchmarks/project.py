@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
