@@ -2,7 +2,8 @@
 """Start-up, phase by phase: a lone peer, a joiner of a live swarm, a --resume after SIGKILL, quiet and loaded.
 
     python benchmarks/startup.py                    # every scenario (about 5 minutes on 2 cores)
-    python benchmarks/startup.py --scenarios lone joiner --repeats 5
+    python benchmarks/startup.py --scenarios lone_warm joiner --repeats 5
+    python benchmarks/startup.py --scenarios joiner resume_busy --baseline swarm.settled_nice=0
 
 Every peer writes when each phase of its start ended (RUN_DIR/startup.jsonl, dilocox_p2p/startup.py);
 this script starts real `dilocox-peer join` processes (tiny, 2 stages, CPU, as a new user's first
@@ -117,10 +118,11 @@ class Lab:
 
     def __init__(self, root: Path, env: dict[str, str]):
         self.root, self.env, self.peers, self.runs = root, env, [], 0
+        self.flags: list[str] = []  # every peer's extra flags (the --baseline variant's --set)
 
     def peer(self, args: list[str], *, name: str | None = None, run_dir: Path | None = None) -> Peer:
         self.runs += 1
-        peer = Peer(run_dir or self.root / (name or f"peer{self.runs}"), args, self.env)
+        peer = Peer(run_dir or self.root / (name or f"peer{self.runs}"), [*args, *self.flags], self.env)
         self.peers.append(peer)
         return peer
 
@@ -227,29 +229,43 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             for name, runs in (("lone_cold", cold), ("lone_warm", warm)):
                 if name in args.scenarios:
                     report[name] = summarize(runs, name)
-        if "joiner" in args.scenarios:
-            hosts = lab.swarm(2, "joiner")
-            runs = []
-            for _ in range(args.repeats):
-                runs.append(joiner(lab, hosts, "joiner"))
-                print(f"[startup] joiner: {sum(runs[-1].values()):.2f} s", flush=True)
-            report["joiner"] = summarize(runs, "joiner")
-            for peer in hosts:
-                peer.stop()
-        for name, size in (("resume", 2), ("resume_busy", 1 + args.busy)):
-            if name not in args.scenarios:
-                continue
-            peers = lab.swarm(size, name)
-            victim, hosts, runs = peers[-1], peers[:-1], []
-            for _ in range(args.repeats):
-                path, victim = resume(lab, victim, hosts, name)
-                runs.append(path)
-                print(f"[startup] {name}: {sum(path.values()):.2f} s", flush=True)
-            report[name] = summarize(runs, name)
-            for peer in [*hosts, victim]:
-                peer.stop()
+        for variant in ["", *args.baseline]:  # the swarm scenarios, then each again with a baseline's setting
+            lab.flags = ["--set", variant] if variant else []
+            report.update(swarm_scenarios(lab, args, suffix=f" @{variant}" if variant else ""))
     finally:
         lab.close()
+    for variant in args.baseline:
+        for name in [n for n in list(report) if n + f" @{variant}" in report]:
+            report[name]["vs_baseline"] = {variant: round(report[name]["total_median"] /
+                                                          report[name + f" @{variant}"]["total_median"], 3)}  # fmt: skip
+    return report
+
+
+def swarm_scenarios(lab: Lab, args: argparse.Namespace, *, suffix: str) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    if "joiner" in args.scenarios:
+        run_id = f"joiner{len(lab.flags)}"
+        hosts = lab.swarm(2, run_id)
+        runs = []
+        for _ in range(args.repeats):
+            runs.append(joiner(lab, hosts, run_id))
+            print(f"[startup] joiner{suffix}: {sum(runs[-1].values()):.2f} s", flush=True)
+        report["joiner" + suffix] = summarize(runs, "joiner")
+        for peer in hosts:
+            peer.stop()
+    for name, size in (("resume", 2), ("resume_busy", 1 + args.busy)):
+        if name not in args.scenarios:
+            continue
+        run_id = f"{name}{len(lab.flags)}"
+        peers = lab.swarm(size, run_id)
+        victim, hosts, runs = peers[-1], peers[:-1], []
+        for _ in range(args.repeats):
+            path, victim = resume(lab, victim, hosts, run_id)
+            runs.append(path)
+            print(f"[startup] {name}{suffix}: {sum(path.values()):.2f} s", flush=True)
+        report[name + suffix] = summarize(runs, name)
+        for peer in [*hosts, victim]:
+            peer.stop()
     return report
 
 
@@ -261,11 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="startup", help="results: OUT/NAME.json and .png")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--keep", action="store_true", help="keep the peers' directories (printed)")
+    p.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
+                   help="run the swarm scenarios again with every peer given --set KEY=VALUE, side by side "
+                        "(e.g. swarm.settled_nice=0); each result gets vs_baseline, its median over the baseline's")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally-blocks stop every peer
     root = Path(tempfile.mkdtemp(prefix="dilocox-startup-"))
     report = run(args, root)
-    settings = {"repeats": args.repeats, "busy": args.busy, "peer_flags": PEER_FLAGS}
+    settings = {"repeats": args.repeats, "busy": args.busy, "peer_flags": PEER_FLAGS, "baselines": args.baseline}
     path = write_result(args.name, {"scenarios": report, "settings": settings}, directory=args.out)
     plot(report, args.out / f"{args.name}.png")
     for name, result in report.items():

@@ -377,6 +377,10 @@ class SwarmConfig:
     leaves idle (about as fast where cores are to spare; on a CPU-bound machine starved helpers can miss the
     all-reduce timeouts). Negative: training runs below the helpers (measured slower: helper wake-ups
     preempt pipeline stages)."""
+    settled_nice: int = 10
+    """Nice levels by which each stage lowers itself and its helpers once it trains (its first round's average
+    applied), so that a peer starting or restarting on the same machine takes the CPU first (beside 5 busy
+    peers on 2 cores: see README, Start-up). Changes nothing where cores are idle; 0 keeps the priority."""
     identity: str = ""
     """This peer's Ed25519 key file (`dilocox-peer keygen`); empty: a key made in the run directory and kept."""
     admission: Literal["open", "closed"] = "open"
@@ -401,6 +405,8 @@ class SwarmConfig:
             _fail("swarm.min_peers", self.min_peers, "must be at least 1")
         if not -19 <= self.helper_nice <= 19:
             _fail("swarm.helper_nice", self.helper_nice, "must be -19..19 (nice levels)")
+        if not 0 <= self.settled_nice <= 19:
+            _fail("swarm.settled_nice", self.settled_nice, "must be 0..19 (nice levels; a peer can only lower itself)")
         for name in ("peer_wait", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):
             if getattr(self, name) <= 0:
                 _fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")
@@ -488,7 +494,7 @@ _LOCAL_FIELDS = {
     "data": {"paths", "seed", "cache_dir"},
     "swarm": {
         "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "min_peers", "peer_wait", "helper_nice",
-        "identity", "certificate",
+        "settled_nice", "identity", "certificate",
     },  # fmt: skip
     "control": {"progress", "log_level", "log_format", "control_addr", "metrics_addr"},
     "inner": {"threads", "precision", "compile", "checkpoint_activations", "microbatches", "schedule"},

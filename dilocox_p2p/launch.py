@@ -86,11 +86,14 @@ def prepare_run_dir(cfg: Config, *, resume: bool) -> int:
     return seed
 
 
-def _stage_entry(cfg: Config, stage: int, resume: bool, data_seed: int, lead: tuple[str, ...], ports: Any) -> None:
+def _stage_entry(
+    cfg: Config, stage: int, resume: bool, data_seed: int, lead: tuple[str, ...], ports: Any, own_session: bool
+) -> None:
     """Entry point of a stage process (forked from the peer's fork server, which imported stage_process)."""
     from .stage_process import stage_main
 
-    stage_main(cfg, stage=stage, resume=resume, data_seed=data_seed, lead_maddrs=lead, ports=ports)
+    stage_main(cfg, stage=stage, resume=resume, data_seed=data_seed, lead_maddrs=lead, ports=ports,
+               own_session=own_session)  # fmt: skip
 
 
 def _known_lead(cfg: Config) -> tuple[Config, tuple[str, ...]]:
@@ -130,7 +133,7 @@ def run_peer(cfg: Config, *, resume: bool) -> int:
     ports = ctx.SimpleQueue()  # stage 0 hosts the peer's rendezvous store and tells the others its port
     procs = []
     for stage in range(cfg.model.stages):
-        args = (cfg, stage, resume, data_seed, lead, ports)
+        args = (cfg, stage, resume, data_seed, lead, ports, os.getsid(0) == os.getpid())
         proc = ctx.Process(target=_stage_entry, args=args, name=f"stage{stage}")
         proc.start()
         procs.append(proc)

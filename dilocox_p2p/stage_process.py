@@ -34,13 +34,15 @@ STORE_TIMEOUT = timedelta(seconds=60)
 
 
 def stage_main(
-    cfg: Config, *, stage: int, resume: bool, data_seed: int, lead_maddrs: tuple[str, ...], ports: Any
+    cfg: Config, *, stage: int, resume: bool, data_seed: int, lead_maddrs: tuple[str, ...], ports: Any,
+    own_session: bool = False,
 ) -> None:
     """Entry point of a stage process forked by the launcher. `lead_maddrs`: where stage 0's DHT node listens,
     when the launcher could tell; `ports`: a SimpleQueue through which stage 0 gives the other stages its
     store's port."""
     startup.configure(stage=stage, run_dir=cfg.run.path).mark("stage_process")
-    spec = WorkerSpec(cfg=cfg, stage=stage, resume=resume, data_seed=data_seed, lead_maddrs=lead_maddrs)
+    spec = WorkerSpec(cfg=cfg, stage=stage, resume=resume, data_seed=data_seed, lead_maddrs=lead_maddrs,
+                      own_session=own_session)  # fmt: skip
     # Ctrl-C on a terminal reaches every process of the group: the launcher forwards one
     # SIGTERM instead, so the stages ignore SIGINT (and so do the DHT processes they fork).
     # SIGTERM stops a stage (the worker installs its graceful handler), unlike the fork server.

@@ -52,6 +52,9 @@ class WorkerSpec:
     data_seed: int
     lead_maddrs: tuple[str, ...] = ()
     """Where stage 0's DHT node listens, known before it starts (launch.py); empty: stage 0 tells the others."""
+    own_session: bool = False
+    """Whether the peer's launcher leads its own session (a supervisor's or setsid's child, not a terminal's
+    shell): then every process of the session is this peer's (swarm/priority.py, settle)."""
 
 
 SAME_STOP_S = 2.0  # a second stop signal this soon after the first is the same request (module docstring of launch)

@@ -33,7 +33,7 @@ from ..worker import StageWorker
 from .agreement import majority_hash
 from .averager import StateDownload
 from .dht import Member
-from .priority import lower_priority
+from .priority import lower_priority, settle
 from .stage import SwarmStage
 
 __all__ = ["SwarmStageWorker"]
@@ -80,6 +80,7 @@ class SwarmStageWorker(StageWorker):
         self._stop = threading.Event()  # set by the stop signal; a watcher then abandons the exchanges
         threading.Thread(target=self._abandon_on_stop, name="stop-watch", daemon=True).start()
         self._kept: StageState | None = None  # the offered state, kept past its boundary for a waiting joiner
+        self._settled = False  # whether it lowered its priority (swarm.settled_nice), once it trains
         self.swarm.averager.set_state_provider(self.offered_state)
         lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
         return self.swarm
@@ -400,6 +401,9 @@ class SwarmStageWorker(StageWorker):
 
     def after_boundary(self, boundary: int, state_hash: str, outcome: RoundOutcome) -> None:
         self._publish(boundary, state_hash=state_hash, outcome=outcome)
+        if not self._settled and outcome.applied:  # started: trained a round and took its average (priority.py)
+            self._settled = True
+            settle(self.cfg.swarm.settled_nice, own_session=self.spec.own_session)
 
     def _publish(self, boundary: int, *, state_hash: str = "", outcome: RoundOutcome | None = None) -> None:
         """Announce the state held at `boundary` (its round record), and offer it to joiners once it is

@@ -1,5 +1,6 @@
-"""CPU priority of the swarm's helper processes against training (`swarm.helper_nice`, see
-dilocox_p2p/swarm/priority.py), checked on real processes, thread by thread.
+"""CPU priority of the swarm's helper processes against training (`swarm.helper_nice`), and of the whole
+peer once it trains (`swarm.settled_nice`; see dilocox_p2p/swarm/priority.py), checked on real processes,
+thread by thread.
 
     pytest tests/swarm/test_priority.py -q
 """
@@ -7,6 +8,7 @@ dilocox_p2p/swarm/priority.py), checked on real processes, thread by thread.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -51,7 +53,7 @@ def test_with_positive_helper_nice_the_dht_its_p2p_daemon_and_the_averager_run_b
 def _stage_and_helper_threads(peer: Peer) -> dict[int, tuple[list[int], list[int]]]:
     """For each stage process of the peer (children of its fork server): the nice levels of its threads,
     and of its helper processes' threads (DHT, averager, p2p daemon)."""
-    (server,) = [c for c in _children(peer.proc.pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    (server,) = _fork_server(peer)
     out = {}
     for stage in _children(server):
         helpers = _children(stage) + [p for h in _children(stage) for p in _children(h)]
@@ -59,21 +61,47 @@ def _stage_and_helper_threads(peer: Peer) -> dict[int, tuple[list[int], list[int
     return out
 
 
+def _fork_server(peer: Peer) -> list[int]:
+    return [c for c in _children(peer.proc.pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
 def _thread_nices(pid: int) -> list[int]:
     return [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
 
 
-@pytest.mark.parametrize("helper_nice", [0, -10])  # the default; training below its helpers
-def test_every_thread_of_a_stage_and_of_its_helpers_gets_the_configured_priority(tmp_path, helper_nice):
-    peer = Peer(tmp_path / "peer", ["--rounds", "200", "--inner-steps", "10", "--set", f"swarm.helper_nice={helper_nice}"])
+def _autogroup_nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
+
+
+def _wait_settled(peer: Peer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all("trains now:" in peer.stage_log(stage) for stage in (0, 1)):
+        assert peer.proc.poll() is None, peer.output()
+        assert time.monotonic() < deadline, f"the stages did not settle in {timeout}s:\n{peer.output()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(("helper_nice", "settled_nice"), [(0, 10), (-10, 4)])  # the defaults; training below helpers
+def test_every_thread_of_a_stage_and_of_its_helpers_gets_the_configured_priority_and_drops_once_it_trains(
+    tmp_path, helper_nice, settled_nice
+):
+    own = _nice(0)
+    own_group = _autogroup_nice(os.getpid()) if Path("/proc/self/autogroup").exists() else 0
+    flags = ["--set", f"swarm.helper_nice={helper_nice}", "--set", f"swarm.settled_nice={settled_nice}"]
+    peer = Peer(tmp_path / "peer", ["--rounds", "200", "--inner-steps", "10", *flags])
     try:
-        peer.wait_for_round(0, timeout=180)
+        _wait_settled(peer, timeout=180)
         stages = _stage_and_helper_threads(peer)
         assert len(stages) == 2, stages
         for stage_threads, helper_threads in stages.values():
-            assert len(set(stage_threads)) == 1, f"threads of one stage differ: {stage_threads}"  # gloo's included
-            assert helper_threads and len(set(helper_threads)) == 1, helper_threads
-            assert helper_threads[0] - stage_threads[0] == helper_nice
+            assert set(stage_threads) == {min(own + max(-helper_nice, 0) + settled_nice, 19)}, stage_threads  # gloo's too
+            assert set(helper_threads) == {min(own + max(helper_nice, 0) + settled_nice, 19)}, helper_threads
+        (server,) = _fork_server(peer)
+        assert _nice(peer.proc.pid) == own and set(_thread_nices(server)) == {own}, "launcher and fork server keep theirs"
+        # the peer leads its own session (start_new_session): its autogroup, which Linux weighs against other
+        # sessions before any nice counts, is lowered as well; the test's own session is left alone
+        if Path("/proc/self/autogroup").exists():
+            assert _autogroup_nice(peer.proc.pid) == settled_nice and _autogroup_nice(os.getpid()) == own_group
     finally:
         peer.kill()
         peer.log.close()

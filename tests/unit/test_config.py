@@ -187,6 +187,8 @@ def test_as_many_stages_as_layers_is_allowed():
         ({"swarm.round_wait": 0.0}, r"swarm\.round_wait"),
         ({"swarm.helper_nice": 20}, r"swarm\.helper_nice = 20: must be -19\.\.19"),
         ({"swarm.helper_nice": -20}, r"swarm\.helper_nice = -20"),
+        ({"swarm.settled_nice": -1}, r"swarm\.settled_nice = -1: must be 0\.\.19 \(nice levels; a peer can only lower itself\)"),
+        ({"swarm.settled_nice": 20}, r"swarm\.settled_nice = 20"),
         ({"model.seq_len": 1}, r"model\.seq_len = 1: must be at least 2"),
         ({"compression.kind": "zip"}, r"compression\.kind = 'zip': must be one of: none, fp16, int8, fp4, lowrank, topk"),
         ({"compression.topk_density": 0.0}, r"compression\.topk_density"),
@@ -297,6 +299,7 @@ def test_config_hash_changes_when_a_shared_field_changes(overrides):
         {"inner.microbatches": 8},
         {"inner.schedule": "gpipe"},
         {"swarm.helper_nice": 5},
+        {"swarm.settled_nice": 0},
     ],
 )
 def test_config_hash_ignores_local_fields(overrides):
