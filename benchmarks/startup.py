@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Start-up, phase by phase: a lone peer, a joiner of a live swarm, a --resume after SIGKILL, quiet and loaded.
 
-    python benchmarks/startup.py                    # every scenario (about 5 minutes on 2 cores)
+    python benchmarks/startup.py                    # every scenario (5-8 minutes on 2 cores; --baseline: twice the swarm ones)
     python benchmarks/startup.py --scenarios lone_warm joiner --repeats 5
     python benchmarks/startup.py --scenarios joiner resume_busy --baseline swarm.settled_nice=0
 
