@@ -131,9 +131,10 @@ def run_peer(cfg: Config, *, resume: bool) -> int:
     cfg, lead = _known_lead(cfg)
     timeline.mark("preflight")
     ports = ctx.SimpleQueue()  # stage 0 hosts the peer's rendezvous store and tells the others its port
+    own_session = os.getsid(0) == os.getpid()  # the whole session is this peer's (swarm/priority.py, settle)
     procs = []
     for stage in range(cfg.model.stages):
-        args = (cfg, stage, resume, data_seed, lead, ports, os.getsid(0) == os.getpid())
+        args = (cfg, stage, resume, data_seed, lead, ports, own_session)
         proc = ctx.Process(target=_stage_entry, args=args, name=f"stage{stage}")
         proc.start()
         procs.append(proc)

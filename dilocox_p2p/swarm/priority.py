@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 
 __all__ = ["descendants", "lower_priority", "settle"]
 
@@ -100,7 +101,7 @@ def descendants(pid: int) -> list[int]:
         parent = todo.pop()
         for tid in _threads(parent, own=False):
             try:
-                children = [int(c) for c in open(f"/proc/{parent}/task/{tid}/children").read().split()]
+                children = [int(c) for c in Path(f"/proc/{parent}/task/{tid}/children").read_text().split()]
             except (OSError, ValueError):  # the thread or process ended, or no CONFIG_PROC_CHILDREN
                 continue
             new = [c for c in children if c not in found]
