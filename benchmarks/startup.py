@@ -229,9 +229,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             for name, runs in (("lone_cold", cold), ("lone_warm", warm)):
                 if name in args.scenarios:
                     report[name] = summarize(runs, name)
-        for variant in ["", *args.baseline]:  # the swarm scenarios, then each again with a baseline's setting
+        for i, variant in enumerate(["", *args.baseline]):  # the swarm scenarios, then again with each baseline
             lab.flags = ["--set", variant] if variant else []
-            report.update(swarm_scenarios(lab, args, suffix=f" @{variant}" if variant else ""))
+            report.update(swarm_scenarios(lab, args, suffix=f" @{variant}" if variant else "", tag=str(i)))
     finally:
         lab.close()
     for variant in args.baseline:
@@ -241,10 +241,11 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return report
 
 
-def swarm_scenarios(lab: Lab, args: argparse.Namespace, *, suffix: str) -> dict[str, Any]:
+def swarm_scenarios(lab: Lab, args: argparse.Namespace, *, suffix: str, tag: str) -> dict[str, Any]:
+    """The joiner and resume scenarios with `lab.flags`; `tag` keeps each variant's runs and directories apart."""
     report: dict[str, Any] = {}
     if "joiner" in args.scenarios:
-        run_id = f"joiner{len(lab.flags)}"
+        run_id = f"joiner{tag}"
         hosts = lab.swarm(2, run_id)
         runs = []
         for _ in range(args.repeats):
@@ -256,7 +257,7 @@ def swarm_scenarios(lab: Lab, args: argparse.Namespace, *, suffix: str) -> dict[
     for name, size in (("resume", 2), ("resume_busy", 1 + args.busy)):
         if name not in args.scenarios:
             continue
-        run_id = f"{name}{len(lab.flags)}"
+        run_id = f"{name}{tag}"
         peers = lab.swarm(size, run_id)
         victim, hosts, runs = peers[-1], peers[:-1], []
         for _ in range(args.repeats):
