@@ -6,7 +6,8 @@ Armed through the environment of the peer's processes, several separated by `;`:
 
 - `kill_peer_in_allreduce:round=R:stage=S` kills every process of the peer (its whole
   process group, as a power cut would) when stage S's averager receives the first tensor
-  part of round R's all-reduce.
+  part of round R's all-reduce, or, where none reaches it (its group went on without it, or
+  formed after it had given up), when its step of that round ends, before any average is taken.
 - `withhold_average:round=R:stage=S` makes stage S's reducer keep the averaged parts of round
   R from the member after it in the group's order (it still counts that member's data):
   that member sees this reducer fail, the others do not, an asymmetric failure.

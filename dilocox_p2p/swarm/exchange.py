@@ -174,6 +174,10 @@ class RoundExchange:
         )
         try:
             result, gave_up = self._wait_for_step(started, expected)
+            if injection.armed("kill_peer_in_allreduce", round=self.round, stage=self.stage.stage):
+                # no other member's part reached this worker (it would have died on the first): the group went on
+                # without its data, or formed after it had given up; it dies before it takes any average
+                injection.kill_peer("kill_peer_in_allreduce: the all-reduce ended before a part reached it")
             if result is not None:
                 for peer, reason in result.offenders.items():
                     self.stage.strike(peer, f"round {self.round}: {reason}")

@@ -69,8 +69,11 @@ def _thread_nices(pid: int) -> list[int]:
     return [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
 
 
-def _autogroup_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
+def _autogroup_nice(pid: int) -> int | None:
+    """The nice of `pid`'s autogroup; None where it has none of its own: the file reads empty for a process
+    in the first session of the machine or container (the root group) or in a cpu cgroup of its own."""
+    text = Path(f"/proc/{pid}/autogroup").read_text() if Path(f"/proc/{pid}/autogroup").exists() else ""
+    return int(text.split("nice")[1]) if "nice" in text else None
 
 
 def _wait_settled(peer: Peer, timeout: float) -> None:
@@ -86,7 +89,7 @@ def test_every_thread_of_a_stage_and_of_its_helpers_gets_the_configured_priority
     tmp_path, helper_nice, settled_nice
 ):
     own = _nice(0)
-    own_group = _autogroup_nice(os.getpid()) if Path("/proc/self/autogroup").exists() else 0
+    own_group = _autogroup_nice(os.getpid())
     flags = ["--set", f"swarm.helper_nice={helper_nice}", "--set", f"swarm.settled_nice={settled_nice}"]
     peer = Peer(tmp_path / "peer", ["--rounds", "200", "--inner-steps", "10", *flags])
     try:
@@ -99,9 +102,14 @@ def test_every_thread_of_a_stage_and_of_its_helpers_gets_the_configured_priority
         (server,) = _fork_server(peer)
         assert _nice(peer.proc.pid) == own and set(_thread_nices(server)) == {own}, "launcher and fork server keep theirs"
         # the peer leads its own session (start_new_session): its autogroup, which Linux weighs against other
-        # sessions before any nice counts, is lowered as well; the test's own session is left alone
-        if Path("/proc/self/autogroup").exists():
-            assert _autogroup_nice(peer.proc.pid) == settled_nice and _autogroup_nice(os.getpid()) == own_group
+        # sessions before any nice counts, is lowered as well; the test's own session is left alone. Where the
+        # peer has no autogroup (no CONFIG_SCHED_AUTOGROUP, or a cpu cgroup of its own), it says it lowered none.
+        peer_group = _autogroup_nice(peer.proc.pid)
+        assert _autogroup_nice(os.getpid()) == own_group
+        if peer_group is None:
+            assert "and so does its session" not in peer.stage_log(0) + peer.stage_log(1)
+        else:
+            assert peer_group == settled_nice
     finally:
         peer.kill()
         peer.log.close()
