@@ -23,6 +23,11 @@ export DOCKER_BUILDKIT=0 DILOCOX_DOCKER_CACHE="$CACHE"
 log() { echo "[build] $*" >&2; }
 t0=$SECONDS
 
+# one build at a time per cache (a second one, e.g. the docker tier's after .ci/run's, waits, then finds
+# every layer cached)
+mkdir -p "$CACHE"
+exec 9>"$CACHE/build.lock"
+flock 9
 bash "$HERE/ensure-docker.sh"
 if [[ "$BASE_IMAGE" == local/debian-py:* ]]; then
     bash "$HERE/build-base-image.sh" "${BASE_IMAGE#local/debian-py:}"
@@ -36,19 +41,27 @@ deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 print("\n".join(sys.argv[2] if d.split(">")[0].split("=")[0].strip() == "torch" else d for d in deps))
 PY
 bash "$HERE/wheelhouse.sh" "$CTX/requirements.txt" "$CACHE/wheels"
-rm -rf "$CTX/wheels" && mkdir -p "$CTX/wheels"
+rm -rf "$CTX/wheels" "$CTX/project" && mkdir -p "$CTX/wheels" "$CTX/project"
 ln "$CACHE"/wheels/*.whl "$CTX/wheels/" 2>/dev/null || cp "$CACHE"/wheels/*.whl "$CTX/wheels/"
 log "project wheel"
-python3 -m pip wheel --no-deps --no-build-isolation -q "$ROOT" -w "$CTX/wheels" 2> >(grep -v "is ignored: it is neither" >&2)
+# with this python's setuptools where it builds wheels (offline: a venv of the project), else in pip's isolated
+# build environment (a python without the `wheel` package or setuptools >= 70.1, e.g. before .ci/run's venv)
+python3 -m pip wheel --no-deps --no-build-isolation -q "$ROOT" -w "$CTX/project" >/dev/null 2>&1 ||
+    python3 -m pip wheel --no-deps -q "$ROOT" -w "$CTX/project" 2> >(grep -v "is ignored: it is neither" >&2)
 # a fresh build dir per build: a stale egg-info must not leak into the wheel
 rm -rf "$ROOT/build"
 
-for target in bootstrap peer; do
+# the images this build replaces: removed once nothing names them any more (1.5 GB each)
+old_ids=$(docker image inspect -f '{{.Id}}' "dilocox-p2p/deps:$TAG" "dilocox-p2p/bootstrap:$TAG" \
+    "dilocox-p2p/peer:$TAG" 2>/dev/null || true)
+for target in deps bootstrap peer; do
     log "image dilocox-p2p/$target:$TAG (base $BASE_IMAGE)"
     docker build -q -f "$HERE/Dockerfile" --target "$target" --build-arg BASE_IMAGE="$BASE_IMAGE" \
         -t "dilocox-p2p/$target:$TAG" "$CTX" >/dev/null
 done
-# the legacy builder leaves each build's dependency stage behind, untagged: 1.8 GB a build
-docker image prune -f --filter label=org.dilocox.build-stage=deps >/dev/null
+for id in $old_ids; do  # an image still tagged, or under a running container, stays
+    [[ -z "$(docker image inspect -f '{{join .RepoTags ","}}' "$id" 2>/dev/null)" ]] &&
+        docker image rm "$id" >/dev/null 2>&1 || true
+done
 docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep "^dilocox-p2p/" | grep ":$TAG " >&2
 log "done in $((SECONDS - t0)) s"
