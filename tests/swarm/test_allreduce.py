@@ -212,10 +212,12 @@ def test_a_step_cancelled_while_it_looks_for_a_group_leaves_the_averager_able_to
 
 
 def _wait_until_looking(control, timeout: float = 30.0) -> None:
+    """Until the step has begun to look for a group: it may be past looking already, when the group it joined was
+    complete and averaged small tensors between two looks (a CI failure: FINISHED where LOOKING was expected)."""
     deadline = time.monotonic() + timeout
-    while control.stage != AveragingStage.LOOKING_FOR_GROUP and time.monotonic() < deadline:
+    while control.stage == AveragingStage.IDLE and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert control.stage == AveragingStage.LOOKING_FOR_GROUP
+    assert control.stage != AveragingStage.IDLE, "the step never began to look for a group"
 
 
 def test_members_whose_third_left_the_round_group_at_once_instead_of_waiting_out_the_matchmaking_time():
