@@ -116,6 +116,21 @@ def test_a_payload_with_one_bit_flipped_in_the_signed_body_is_refused(signer, ga
         gate.open(signed.SerializeToString(), swarm_pb2.RoundRecord, sender=signer.worker_id)
 
 
+def test_a_signature_found_good_once_vouches_for_its_own_body_only(signer, gate):
+    # good signatures are remembered (a record polled again is not checked again): what is remembered must not let
+    # the same signature through with another body, or a flipped signature with the same body
+    signed = signer.seal_message(RECORD, topic="k")
+    for _ in range(2):
+        assert gate.open(signed.SerializeToString(), swarm_pb2.RoundRecord, sender=signer.worker_id).message == RECORD
+    at = signed.body.find(RECORD.SerializeToString()) + 3
+    forged = envelope_pb2.SignedEnvelope(body=_flip_bit(signed.body, at), signature=signed.signature)
+    with pytest.raises(WireRejected, match="bad signature"):
+        gate.open(forged.SerializeToString(), swarm_pb2.RoundRecord, sender=signer.worker_id)
+    flipped = envelope_pb2.SignedEnvelope(body=signed.body, signature=_flip_bit(signed.signature, 5))
+    with pytest.raises(WireRejected, match="bad signature"):
+        gate.open(flipped.SerializeToString(), swarm_pb2.RoundRecord, sender=signer.worker_id)
+
+
 def test_a_record_signed_for_another_topic_is_refused_as_replayed(signer, gate):
     blob = signer.seal(RECORD, topic="r:round:s0:7", round=7)
     with pytest.raises(WireRejected, match="addressed to 'r:round:s0:7', not 'r:round:s0:9' \\(replayed or misdirected"):
