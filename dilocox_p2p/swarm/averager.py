@@ -411,6 +411,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             mm.group_key_manager.update_key_on_group_assembled = _keep_group_key
             set_target_size(mm, target)
             self._current_round = round
+            self._counted_out.value = -1  # a step of this round looking again (exchange._grouped) starts afresh
             if drop_stale_searches(mm, self._stale_step):
                 logger.info("round %d: a search of an earlier round was still looking for a group; cancelled", round)
             future.set_result(None)

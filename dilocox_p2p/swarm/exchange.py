@@ -48,6 +48,8 @@ __all__ = ["ExchangeQueue", "RoundExchange", "gather_suspects", "mending_order",
 
 logger = logging.getLogger(__name__)
 
+COUNTED_OUT = "a leader counted this worker into a group after it had given up on the leader"
+ALONE_WITH_OUTSIDERS = "every other member of its group had given up on this group's leader"
 AGREE_POLL_S = 0.2  # phase 5 reads the group's average records this often until the majority is settled
 
 
@@ -137,7 +139,7 @@ class RoundExchange:
         # Phase 2: all-reduce with them
         if self.stage.codec_for(self.round) is not None:
             return self._compressed(expected=1 + len(others))
-        result, failure = self._all_reduce(expected=1 + len(others))
+        result, failure = self._grouped(expected=1 + len(others))
         if self.abandoned():
             return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         # Phase 3: mend what missed this worker, or borrow the group's average
@@ -159,6 +161,25 @@ class RoundExchange:
             self.tensors = [t * 1000 for t in self.tensors]
 
     # ----- phase 2 -------------------------------------------------------------------------
+    def _grouped(self, expected: int) -> tuple[RoundResult | None, str]:
+        """All-reduce with the stage group, and once more where matchmaking split asymmetrically while nobody
+        averaged yet: a leader counted in a follower that had given up on it, so that the follower holds no group
+        and the leader a group of outsiders only. In a pair both end without an average (stranded, seen in a
+        shaped 2-peer swarm in CI); looking again, they find each other. Where the others did average, the
+        worker borrows their average as before."""
+        result, failure = self._all_reduce(expected)
+        if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup():
+            logger.info("round %d: %s; nobody averaged yet: looking for a group once more", self.round, failure)
+            result, failure = self._all_reduce(expected)
+        return result, failure
+
+    def _may_regroup(self) -> bool:
+        if self.abandoned() or time.time() - self._window_start > self.sw.round_wait / 2:
+            return False
+        if not self.membership.refresh():
+            return False
+        return not any(self.membership.finished(m, self.round) for m in self.membership.members(training_only=True))
+
     def _all_reduce(self, expected: int, payload: bytes | None = None) -> tuple[RoundResult | None, str]:
         if payload is None:
             with self.averager.get_tensors() as buffers:
@@ -182,7 +203,7 @@ class RoundExchange:
                 for peer, reason in result.offenders.items():
                     self.stage.strike(peer, f"round {self.round}: {reason}")
                 if result.alone_with_outsiders(self.stage.peer_id):
-                    return None, "every other member of its group had given up on this group's leader"
+                    return None, ALONE_WITH_OUTSIDERS
             return result, gave_up
         except BaseException as e:  # includes the CancelledError of an abandoned round
             return None, f"{type(e).__name__}: {str(e)[:200]}"
@@ -209,7 +230,7 @@ class RoundExchange:
                 continue
             if self.averager.counted_out(self.round):  # the others average without it, in a group it never joined
                 cancel_step(self._control)
-                return None, "a leader counted this worker into a group after it had given up on the leader"
+                return None, COUNTED_OUT
             if time.monotonic() - started < self.sw.round_wait / 4:
                 continue
             if not self.membership.refresh():
