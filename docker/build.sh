@@ -23,12 +23,12 @@ export DOCKER_BUILDKIT=0 DILOCOX_DOCKER_CACHE="$CACHE"
 log() { echo "[build] $*" >&2; }
 t0=$SECONDS
 
+bash "$HERE/ensure-docker.sh"
 # one build at a time per cache (a second one, e.g. the docker tier's after .ci/run's, waits, then finds
-# every layer cached)
+# every layer cached). Taken after ensure-docker.sh: a dockerd it starts must not inherit the lock
 mkdir -p "$CACHE"
 exec 9>"$CACHE/build.lock"
 flock 9
-bash "$HERE/ensure-docker.sh"
 if [[ "$BASE_IMAGE" == local/debian-py:* ]]; then
     bash "$HERE/build-base-image.sh" "${BASE_IMAGE#local/debian-py:}"
 fi

@@ -165,8 +165,9 @@ class RoundExchange:
         """All-reduce with the stage group, and once more where matchmaking split asymmetrically early in the
         round: a leader counted in a follower that had given up on it, so that the follower holds no group
         and the leader a group of outsiders only. In a pair both end without an average (stranded, seen in a
-        shaped 2-peer swarm in CI); looking again, they find each other. Where the others did average, the
-        worker borrows their average as before."""
+        shaped 2-peer swarm in CI); looking again, both early in the round, they find each other. A leader
+        whose step ends late (it waits out the outsider's parts) does not look again, and the pair still
+        strands. Where the others did average, the worker borrows their average as before."""
         result, failure = self._all_reduce(expected)
         if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup():
             logger.info("round %d: %s; looking for a group once more", self.round, failure)
