@@ -162,12 +162,13 @@ class RoundExchange:
 
     # ----- phase 2 -------------------------------------------------------------------------
     def _grouped(self, expected: int) -> tuple[RoundResult | None, str]:
-        """All-reduce with the stage group, and once more where matchmaking split asymmetrically early in the
-        round: a leader counted in a follower that had given up on it, so that the follower holds no group
-        and the leader a group of outsiders only. In a pair both end without an average (stranded, seen in a
-        shaped 2-peer swarm in CI); looking again, both early in the round, they find each other. A leader
-        whose step ends late (it waits out the outsider's parts) does not look again, and the pair still
-        strands. Where the others did average, the worker borrows their average as before."""
+        """All-reduce with the stage group, and once more where matchmaking split asymmetrically: a leader counted
+        in a follower that had given up on it, so that the follower holds no group and the leader a group of
+        outsiders only. In a pair both ended without an average (stranded, seen in a shaped 2-peer swarm in CI);
+        looking again, they find each other. The follower learns it at once (the leader's parts reach it), the
+        leader only when the follower answers them, which may take the matchmaking's request_timeout and a second
+        (the follower first waits for its own join requests in flight: averager._outside_group). Where the others
+        did average, the worker borrows their average as before."""
         result, failure = self._all_reduce(expected)
         if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup():
             logger.info("round %d: %s; looking for a group once more", self.round, failure)
@@ -175,10 +176,13 @@ class RoundExchange:
         return result, failure
 
     def _may_regroup(self) -> bool:
-        # not asked whether the others finished the round: at that moment a member's record may say so before its
-        # average is in (seen in CI: the leader borrowed from the follower that looked again, and both stranded);
-        # a look that finds nobody gives up as soon as a member did finish (_wait_for_step), and borrows
-        return not self.abandoned() and time.time() - self._window_start <= self.sw.round_wait / 2
+        # while the round's wait lasts: the follower looks again at once and waits round_wait for a group, so the
+        # leader that learns of the split up to request_timeout + 1 s later still finds it looking (a limit of
+        # round_wait / 2 let the leader of a pair at round_wait 10 give up, and the pair stranded: CI, test_peer_control).
+        # Not asked whether the others finished the round: at that moment a member's record may say so before its
+        # average is in (seen in CI: the leader borrowed from the follower that was looking again, and both
+        # stranded); a look that finds nobody gives up as soon as a member did finish (_wait_for_step), and borrows
+        return not self.abandoned() and time.time() - self._window_start < self.sw.round_wait
 
     def _all_reduce(self, expected: int, payload: bytes | None = None) -> tuple[RoundResult | None, str]:
         if payload is None:
