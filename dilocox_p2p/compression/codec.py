@@ -9,8 +9,8 @@
 Every member decodes the same set of messages (the gather relays what a member missed) in the
 same order (the group's), sums them in float64 in that order and casts once, so every member
 holds the same bits on any CPU (outer.py's rule). A message that does not decode (malformed,
-wrong shapes, non-finite, or a norm far above the group's median: average.screen) is left out,
-by every member alike, and named in `Decoded.rejected`.
+wrong shapes, an encoding other than the run's, non-finite, or a norm far above the group's
+median: average.screen) is left out, by every member alike, and named in `Decoded.rejected`.
 Encoding and the mean run a slice at a time (payload.py): the codec's memory is the
 error-feedback buffer, the output and the messages, never a whole flat copy of the stage.
 
@@ -51,6 +51,7 @@ from .payload import (
     PayloadReader,
     Section,
     encode_payload,
+    encoding_of,
     frame,
     slice_step,
     streamed_mean,
@@ -217,6 +218,11 @@ class StageCodec:
         layout = FlatLayout(self.pieces(phase, ranks), self.pad)
         if list(message.payload.shape) != [layout.numel]:
             raise MessageRejected(f"payload of shape {list(message.payload.shape)}, expected [{layout.numel}]")
+        described, expected = pb.EncodedTensor(), encoding_of(self.cfg, layout.numel)
+        described.CopyFrom(message.payload)
+        del described.sections[:]
+        if described != expected:  # e.g. fp16 values labelled int8: decodable, but not what this run sends
+            raise MessageRejected(f"encoded as {_said(described)}, this run's {self.cfg.kind} is {_said(expected)}")
         energy_total, energy_kept = list(message.energy_total), list(message.energy_kept)
         if phase == 2 and (len(energy_total) != len(ranks) or len(energy_kept) != len(ranks)):
             raise MessageRejected("energies missing")
@@ -378,6 +384,13 @@ class RoundCodec:
             rejected[index] = reason
             del received[index]
         return received, rejected
+
+
+def _said(encoded: pb.EncodedTensor) -> str:
+    """An encoding in a few words, for a refusal."""
+    which = encoded.WhichOneof("encoding")
+    fields = getattr(encoded, which).ListFields() if which else []
+    return f"{which or 'nothing'}({', '.join(f'{f.name}={v}' for f, v in fields)})"
 
 
 def _energy(matrix: torch.Tensor) -> float:

@@ -41,13 +41,15 @@ from ..proto_gen import compression_pb2 as pb
 from .quantize import Quantized, dequantize, dequantize_fp4, quantize, quantize_fp4
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, select_topk, unpack_topk
 
-__all__ = ["FlatLayout", "PayloadReader", "encode_payload", "frame", "streamed_mean", "unframe"]
+__all__ = ["FlatLayout", "PayloadReader", "encode_payload", "encoding_of", "frame", "streamed_mean", "unframe"]
 
 SLICE = 1 << 20
 """Values encoded or decoded at a time (4 MB of fp32): temporaries stay a few slices big."""
 MAX_HEADER_BYTES = 1 << 20
 """A header is a few numbers per factored matrix; anything longer is not an honest message."""
 _LENGTH = struct.Struct("<I")
+FP16_MAX = float(torch.finfo(torch.float16).max)
+"""The largest fp16 value (65504): an fp16 message clamps to it (the rest stays in error feedback), never Inf."""
 
 Section = Sequence[object]
 """One raw section of a payload, as buffers (bytes, numpy arrays) laid end to end."""
@@ -165,6 +167,23 @@ def unframe(blob: bytes) -> tuple[pb.CompressedMessage, list[memoryview]]:
     return message, sections
 
 
+def encoding_of(cfg: CompressionConfig, numel: int) -> pb.EncodedTensor:
+    """The description (no section lengths) of every payload of `numel` values under `cfg`: what the
+    encoder writes, and what a receiver requires (a payload of another encoding is not this run's)."""
+    out = pb.EncodedTensor(shape=[numel])
+    if cfg.kind == "fp16":
+        out.fp16.SetInParent()
+    elif cfg.kind == "topk":
+        layout = TopKLayout.of(max(numel, 1), chunk=cfg.topk_chunk, density=cfg.topk_density)
+        out.sparse.CopyFrom(pb.SparseTensor(chunk=layout.chunk, k=layout.k, bits=cfg.topk_bits))
+    elif cfg.kind == "fp4":
+        out.fp4.CopyFrom(pb.Fp4Tensor(block=cfg.block))
+    else:
+        bits = cfg.factor_bits if cfg.kind == "lowrank" else 8
+        out.quantized.CopyFrom(pb.QuantizedTensor(bits=bits, block=cfg.block))
+    return out
+
+
 class _Encoder:
     """Encodes consecutive slices of one vector; `finish` gives the payload of them all."""
 
@@ -181,7 +200,7 @@ class _Encoder:
         """Encode the next slice; returns what it decodes to."""
         kind = self.cfg.kind
         if kind == "fp16":
-            half = x.to(torch.float16)
+            half = x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)  # beyond: Inf, refused by every member
             self.half[self.filled : self.filled + half.numel()] = half.numpy()
             self.filled += half.numel()
             return half.to(torch.float32)
@@ -201,20 +220,14 @@ class _Encoder:
 
     def finish(self, out: pb.EncodedTensor) -> list[Section]:
         """Describe the payload in `out`; return its raw sections."""
-        out.shape[:] = [self.numel]
+        out.CopyFrom(encoding_of(self.cfg, self.numel))
         if self.cfg.kind == "fp16":
-            out.fp16.SetInParent()
             return [[self.half]]
         if self.cfg.kind == "topk":
-            sparse = pack_topk(self.parts, self.topk, self.cfg.topk_bits) if self.numel else None
-            out.sparse.CopyFrom(pb.SparseTensor(chunk=self.topk.chunk, k=self.topk.k, bits=self.cfg.topk_bits))
-            if sparse is None:
+            if not self.numel:
                 return []
+            sparse = pack_topk(self.parts, self.topk, self.cfg.topk_bits)
             return [[sparse.signs], [sparse.levels], [sparse.magnitudes], [sparse.low], [sparse.high]]
-        if self.cfg.kind == "fp4":
-            out.fp4.CopyFrom(pb.Fp4Tensor(block=self.cfg.block))
-        else:
-            out.quantized.CopyFrom(pb.QuantizedTensor(bits=self.bits, block=self.cfg.block))
         return [self.parts, self.scales]
 
 

@@ -8,7 +8,8 @@ Encoding runs on the sender only, so its rounding may differ between machines; t
 is one IEEE-754 multiply of exactly representable numbers (an integer code and a bf16
 scale widened to fp32), so every peer decodes a message to the same bits (outer.py's rule).
 The scale is rounded *up* to bf16, so no code is ever clamped and the error of every value
-is at most s / 2 (`error_bound`).
+is at most s / 2 (`error_bound`), up to a scale of SCALE_MAX (2^120): a block beyond it (values
+near fp32's largest) is clamped rather than sent as Inf, and error feedback keeps the rest.
 
 int4 codes travel two to a byte; scales travel as bf16 (2 bytes per block). hivemind's own
 8-bit codecs are not used: numpy 2 silently breaks them (notes/hivemind-facts.md, trap 1).
@@ -32,6 +33,9 @@ __all__ = ["FP4_MAGNITUDES", "Quantized", "dequantize", "dequantize_fp4", "error
 Bits = Literal[4, 8]
 _QMAX = {8: 127, 4: 7}
 _BF16_UP = 1.0 + 2.0**-7  # one bf16 ulp (relative): rounding s * (1 + 2^-7) to nearest never goes below s
+SCALE_MAX = 2.0**120
+"""The largest scale (exact in bf16): a receiver requires scale * 128 finite in fp32. A block of values
+above qmax * SCALE_MAX is clamped (the rest stays in error feedback), never encoded as Inf."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ def quantize(x: torch.Tensor, *, bits: Bits = 8, block: int = 64) -> Quantized:
     flat, blocks = _blocks(x, block)
     n = flat.numel()
     absmax = blocks.abs().amax(dim=1)  # a max is exact in any order
-    scales = (absmax / qmax * _BF16_UP).to(torch.bfloat16)
+    scales = (absmax / qmax * _BF16_UP).clamp_(max=SCALE_MAX).to(torch.bfloat16)
     wide = scales.to(torch.float32)
     safe = torch.where(wide > 0, wide, torch.ones_like(wide))
     codes = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:n]
@@ -79,7 +83,7 @@ def quantize_fp4(x: torch.Tensor, *, block: int = 64) -> Quantized:
         raise ValueError(f"block must be at least 1, got {block}")
     flat, blocks = _blocks(x, block)
     n = flat.numel()
-    scales = (blocks.abs().amax(dim=1) * _BF16_UP).to(torch.bfloat16)  # never below absmax: |x| / s <= 1
+    scales = (blocks.abs().amax(dim=1) * _BF16_UP).clamp_(max=SCALE_MAX).to(torch.bfloat16)  # >= absmax up to SCALE_MAX
     wide = scales.to(torch.float32)
     ratio = (blocks.abs() / torch.where(wide > 0, wide, torch.ones_like(wide))[:, None]).reshape(-1)[:n]
     exponent = torch.argmin((ratio[:, None] - FP4_MAGNITUDES[None, :]).abs(), dim=1)  # the nearest magnitude

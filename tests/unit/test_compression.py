@@ -342,6 +342,53 @@ def test_a_quantized_message_whose_scales_would_overflow_is_refused():
         codec.receive(blob, round=0, phase=1)
 
 
+def test_a_value_fp16_cannot_hold_is_sent_as_its_largest_and_the_rest_follows_in_later_rounds():
+    """Beyond 65504 a cast to fp16 gives Inf: every member refused the message, struck its honest sender and
+    the sender's buffer became -Inf for good. It is clamped instead; error feedback sends the rest."""
+    codec = StageCodec(CompressionConfig(kind="fp16"), ["w"], [torch.Size((4,))], run_id="r")
+    member = StageCodec(CompressionConfig(kind="fp16"), ["w"], [torch.Size((4,))], run_id="r")
+    delta = torch.tensor([70000.0, -70000.0, 1.0, 0.0])
+    delivered = torch.zeros(4)
+    for round, d in enumerate([delta, torch.zeros(4), torch.zeros(4)]):
+        blob = codec.begin(round, [d]).message(1)
+        delivered += member.receive(blob, round=round, phase=1).reader.read_all()  # refused: MessageRejected
+        assert is_finite(codec.feedback.buffers)
+    assert torch.equal(delivered, delta)  # 65504 + 4496 (both exact in fp16), over two rounds
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp4"])
+def test_a_block_too_large_for_any_scale_is_clamped_and_still_received(kind):
+    codec = StageCodec(CompressionConfig(kind=kind, block=64), ["w"], [torch.Size((64,))], run_id="r")
+    delta = torch.full((64,), 3.4e38)  # near fp32's largest: its scale times 128 (what a receiver checks) overflows
+    received = codec.receive(codec.begin(0, [delta]).message(1), round=0, phase=1).reader.read_all()
+    assert bool(torch.isfinite(received).all()) and float(received.min()) > 1e35
+    assert is_finite(codec.feedback.buffers)
+
+
+ENCODED_OTHERWISE = {  # (what the sender encodes with, what the run uses): each pair lays out 4096 values alike
+    "fp16 as int8": (dict(kind="fp16"), dict(kind="int8")),
+    "int8 as low-rank at 4 bits": (dict(kind="int8"), dict(kind="lowrank", factor_bits=4)),
+    "int8 in blocks of 32": (dict(kind="int8", block=32), dict(kind="int8", block=64)),
+    "top-k of another density": (dict(kind="topk", topk_chunk=256, topk_density=1 / 32),
+                                 dict(kind="topk", topk_chunk=256, topk_density=1 / 64)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ENCODED_OTHERWISE))
+def test_a_payload_encoded_otherwise_than_the_run_says_is_refused_even_when_its_label_and_size_fit(case):
+    from dilocox_p2p.compression.codec import MessageRejected
+    from dilocox_p2p.compression.payload import frame, unframe
+
+    sent, run = (CompressionConfig(**c) for c in ENCODED_OTHERWISE[case])
+    shapes = [torch.Size((4096,))]  # a vector: low-rank sends it whole, quantized
+    sender, receiver = (StageCodec(c, ["w"], shapes, run_id="r") for c in (sent, run))
+    message, sections = unframe(sender.begin(0, [_normal((4096,), 0)]).message(1))
+    message.codec = run.kind
+    with pytest.raises(MessageRejected, match=f"this run's {run.kind} is"):
+        receiver.receive(frame(message, [[bytes(s)] for s in sections]), round=0, phase=1)
+    receiver.receive(receiver.begin(0, [_normal((4096,), 0)]).message(1), round=0, phase=1)  # its own: received
+
+
 def test_a_top_k_message_with_a_repeated_index_is_refused():
     """Two kept values at one index would decode by scatter order, which may differ between machines."""
     from dilocox_p2p.compression.topk import SparseChunks, TopKLayout, _pack_uint, _unary_high
