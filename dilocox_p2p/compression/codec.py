@@ -58,7 +58,10 @@ from .payload import (
     unframe,
 )
 
-__all__ = ["Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
+__all__ = ["NOT_RECEIVED", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
+
+NOT_RECEIVED = "not received"
+"""Why a message a member never got is left out (`Decoded.rejected`); every other reason is a refusal."""
 
 
 
@@ -372,7 +375,7 @@ class RoundCodec:
         rejected: dict[int, str] = {}
         for index, blob in enumerate(gathered):
             if blob is None:
-                rejected[index] = "not received"
+                rejected[index] = NOT_RECEIVED
                 continue
             try:
                 received[index] = self.codec.receive(blob, round=self.round, phase=phase)

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, TimeoutError
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from hivemind.averaging.control import AveragingStage
 
 from .. import injection, startup
 from ..average import Average, AverageKind, Spans, average_hash, intersect_spans, spans_by_tensor
+from ..compression.codec import NOT_RECEIVED
 from ..wire import swarm_pb2
 from .agreement import held_by_most, majority_hash
 from .averager import Collected, HeldAverage, RoundResult
@@ -75,13 +76,16 @@ def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool
     return [p for p in (*result.failed_reducers, *result.banned_senders) if p not in alive]
 
 
-def gather_suspects(group: Sequence[str], rejected: Iterable[int], outsiders: Iterable[str], *, me: str) -> list[str]:
-    """The members of a compressed round's group whose message was left out (indices `rejected`), except
-    outsiders: a member that answered it is in no such group (a leader counted it in after it had given up on
-    the leader) is alive. Suspected, it was left out of the next rounds' targets, whose groups then started
-    without it round after round while it waited alone (CI run of 2026-11-27, a 3-peer low-rank round 0)."""
+def gather_suspects(group: Sequence[str], rejected: Mapping[int, str], outsiders: Iterable[str], *, me: str) -> list[str]:
+    """The members of a compressed round's group whose message never came (`rejected`: index -> why it was left
+    out, codec.NOT_RECEIVED), except outsiders: a member that answered it is in no such group (a leader counted it
+    in after it had given up on the leader) is alive. Suspected, it was left out of the next rounds' targets,
+    whose groups then started without it round after round while it waited alone (CI run of 2026-11-27, a 3-peer
+    low-rank round 0). A message that came and was refused (not finite, outsized, malformed) is its author's
+    strike, not a sign that it is gone: suspected too, a pair that both sent NaN each went alone the next round
+    and their states split."""
     outside = set(outsiders)
-    return [group[i] for i in rejected if group[i] != me and group[i] not in outside]
+    return [group[i] for i, why in rejected.items() if why == NOT_RECEIVED and group[i] != me and group[i] not in outside]
 
 
 class RoundExchange:
@@ -288,11 +292,16 @@ class RoundExchange:
         for index, reason in decoded.rejected.items():
             self.stage.faults.count("messages_left_out", "round %d: %s's message left out: %s",
                                     self.round, result.group[index], reason)
-            if reason != "not received":  # it arrived intact (signed digest) but cannot be averaged
+            if reason != NOT_RECEIVED:  # it arrived intact (signed digest) but cannot be averaged
                 self.stage.strike(result.group[index], f"round {self.round}: its message {reason}")
         for failure in failures:
             logger.info("round %d: %s", self.round, failure)
         self.membership.suspect(gather_suspects(result.group, decoded.rejected, outsiders, me=self.stage.peer_id))
+        if not used:  # every message left out, on every member alike: no average (the mean of none is no zero step)
+            note = f"all {len(result.group)} messages of the group were left out"
+            average = dataclasses.replace(_nothing(AverageKind.STRANDED, note, self._window_start), stranded_alike=True)
+            self._log(average, expected=expected)
+            return average
         self._hold(decoded.tensors, AverageKind.AVERAGED, used, result.group_id)
         average = Average(
             kind=AverageKind.AVERAGED, tensors=decoded.tensors, group=used, bytes_sent=sent, bytes_received=received,

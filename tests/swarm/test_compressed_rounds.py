@@ -62,3 +62,26 @@ def test_a_nan_pseudo_gradient_is_never_averaged_and_its_peer_takes_the_group_av
     # and did not wait for it: its member record said it sits round 2 out (they waited round_wait before); on a
     # busy machine one of them may have started the round's matchmaking before that record arrived
     assert any("round 2: " in line and "sit(s) it out" in line for p in peers for line in p.stage_log(0).splitlines())
+
+
+def test_a_round_whose_every_message_is_left_out_moves_no_member_and_the_next_round_averages_again(swarm):
+    # both members send NaN at round 1 (error feedback off, so that their buffers stay clean): every message is
+    # refused by every member alike. Before, each recorded `averaged` with an empty group and a zero average,
+    # and the outer momentum still moved theta_g
+    rounds = 4
+    args = ("--mode", "sync", "--rounds", str(rounds), "--min-peers", "2", "--stages", "1", "--inner-steps", "5",
+            "--compression", "int8", "--set", "compression.feedback_decay=0")  # fmt: skip
+    env = {"DILOCOX_FAULTS": "send_nan_pseudo_gradient:round=1:stage=0"}
+    peers = [swarm.start_peer(*args, env=env) for _ in range(2)]
+    for peer in peers:
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    records = [{r["round"]: r for r in p.metrics()} for p in peers]
+    for t in range(rounds):
+        assert records[0][t]["stage_hashes"] == records[1][t]["stage_hashes"], f"the members differ at round {t}"
+    for peer, by_round in zip(peers, records):
+        assert by_round[1]["kinds"] == ["stranded"], by_round[1]
+        assert by_round[1]["stage_hashes"] == by_round[0]["stage_hashes"], "a round without an average moved theta_g"
+        assert "messages of the group were left out" in peer.stage_log(0)
+        assert [by_round[t]["kinds"] for t in (2, 3)] == [["averaged"], ["averaged"]], peer.output()
+        assert all(r["val_loss"] == r["val_loss"] for r in by_round.values())  # never NaN

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import logging
 import socket
+import time
 
 import pytest
 
 from dilocox_p2p import injection
+from dilocox_p2p.compression.codec import NOT_RECEIVED
 from dilocox_p2p.swarm import dial
 from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
 from dilocox_p2p.swarm.averager import RoundResult
@@ -50,11 +51,14 @@ def test_a_failed_reducer_is_suspected_unless_it_answered_or_was_in_no_such_grou
     assert suspects_after(banned, answered=[], mended=True) == ["b"]
 
 
-def test_a_compressed_rounds_member_whose_message_was_left_out_is_suspected_unless_it_was_in_no_such_group():
+def test_a_compressed_rounds_member_whose_message_never_came_is_suspected_unless_it_was_in_no_such_group():
     group = ["a", "b", "c", "d"]
     # b's message never came; d's never existed (it answered it is in no such group); a is this worker
-    assert gather_suspects(group, [0, 1, 3], ["d"], me="a") == ["b"]
-    assert gather_suspects(group, [], [], me="a") == []
+    never = {0: NOT_RECEIVED, 1: NOT_RECEIVED, 3: NOT_RECEIVED}
+    assert gather_suspects(group, never, ["d"], me="a") == ["b"]
+    assert gather_suspects(group, {}, [], me="a") == []
+    # c's message came and was refused: a strike for its author (exchange.py), who is alive and expected next round
+    assert gather_suspects(group, {1: NOT_RECEIVED, 2: "it holds NaN or Inf"}, [], me="a") == ["b"]
 
 
 def test_a_member_whose_every_other_member_was_in_no_such_group_holds_no_average_of_a_group():
