@@ -103,7 +103,7 @@ class GroupAverager:
             if codecs[0].phases == 2:
                 gathered = [r.message(2, gathered) for r in rounds]
                 sizes = [a + len(g) for a, g in zip(sizes, gathered)]
-            results = [r.average(gathered).tensors for r in rounds]
+            results = [r.average(gathered, own=i).tensors for i, r in enumerate(rounds)]
             assert all(all(a.equal(b) for a, b in zip(results[0], r)) for r in results[1:]), "members differ"
         for i, ((_, fut), tensors) in enumerate(zip(members, results)):
             self.bytes_sent[i] += int(sizes[i] * (len(members) - 1))

@@ -4,7 +4,8 @@
     round_codec = codec.begin(round, delta)          # delta joins the error-feedback buffer
     m1 = round_codec.message(1)                       # bytes for the stage group (all-gathered)
     m2 = round_codec.message(2, gathered_1)           # low-rank only: from the group's phase-1 messages
-    average = round_codec.average(gathered_last)      # the decoded mean of the group's last messages
+    average = round_codec.average(gathered_last, own=i)  # the decoded mean of the group's last messages
+    round_codec.settle(counted)                       # without an average of its own (borrowed, stranded)
 
 Every member decodes the same set of messages (the gather relays what a member missed) in the
 same order (the group's), sums them in float64 in that order and casts once, so every member
@@ -22,6 +23,11 @@ Per kind, what travels: one vector per message, the stage's pieces flattened and
   then Q_i = M_i^T B with B the exact basis of the group's mean P; the other tensors (biases,
   norms, small matrices) quantized whole in phase 1. Factors travel transposed (a block of
   the quantization runs along one column) and use `factor_bits`, as do the other tensors.
+
+Error feedback gives up only what was averaged: a message's values leave the buffer when the average
+this worker applies counted it (`average` with `own`, or `settle(True)` for an average borrowed from a
+group that counted it), never when it is encoded. A message that was never received, refused or
+screened out, or whose round stranded, stays in the buffer whole and is sent again in later rounds.
 
 Local state (error-feedback buffers; low-rank's Q and ranks) is this peer's own: kept in its
 checkpoints, never hashed or shared. A peer that joins or jumps starts from an empty buffer
@@ -107,6 +113,7 @@ class StageCodec:
         self.qs: dict[int, torch.Tensor] = {}  # the last averaged Q per low-rank matrix (warm start)
         self.last_energy: dict[int, float] = {}
         self.lock = threading.RLock()  # the exchange thread encodes while the main thread may checkpoint
+        self.generation = 0  # reset() counts: a round begun before a reset gives nothing back to the new buffer
 
     def rank_cap(self, index: int) -> int:
         """The highest rank of a factored matrix: rank_max, or (0) the highest whose factors stay 100x
@@ -140,6 +147,7 @@ class StageCodec:
             if self.feedback is not None:
                 self.feedback.reset()
             self.qs.clear()
+            self.generation += 1
 
     def metrics(self) -> dict[str, Any]:
         if not self.factored:
@@ -269,6 +277,10 @@ class RoundCodec:
         self.codec, self.round, self.target = codec, round, target
         self.bases: dict[int, Basis] = {}
         self.phase1: Decoded | None = None
+        self.sent: bytes | None = None  # this worker's phase-1 message: its values leave the buffer once averaged
+        self.sent_factors: list[tuple[torch.Tensor, torch.Tensor]] = []  # phase 2: (local basis B, decoded Q^T)
+        self.generation = codec.generation
+        self.settled = False
 
     def message(self, phase: int, gathered: Sequence[bytes | None] | None = None) -> bytes:
         """This worker's message of `phase` (phase 2: given the group's phase-1 messages, in group order)."""
@@ -279,13 +291,44 @@ class RoundCodec:
                 raise ValueError(f"phase {phase} does not exist for {self.codec.cfg.kind}")
             return self._second(gathered)
 
-    def average(self, gathered: Sequence[bytes | None]) -> Decoded:
+    def average(self, gathered: Sequence[bytes | None], *, own: int | None) -> Decoded:
         """The decoded mean of the group's messages of the last phase, in the given (group) order;
-        None stands for a message never received."""
+        None stands for a message never received. `own`: this worker's index among them (None: it sent
+        none); its message leaves the error-feedback buffer if the mean counted it (`settle`)."""
         with self.codec.lock:
             if self.codec.phases == 1:
-                return self._mean_of_first(gathered)
-            return self._low_rank_average(gathered)
+                decoded = self._mean_of_first(gathered)
+                self.settle(own is not None and own in decoded.used)
+            else:
+                decoded = self._low_rank_average(gathered)
+                assert self.phase1 is not None
+                # the tensors sent whole count with phase 1, the factored matrices with phase 2
+                self.settle(own is not None and own in self.phase1.used, factors=own is not None and own in decoded.used)
+            return decoded
+
+    def settle(self, counted: bool, *, factors: bool | None = None) -> None:
+        """Once per round: if the average this worker applies `counted` its message, what the message carried
+        leaves the error-feedback buffer (as decoded: the same bits as every member decoded); otherwise the
+        buffer keeps it whole, to be sent again. `factors`: whether the low-rank factors (phase 2) were
+        counted, where that differs. Nothing after a reset (this peer moved on: a new buffer)."""
+        codec = self.codec
+        with codec.lock:
+            if self.settled or self.generation != codec.generation:
+                return
+            self.settled = True
+            if codec.feedback is None:
+                return
+            if counted and self.sent is not None:
+                mine = codec.receive(self.sent, round=self.round, phase=1)
+                buffers = [None if codec.lowrank[i] else b for i, b in enumerate(codec.feedback.buffers)]  # not P
+                for lo, hi in mine.layout.slices(slice_step(codec.cfg, mine.layout.numel)):
+                    mine.layout.subtract(buffers, lo, hi, mine.reader.read(lo, hi))
+            if not (counted if factors is None else factors):
+                return
+            for i, (b, qt) in zip(codec.factored, self.sent_factors):  # this peer's part B B^T M_i of the average
+                buffer = codec.feedback.buffers[i]
+                for lo in range(0, buffer.shape[0], _rows(buffer)):
+                    buffer[lo : lo + _rows(buffer)].sub_(b[lo : lo + _rows(buffer)] @ qt)
 
     # ----- phase 1 -------------------------------------------------------------------------
     def _first(self) -> bytes:
@@ -295,11 +338,10 @@ class RoundCodec:
             (x @ codec._q_for(i, self.round)).T.contiguous() if codec.lowrank[i] else x
             for i, x in enumerate(self.target)
         ]  # fmt: skip
-        buffers = codec.feedback.buffers if codec.feedback is not None else [None] * len(pieces)
-        feedback = [None if codec.lowrank[i] else b for i, b in enumerate(buffers)]  # P is not what M sends
         message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, ranks=ranks)
-        sections, _ = codec.encode(message, pieces, feedback=feedback)
-        return frame(message, sections)
+        sections, _ = codec.encode(message, pieces)  # the buffer gives it up once it is averaged (settle)
+        self.sent = frame(message, sections)
+        return self.sent
 
     def _mean_of_first(self, gathered: Sequence[bytes | None]) -> Decoded:
         """The mean of the phase-1 messages: whole tensors, and for low-rank the mean P of each matrix
@@ -340,11 +382,8 @@ class RoundCodec:
                                        ranks=[self.bases[i].rank for i in codec.factored])  # fmt: skip
         sections, decoded = codec.encode(message, qts, keep=True)
         assert decoded is not None
-        for i, b, qt in zip(codec.factored, bs, decoded):
-            if codec.feedback is not None:  # this peer's part of the approximation, B B^T M_i, leaves the buffer
-                buffer = codec.feedback.buffers[i]
-                for lo in range(0, buffer.shape[0], _rows(buffer)):
-                    buffer[lo : lo + _rows(buffer)].sub_(b[lo : lo + _rows(buffer)] @ qt)
+        self.sent_factors = list(zip(bs, decoded))  # B B^T M_i leaves the buffer once averaged (settle)
+        for qt in decoded:
             message.energy_kept.append(_energy(qt))
         return frame(message, sections)
 

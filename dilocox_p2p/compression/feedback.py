@@ -2,11 +2,12 @@
 
     e <- decay * e + delta          (the buffer absorbs this round's pseudo-gradient)
     message <- compress(e)
-    e <- e - decompress(message)     (what was sent leaves the buffer)
+    e <- e - decompress(message)     (once an average counted the message: codec.RoundCodec.settle)
 
-With decay 1 the decoded messages add up to the true pseudo-gradients minus the buffer, so
+With decay 1 the averaged messages add up to the true pseudo-gradients minus the buffer, so
 nothing is lost for good, only delayed (`test_compression.py` shows the residual stays
-bounded). SparseLoCo uses decay ~0.95 and drops the outer momentum: the buffer is the
+bounded); a message no average counted (never received, refused, its round stranded) stays in
+the buffer whole. SparseLoCo uses decay ~0.95 and drops the outer momentum: the buffer is the
 momentum. The buffer is this peer's own (per stage): kept in its checkpoints, never part of
 the shared, hashed state; a late joiner starts with an empty one.
 """

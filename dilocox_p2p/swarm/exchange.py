@@ -272,7 +272,10 @@ class RoundExchange:
         if result is None or result.messages is None:
             # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
             # average rather than strand this worker (members that failed too answer at once that they lack it)
-            return self._agree(self._borrow(failure, wait_s=self.sw.allreduce_timeout))
+            average = self._agree(self._borrow(failure, wait_s=self.sw.allreduce_timeout))
+            # its message leaves the error-feedback buffer only if the average it took counted it
+            round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
+            return average
         messages, failures = result.messages, list(result.failures)
         sent, received = result.bytes_sent, result.bytes_received
         outsiders = set(result.outsiders)
@@ -287,7 +290,7 @@ class RoundExchange:
             outsiders |= set(second.outsiders)
             for peer, reason in second.offenders.items():
                 self.stage.strike(peer, f"round {self.round} phase 2: {reason}")
-        decoded = round_codec.average(messages)
+        decoded = round_codec.average(messages, own=result.group.index(self.stage.peer_id))
         used = tuple(result.group[i] for i in decoded.used)
         for index, reason in decoded.rejected.items():
             self.stage.faults.count("messages_left_out", "round %d: %s's message left out: %s",

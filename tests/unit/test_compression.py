@@ -219,7 +219,7 @@ def _exchange(codecs, deltas, round=0, tamper=None):
         gathered = tamper(gathered)
     if codecs[0].phases == 2:
         gathered = [r.message(2, gathered) for r in rounds]
-    return [r.average(gathered) for r in rounds]
+    return [r.average(gathered, own=i) for i, r in enumerate(rounds)]
 
 
 def _deltas(seed, low_rank=None):
@@ -277,6 +277,64 @@ def test_a_malformed_or_non_finite_message_is_left_out_by_every_member():
     assert not is_finite([torch.tensor([1.0, float("nan")])])
 
 
+@pytest.mark.parametrize("kind", ["int8", "topk", "lowrank"])
+def test_a_message_no_average_counted_stays_in_its_senders_buffer_whole_and_is_sent_again(kind):
+    """Error feedback used to give a message up when it was encoded: one never averaged was lost for good."""
+    cfg = CompressionConfig(kind=kind, rank=4, rank_max=8, energy_target=0.0, topk_chunk=256, topk_density=0.25)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+    deltas = [_deltas(seed, low_rank=1 if kind == "lowrank" else None) for seed in range(3)]
+
+    def lost_on_the_way(gathered):  # nobody received member 0's message (its gather failed)
+        return [None, *gathered[1:]]
+
+    results = _exchange(codecs, deltas, tamper=lost_on_the_way)
+    # low-rank: member 0's factors (phase 2) were averaged, its tensors sent whole (phase 1) were not
+    assert all(r.used == ([0, 1, 2] if kind == "lowrank" else [1, 2]) and 0 in r.rejected for r in results)
+    for i, (e, d) in enumerate(zip(codecs[0].feedback.buffers, deltas[0])):
+        assert torch.equal(e, d) != codecs[0].lowrank[i], SHAPES[i]  # kept whole unless counted
+    assert not torch.equal(codecs[1].feedback.buffers[1], deltas[1][1])  # a member whose message was averaged
+
+    # a member that borrowed the group's average: its message leaves the buffer only if that average counted it
+    for counted in (False, True):
+        codec = StageCodec(cfg, NAMES, SHAPES, run_id="r")
+        round_codec = codec.begin(0, deltas[0])
+        blob = round_codec.message(1)
+        round_codec.settle(counted)
+        round_codec.settle(not counted)  # once per round: a second word changes nothing
+        if not counted:
+            assert all(torch.equal(e, d) for e, d in zip(codec.feedback.buffers, deltas[0]))
+        elif kind != "lowrank":  # what left is exactly what every member decodes of the message
+            sent = codecs[1].receive(blob, round=0, phase=1).pieces()
+            assert all(torch.equal(e, d - m) for e, d, m in zip(codec.feedback.buffers, deltas[0], sent))
+
+
+def test_what_error_feedback_sent_and_kept_adds_up_to_the_pseudo_gradients_with_rounds_never_averaged():
+    cfg = CompressionConfig(kind="int8")
+    codec = StageCodec(cfg, NAMES, SHAPES, run_id="r")
+    total = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    delivered = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for round in range(12):
+        delta = _deltas(round)
+        total = [t + d.double() for t, d in zip(total, delta)]
+        round_codec = codec.begin(round, delta)
+        blob = round_codec.message(1)
+        counted = round % 3 != 1  # every third round its message is never averaged
+        if counted:
+            delivered = [t + m.double() for t, m in zip(delivered, codec.receive(blob, round=round, phase=1).pieces())]
+        round_codec.settle(counted)
+    for t, sent, kept in zip(total, delivered, codec.feedback.buffers):
+        assert torch.allclose(sent + kept.double(), t, atol=1e-6)
+
+
+def test_a_round_begun_before_the_buffer_was_reset_gives_nothing_back_to_the_new_buffer():
+    codec = StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r")
+    round_codec = codec.begin(0, _deltas(0))
+    round_codec.message(1)
+    codec.reset()  # this peer moved on to the swarm's state while the round was in flight
+    round_codec.settle(True)
+    assert all(not bool(e.any()) for e in codec.feedback.buffers)
+
+
 def test_error_feedback_and_warm_q_survive_a_checkpoint():
     cfg = CompressionConfig(kind="lowrank", rank=2, energy_target=0.0)
     codec = StageCodec(cfg, NAMES, SHAPES, run_id="r")
@@ -318,7 +376,7 @@ def test_encoding_and_averaging_a_slice_at_a_time_gives_the_bytes_of_the_whole_s
         gathered = [r.message(1) for r in rounds]
         if codecs[0].phases == 2:
             gathered = [r.message(2, gathered) for r in rounds]
-        average = rounds[0].average(gathered)
+        average = rounds[0].average(gathered, own=0)
         return gathered, average.tensors, codecs[0].feedback.buffers
 
     whole = run()
@@ -350,8 +408,10 @@ def test_a_value_fp16_cannot_hold_is_sent_as_its_largest_and_the_rest_follows_in
     delta = torch.tensor([70000.0, -70000.0, 1.0, 0.0])
     delivered = torch.zeros(4)
     for round, d in enumerate([delta, torch.zeros(4), torch.zeros(4)]):
-        blob = codec.begin(round, [d]).message(1)
+        round_codec = codec.begin(round, [d])
+        blob = round_codec.message(1)
         delivered += member.receive(blob, round=round, phase=1).reader.read_all()  # refused: MessageRejected
+        round_codec.settle(True)  # averaged: what it carried leaves the buffer
         assert is_finite(codec.feedback.buffers)
     assert torch.equal(delivered, delta)  # 65504 + 4496 (both exact in fp16), over two rounds
 
