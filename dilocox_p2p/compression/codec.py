@@ -23,6 +23,9 @@ Per kind, what travels: one vector per message, the stage's pieces flattened and
   then Q_i = M_i^T B with B the exact basis of the group's mean P; the other tensors (biases,
   norms, small matrices) quantized whole in phase 1. Factors travel transposed (a block of
   the quantization runs along one column) and use `factor_bits`, as do the other tensors.
+  A phase-2 message names the phase-1 messages its basis came from (`basis_digest`): one
+  computed from another set (its author missed a message) is left out, never averaged in
+  another basis.
 
 Error feedback gives up only what was averaged: a message's values leave the buffer when the average
 this worker applies counted it (`average` with `own`, or `settle(True)` for an average borrowed from a
@@ -38,7 +41,9 @@ group's ranks from the messages it receives.
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,10 +69,14 @@ from .payload import (
     unframe,
 )
 
-__all__ = ["NOT_RECEIVED", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
+__all__ = ["NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
 
 NOT_RECEIVED = "not received"
-"""Why a message a member never got is left out (`Decoded.rejected`); every other reason is a refusal."""
+"""Why a message a member never got is left out (`Decoded.rejected`)."""
+OTHER_BASIS = "its factors are in the basis of another set of phase-1 messages"
+"""Why a low-rank phase-2 message of a member that averaged other phase-1 messages is left out: a set that
+differs is a loss on the way (the gather relays what it can), not its author's fault. Every other reason is."""
+NO_FAULT = frozenset({NOT_RECEIVED, OTHER_BASIS})
 
 
 
@@ -243,7 +252,7 @@ class StageCodec:
             reader = PayloadReader.of(message.payload, sections, layout.numel)
         except (ValueError, RuntimeError) as e:
             raise MessageRejected(str(e)) from None
-        return Received(layout, reader, ranks, energy_total, energy_kept)
+        return Received(layout, reader, ranks, energy_total, energy_kept, bytes(message.basis))
 
 
 @dataclass
@@ -256,6 +265,8 @@ class Received:
     ranks: list[int]
     energy_total: list[float]
     energy_kept: list[float]
+    basis: bytes = b""
+    """Low-rank phase 2: the phase-1 messages its factors' basis came from (`basis_digest`)."""
 
     def norm(self, step: int) -> float:
         """The payload's L2 norm (float64), decoded a slice at a time; inf or nan if it holds them."""
@@ -277,6 +288,7 @@ class RoundCodec:
         self.codec, self.round, self.target = codec, round, target
         self.bases: dict[int, Basis] = {}
         self.phase1: Decoded | None = None
+        self.basis = b""  # basis_digest of the phase-1 messages this worker's basis came from
         self.sent: bytes | None = None  # this worker's phase-1 message: its values leave the buffer once averaged
         self.sent_factors: list[tuple[torch.Tensor, torch.Tensor]] = []  # phase 2: (local basis B, decoded Q^T)
         self.generation = codec.generation
@@ -372,6 +384,7 @@ class RoundCodec:
     def _second(self, gathered: Sequence[bytes | None]) -> bytes:
         codec = self.codec
         self.phase1 = self._mean_of_first(gathered)
+        self.basis = basis_digest(gathered, self.phase1.used)
         bs, energy_total = [], []
         for i in codec.factored:
             self.bases[i] = basis(self.phase1.tensors[i])
@@ -379,7 +392,7 @@ class RoundCodec:
             energy_total.append(_energy(self.target[i]))
         qts = [(self.target[i].T @ b).T.contiguous() for i, b in zip(codec.factored, bs)]
         message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=2, energy_total=energy_total,
-                                       ranks=[self.bases[i].rank for i in codec.factored])  # fmt: skip
+                                       ranks=[self.bases[i].rank for i in codec.factored], basis=self.basis)  # fmt: skip
         sections, decoded = codec.encode(message, qts, keep=True)
         assert decoded is not None
         self.sent_factors = list(zip(bs, decoded))  # B B^T M_i leaves the buffer once averaged (settle)
@@ -420,12 +433,28 @@ class RoundCodec:
                 received[index] = self.codec.receive(blob, round=self.round, phase=phase)
             except MessageRejected as e:
                 rejected[index] = str(e)
+                continue
+            if phase == 2 and received[index].basis != self.basis:
+                rejected[index] = OTHER_BASIS
+                del received[index]
         # robust aggregation: every member screens the same messages alike (average.screen)
         step = slice_step(self.codec.cfg, max((r.layout.numel for r in received.values()), default=1))
         for index, reason in screen({i: r.norm(step) for i, r in received.items()}, self.codec.max_norm_ratio).items():
             rejected[index] = reason
             del received[index]
         return received, rejected
+
+
+def basis_digest(gathered: Sequence[bytes | None], used: Sequence[int]) -> bytes:
+    """Names the phase-1 messages a low-rank basis is computed from: sha256 over each averaged message's index
+    in the group and its own sha256. Members that averaged the same messages compute the same basis (bit for
+    bit: outer.py's rule), so equal digests mean factors in one basis."""
+    digest = hashlib.sha256(b"dilocox low-rank basis v1")
+    for index in used:
+        blob = gathered[index]
+        assert blob is not None, "an averaged message was received"
+        digest.update(struct.pack("<I", index) + hashlib.sha256(blob).digest())
+    return digest.digest()
 
 
 def _said(encoded: pb.EncodedTensor) -> str:

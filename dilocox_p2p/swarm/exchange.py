@@ -36,7 +36,7 @@ from hivemind.averaging.control import AveragingStage
 
 from .. import injection, startup
 from ..average import Average, AverageKind, Spans, average_hash, intersect_spans, spans_by_tensor
-from ..compression.codec import NOT_RECEIVED
+from ..compression.codec import NO_FAULT, NOT_RECEIVED
 from ..wire import swarm_pb2
 from .agreement import held_by_most, majority_hash
 from .averager import Collected, HeldAverage, RoundResult
@@ -295,7 +295,7 @@ class RoundExchange:
         for index, reason in decoded.rejected.items():
             self.stage.faults.count("messages_left_out", "round %d: %s's message left out: %s",
                                     self.round, result.group[index], reason)
-            if reason != NOT_RECEIVED:  # it arrived intact (signed digest) but cannot be averaged
+            if reason not in NO_FAULT:  # it arrived intact (signed digest) but cannot be averaged
                 self.stage.strike(result.group[index], f"round {self.round}: its message {reason}")
         for failure in failures:
             logger.info("round %d: %s", self.round, failure)
