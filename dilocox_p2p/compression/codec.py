@@ -411,9 +411,8 @@ class RoundCodec:
             q_mean = ordered_mean([_fit_rank(d[j].T, rank) for d in decoded.values()], torch.Size((cols, rank)))
             out[i] = reconstruct(self.bases[i], q_mean)
             codec.qs[i] = q_mean
-            total = math.fsum(m.energy_total[j] for m in received.values())  # exactly rounded: any order
-            kept = math.fsum(m.energy_kept[j] for m in received.values())
-            codec.last_energy[i] = energy = min(kept / total, 1.0) if total > 0 else 1.0
+            energies = [(m.energy_total[j], m.energy_kept[j]) for m in received.values()]
+            codec.last_energy[i] = energy = _group_energy(energies)
             if cfg.energy_target > 0:
                 high = codec.rank_cap(i)
                 low = min(cfg.rank_min, high)
@@ -443,6 +442,15 @@ class RoundCodec:
             rejected[index] = reason
             del received[index]
         return received, rejected
+
+
+def _group_energy(energies: Sequence[tuple[float, float]]) -> float:
+    """The share of a matrix's energy the group's basis kept: the lower median of the members' shares
+    (kept / total, at most 1), so that no member's own numbers steer the group's ranks. (The share of the
+    summed energies let one member claiming a total of 1e30 drive every member's rank to its cap.) The
+    numbers travelled in the messages: every member computes the same share."""
+    shares = sorted(min(kept / total, 1.0) if total > 0 else 1.0 for total, kept in energies)
+    return shares[(len(shares) - 1) // 2] if shares else 1.0
 
 
 def basis_digest(gathered: Sequence[bytes | None], used: Sequence[int]) -> bytes:

@@ -282,6 +282,29 @@ def test_a_low_rank_phase_2_message_computed_in_another_basis_is_left_out_and_co
     assert OTHER_BASIS in NO_FAULT  # a loss on the way, not a forgery: nobody strikes its author
 
 
+def test_one_members_claimed_energies_do_not_steer_the_groups_ranks():
+    from dilocox_p2p.compression.payload import frame, unframe
+
+    cfg = CompressionConfig(kind="lowrank", rank=4, rank_min=1, rank_max=8, energy_target=0.5)
+
+    def ranks_after(forge):
+        codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+        rounds = [c.begin(0, _deltas(seed, low_rank=1)) for seed, c in enumerate(codecs)]
+        first = [r.message(1) for r in rounds]
+        second = [r.message(2, first) for r in rounds]
+        if forge:  # member 2 claims its matrices hold 1e30 of energy, of which the basis kept nothing
+            message, sections = unframe(second[2])
+            message.energy_total[:] = [1e30] * len(message.energy_total)
+            second[2] = frame(message, [[bytes(s)] for s in sections])
+        [r.average(second, own=i) for i, r in enumerate(rounds)]
+        assert all(c.ranks == codecs[0].ranks for c in codecs)
+        return codecs[0].ranks, codecs[0].last_energy
+
+    honest_ranks, honest_energy = ranks_after(forge=False)
+    ranks, energy = ranks_after(forge=True)
+    assert ranks == honest_ranks and all(e > 0.9 for e in energy.values()), (ranks, energy)
+
+
 def test_a_malformed_or_non_finite_message_is_left_out_by_every_member():
     cfg = CompressionConfig(kind="int8")
     codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
