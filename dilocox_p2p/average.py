@@ -100,6 +100,8 @@ class Average:
     off_majority: bool = False
     """This copy differs from the one most of its group holds, and theirs could not be had: the worker
     takes the swarm's state before it uses theta_g (a repair) instead of training on a split."""
+    phases: tuple[tuple[str, float], ...] = ()
+    """Seconds of each phase of the exchange, in order (swarm/phase_clock.py)."""
 
     @property
     def group_size(self) -> int:

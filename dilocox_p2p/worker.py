@@ -403,6 +403,8 @@ class StageWorker:
             "applied_round": outcomes[0].applied_round,
             "compute_windows": [s["compute_window"] for s in stages],
             "allreduce_windows": [o.window for o in outcomes],
+            # per stage, seconds of each phase of the exchange applied (swarm/phase_clock.py)
+            "exchange_phases": [dict(o.last.phases) if o.last is not None and o.last.phases else None for o in outcomes],
             "coverage": min(o.coverage for o in outcomes),
             "replaced_stages": [i for i, s in enumerate(stages) if s["replaced"]],
             "faults": faults,

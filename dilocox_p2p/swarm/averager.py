@@ -135,6 +135,8 @@ class RoundResult:
     messages: list[bytes | None] | None = None
     """With compression: the group's phase-1 messages, in group order (None: never received)."""
     failures: list[str] = field(default_factory=list)
+    grouped_at: float | None = None
+    """Unix time the group formed (matchmaking ended, the all-reduce or gather began)."""
 
     def alone_with_outsiders(self, me: str) -> bool:
         """Whether every other member of `me`'s group was counted in after it had given up on the leader: those
@@ -225,6 +227,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         self._failed_round = mp.Value(ctypes.c_int64, -1)  # the latest round whose exchange failed here
         self._life_start = mp.Value(ctypes.c_int64, -1)  # the boundary this process started from (set_life_start)
         self._counted_out = mp.Value(ctypes.c_int64, -1)  # the latest round a group it never learnt of held it
+        self._grouped_at: float | None = None  # when the group of the all-reduce running now formed (unix time)
         self._state_provider: StateProvider | None = None
         self._current_round = -1
         self._held: dict[int, HeldAverage] = {}
@@ -513,6 +516,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         return outside
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        self._grouped_at = time.time()
         me = self.peer_id.to_base58()
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
             peer = peer_id.to_base58()
@@ -570,6 +574,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             banned_senders=[p.to_base58() for p in runner.banned_senders],
             outsiders=sorted(p.to_base58() for p in runner.outsiders),
             offenders=runner.offenders(),
+            grouped_at=self._grouped_at,
         )
         # a member whose every other member was an outsider holds no average of the group: served, a member that
         # had given up on this group borrowed this worker's own half-reduced parts and split from the rest (busy run)
@@ -594,6 +599,7 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
             failures=gathered.failures,
             offenders=gathered.offenders,
             outsiders=gathered.outsiders,
+            grouped_at=self._grouped_at,
         )
 
     async def _gather_phase(

@@ -41,6 +41,7 @@ from ..wire import swarm_pb2
 from .agreement import held_by_most, majority_hash
 from .averager import Collected, HeldAverage, RoundResult
 from .matchmaking import cancel_step
+from .phase_clock import PhaseClock
 
 if TYPE_CHECKING:
     from .stage import SwarmStage
@@ -98,6 +99,7 @@ class RoundExchange:
         self._expected: list[str] = []  # the other members this round's target counts (phase 1)
         self._gone: set[str] = set()  # members found gone while collecting: nothing listens at their addresses
         self._window_start = 0.0
+        self.clock = PhaseClock()
 
     def abandoned(self) -> bool:
         return self.round < self.stage.exchanges.abandon_below
@@ -108,6 +110,12 @@ class RoundExchange:
             cancel_step(control)
 
     def run(self) -> Average:
+        """The exchange, its seconds per phase in `Average.phases` (phase_clock.py)."""
+        average = self._run()
+        self.clock.mark("other")  # what no phase claimed
+        return dataclasses.replace(average, phases=tuple(self.clock.seconds().items()))
+
+    def _run(self) -> Average:
         finite = self.finite  # stage.all_reduce looked (and told the others if not: MemberRecord.sitting_out)
         if not finite:
             self.stage.faults.count(
@@ -120,6 +128,7 @@ class RoundExchange:
         self._play_hostile()
         # Phase 1: wait until the stage's live members have started this round
         others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self.abandoned)
+        self.clock.mark("wait")
         self._expected = [m.peer_id for m in others]
         if self.abandoned():
             return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
@@ -203,6 +212,7 @@ class RoundExchange:
         )
         try:
             result, gave_up = self._wait_for_step(started, expected)
+            self.clock.mark_split("matchmaking", "transfer", at=result.grouped_at if result is not None else None)
             if injection.armed("kill_peer_in_allreduce", round=self.round, stage=self.stage.stage):
                 # no other member's part reached this worker (it would have died on the first): the group went on
                 # without its data, or formed after it had given up; it dies before it takes any average
@@ -266,7 +276,9 @@ class RoundExchange:
         codec = self.stage.codec_for(self.round)
         assert codec is not None
         round_codec = codec.begin(self.round, self.tensors)
-        result, failure = self._all_reduce(expected, payload=round_codec.message(1))
+        message = round_codec.message(1)
+        self.clock.mark("encode")
+        result, failure = self._all_reduce(expected, payload=message)
         if self.abandoned():
             return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if result is None or result.messages is None:
@@ -290,7 +302,9 @@ class RoundExchange:
             outsiders |= set(second.outsiders)
             for peer, reason in second.offenders.items():
                 self.stage.strike(peer, f"round {self.round} phase 2: {reason}")
+            self.clock.mark("phase2")
         decoded = round_codec.average(messages, own=result.group.index(self.stage.peer_id))
+        self.clock.mark("decode")
         used = tuple(result.group[i] for i in decoded.used)
         for index, reason in decoded.rejected.items():
             self.stage.faults.count("messages_left_out", "round %d: %s's message left out: %s",
@@ -343,6 +357,7 @@ class RoundExchange:
             raw, answered, mended_from = collected.average or raw, collected.answered, collected.mended_from
             bytes_received += collected.bytes_received
         self.membership.suspect(suspects_after(result, answered, mended=not raw.missing))
+        self.clock.mark("mend")
         return raw.to_average(
             bytes_sent=result.bytes_sent,
             bytes_received=bytes_received,
@@ -356,6 +371,7 @@ class RoundExchange:
         members = self.membership.members(training_only=True)
         order = [m.peer_id for m in sorted(members, key=lambda m: not self.membership.finished(m, self.round))]
         collected = self._collect(order, start=None, wait_s=wait_s)
+        self.clock.mark("borrow")
         if collected.average is None:
             note = f"this worker's all-reduce failed ({failure}) and no member had the group's average"
             # members that answered all lack it too: the group is stranded alike, nobody is ahead
@@ -381,6 +397,11 @@ class RoundExchange:
 
     # ----- phase 5 -------------------------------------------------------------------------
     def _agree(self, average: Average, voters: Sequence[str] | None = None) -> Average:
+        agreed = self._majority(average, voters)
+        self.clock.mark("agree")
+        return agreed
+
+    def _majority(self, average: Average, voters: Sequence[str] | None = None) -> Average:
         """Make this worker's average the one most of its group holds, before anyone uses it.
 
         Mending can reach some members and not others (a reducer on a crawling link delivers

@@ -90,7 +90,7 @@ def probe(seed: int, cases: int) -> dict[str, str]:
             codecs = [StageCodec(cfg, [str(i) for i in range(len(shapes))], shapes, run_id="p") for _ in range(3)]
             rounds = [c.begin(0, [rand(s, 1e-2) for s in shapes]) for c in codecs]
             gathered = [r.message(1) for r in rounds]
-            out["stage_codec"].append(_digest(rounds[0].average(gathered).tensors) + hashlib.sha256(b"".join(gathered)).hexdigest())
+            out["stage_codec"].append(_digest(rounds[0].average(gathered, own=0).tensors) + hashlib.sha256(b"".join(gathered)).hexdigest())
 
         a, b = rand((4099,)), rand((4099,))
         out["fused_control"].append(_digest([a.add(b, alpha=0.3)]))

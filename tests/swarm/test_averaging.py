@@ -55,6 +55,11 @@ def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
     full = [r for r in applied if set(r["kinds"]) == FULL and r["group_sizes"] == [3, 3]]
     assert len(full) >= len(applied) - 3, [(r["round"], r["kinds"], r["group_sizes"]) for r in applied]
     assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full)
+    # where each exchange's time went, phase by phase (metrics.jsonl: exchange_phases)
+    for r in full:
+        for phases in r["exchange_phases"]:
+            assert list(phases)[:4] == ["wait", "matchmaking", "transfer", "mend"] and "agree" in phases, phases
+            assert all(s >= 0 for s in phases.values()) and phases["transfer"] > 0, phases
     expected_applied = {"delayed": lambda t: t - 1 if t else None, "sync": lambda t: t}[mode]
     # the last round of a run also applies what is still pending
     for t, records in rounds.items():

@@ -34,6 +34,8 @@ def test_three_compressing_peers_agree_every_round_at_a_hundredth_of_the_fp32_by
         full = [r for r in records if r["group_size"] == 3 and r["kinds"] == ["averaged"]]
         assert len(full) >= rounds - 2, [(r["round"], r["kinds"], r["group_sizes"]) for r in records]
         ring_fp32 = 2 * (3 - 1) / 3 * 4 * records[0]["params"]  # bytes each peer sends in an fp32 ring all-reduce
+        steps = ["wait", "encode", "matchmaking", "transfer", *(["phase2"] if kind == "lowrank" else []), "decode", "agree"]
+        assert all(list(r["exchange_phases"][0])[: len(steps)] == steps for r in full), [r["exchange_phases"] for r in full]
         for r in full[:-1]:  # the last record also holds the drained last exchange
             assert 0 < r["bytes_sent"] <= ring_fp32 / 100, (r["round"], r["bytes_sent"], ring_fp32)
             assert 0 < r["bytes_received"] <= ring_fp32 / 100
