@@ -31,7 +31,8 @@ from typing import Any
 from ..config import SwarmConfig
 from ..state import StageState
 from ..wire import swarm_pb2
-from .averager import DilocoxAverager, StateDownload
+from .averager import DilocoxAverager
+from .state_service import StateDownload
 from .dht import RunRecords
 from .faults import FaultCounter
 from .membership import Membership

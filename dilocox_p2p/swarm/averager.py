@@ -4,22 +4,16 @@ Runs in its own process (hivemind's), beside the stage worker. What it adds:
 1. Exact, round-keyed all-reduce (allreduce.py): the group bits spell the round, the
    target group size is set per round from the stage's live members, and every member
    receives the same bits.
-2. Each round's average is kept (`HeldAverage`: tensors, missing spans, group) and served
-   to the group's other members (`rpc_download_average`), so that a member whose copy
-   misses spans fills them from another's (`collect`), and a member whose own all-reduce
-   failed takes the group's average (`collect` from nothing). Only copies of one group's
-   average are merged; the merged copy is what this worker then serves and applies.
-3. `rpc_download_round`: a joining or repairing worker downloads the stage's state at a
-   round boundary (theta_g, momentum, pending average) from a live worker.
+2. Each round's average is kept and served to the group's other members, who mend their copy
+   from it or borrow it (held.py: AverageService).
+3. A joining or repairing worker downloads the stage's state at a round boundary (theta_g,
+   momentum, pending average) from a live worker (state_service.py: StateService).
 4. With compression, the round's group all-gathers compressed messages instead of running
    the butterfly (gather.py); later phases (low-rank) gather again in the same group.
-5. Trust (envelope.py, docs/security.md): every request is a SignedEnvelope from the libp2p
-   peer that sends it, addressed to this worker, fresh and never seen before; every reply
-   header is signed and answers the request's nonce, with the SHA-256 of the tensor bytes that
-   follow, read within a size limit. Matchmaking carries a signed GroupTicket in hivemind's
-   JoinRequest.gather: a leader takes only members with a valid ticket that this round admits
-   (live, not banned), a follower asks only such leaders, and a member whose group holds any
-   other leaves it.
+5. Trust (envelope.py, docs/security.md): requests and replies are signed (transfer.py:
+   SignedReplies). Matchmaking carries a signed GroupTicket in hivemind's JoinRequest.gather:
+   a leader takes only members with a valid ticket that this round admits (live, not banned),
+   a follower asks only such leaders, and a member whose group holds any other leaves it.
 
 The private hivemind methods overridden here are listed in hivemind_patches.py.
 """
@@ -28,38 +22,33 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import hashlib
 import logging
 import multiprocessing as mp
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
 
 import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from .. import injection
-from ..average import Average, AverageKind, Spans, average_hash, fill_missing
+from ..average import AverageKind, Spans
 from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..fragments import as_fragments, of_round
 from ..proto_gen import envelope_pb2
-from ..state import PendingAverage, StageState
-from ..wire import swarm_pb2
 from .allreduce import ExactAllReduceRunner
-from .dial import gone, redial, unreachable
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
+from .held import AverageService, Collected, HeldAverage
 from .matchmaking import (
     count_extra_followers,
     drop_stale_searches,
@@ -71,15 +60,14 @@ from .matchmaking import (
     track_join_requests,
 )
 from .priority import lower_priority
+from .state_service import StateDownload, StateProvider, StateService
+from .transfer import SignedReplies
 
-__all__ = ["DilocoxAverager", "HeldAverage", "RoundResult", "StateDownload"]
+__all__ = ["DilocoxAverager", "RoundResult", "round_group_bits"]
 
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 24
-KEEP_AVERAGES = 3  # recent rounds' averages kept for group members that miss parts of theirs
-MAX_WAIT_S = 600.0  # the longest a request may ask a donor to wait
-RESTARTED = "this worker restarted"  # the reason a worker lacks a round's average: its process began after it
 ALIVE_CHECK_S = 1.0  # a call into the averager process checks that the process lives this often
 GATHER_SHARE = 0.7  # share of allreduce_timeout the first gather of a compressed round may take
 JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
@@ -88,32 +76,6 @@ JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this oft
 def round_group_bits(round: int) -> str:
     """Group-key bits that spell the round number (groups never mix rounds)."""
     return format(round % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
-
-
-@dataclass
-class HeldAverage:
-    """A round's average as a worker holds it. Missing coordinates are zero."""
-
-    round: int
-    kind: AverageKind
-    tensors: list[torch.Tensor]
-    missing: Spans
-    group: tuple[str, ...]
-    group_id: bytes
-
-    def to_average(self, **extra: Any) -> Average:
-        return Average(
-            kind=self.kind, tensors=self.tensors, missing=self.missing, group=self.group, group_id=self.group_id, **extra
-        )
-
-    def info(self) -> swarm_pb2.AverageInfo:
-        return swarm_pb2.AverageInfo(
-            round=self.round,
-            kind=self.kind.value,
-            missing=[swarm_pb2.Span(start=a, end=b) for a, b in self.missing],
-            group=list(self.group),
-            group_id=self.group_id,
-        )
 
 
 @dataclass
@@ -145,36 +107,6 @@ class RoundResult:
         return bool(self.outsiders) and set(self.group) - set(self.outsiders) <= {me}
 
 
-@dataclass
-class Collected:
-    """The result of `collect`: the merged average (or None) and who answered."""
-
-    average: HeldAverage | None
-    mended_from: list[str] = field(default_factory=list)
-    answered: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    lacking: list[str] = field(default_factory=list)
-    """Members that answered that they have no average of the round either."""
-    gone: list[str] = field(default_factory=list)
-    """Members that left the round: nothing listens at their addresses any more (dial.gone), or they restarted
-    since (RESTARTED). Neither announces its copy of the round's average."""
-    bytes_received: int = 0
-
-
-@dataclass
-class StateDownload:
-    """A state received from a donor (status OK), or why not."""
-
-    status: int
-    boundary: int
-    donor: str
-    state: StageState | None = None
-    state_hash: str = ""
-    reason: str = ""
-
-
-StateProvider = Callable[[int], StageState | None]  # the complete state of a boundary, if held
-
 
 async def _drained(stream: AsyncIterator[Any]) -> None:
     async for _ in stream:
@@ -187,7 +119,7 @@ async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class DilocoxAverager(MessageGather, DecentralizedAverager):
+class DilocoxAverager(AverageService, StateService, SignedReplies, MessageGather, DecentralizedAverager):
     """One stage worker's averager: exact round-keyed all-reduce, average and state serving."""
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: collect this subclass's own
@@ -613,401 +545,6 @@ class DilocoxAverager(MessageGather, DecentralizedAverager):
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
 
-    async def _hold_buffers(
-        self, round: int, kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans, future: MPFuture
-    ) -> None:
-        try:
-            with self.lock_averaged_tensors:
-                tensors = [t.clone() for t in self._of_round(round, self._averaged_tensors)]
-            self._hold(HeldAverage(round, kind, tensors, missing, group, group_id))
-            future.set_result(None)
-        except Exception as e:  # pragma: no cover - reported to the caller
-            future.set_exception(e)
-
-    def _hold(self, held: HeldAverage) -> None:
-        self._held[held.round] = held
-        for old in sorted(self._held)[:-KEEP_AVERAGES]:
-            del self._held[old]
-            self._dropped_up_to = max(self._dropped_up_to, old)
-
-    # ----- averager process: mending and borrowing -----------------------------------------
-    async def _collect(
-        self,
-        round: int,
-        peers: list[str],
-        start: HeldAverage | None,
-        wait_s: float,
-        deadline_s: float,
-        future: MPFuture,
-    ) -> None:
-        try:
-            future.set_result(await self._collect_from(round, peers, start, wait_s, time.monotonic() + deadline_s))
-        except Exception as e:  # pragma: no cover - reported to the caller
-            future.set_exception(e)
-
-    async def _collect_from(
-        self, round: int, peers: list[str], start: HeldAverage | None, wait_s: float, deadline: float
-    ) -> Collected:
-        out = Collected(average=start)
-        if start is not None and not start.missing:
-            return out
-        async for peer, got in self._copies(round, peers, wait_s, deadline, out):
-            out.answered.append(peer)
-            mine = out.average
-            if mine is None:
-                out.average, out.mended_from = got, [peer]
-            elif got.group_id == mine.group_id:
-                tensors, missing = fill_missing(mine.tensors, mine.missing, got.tensors, got.missing)
-                if missing != mine.missing:
-                    out.mended_from.append(peer)
-                    out.average = HeldAverage(round, mine.kind, tensors, missing, mine.group, mine.group_id)
-            else:
-                out.failures.append(f"{peer}: holds another group's average")
-            if not out.average.missing:
-                break
-        if out.average is not None:
-            if start is None:
-                out.average.kind = AverageKind.BORROWED
-            elif out.mended_from:
-                out.average.kind = AverageKind.MENDED
-            self._hold(out.average)  # what this worker applies is what it serves from now on
-        return out
-
-    async def _adopt(
-        self, round: int, peers: list[str], want: str, wait_s: float, deadline_s: float, future: MPFuture
-    ) -> None:
-        try:
-            out = Collected(average=None)
-            async for peer, got in self._copies(round, peers, wait_s, time.monotonic() + deadline_s, out):
-                if average_hash(got.tensors, got.missing) != want:
-                    out.failures.append(f"{peer}: its copy is not the one its record announced")
-                    continue
-                out.average, out.answered, out.mended_from = got, [peer], [peer]
-                self._hold(got)
-                break
-            future.set_result(out)
-        except Exception as e:  # pragma: no cover - reported to the caller
-            future.set_exception(e)
-
-    async def _copies(
-        self, round: int, peers: list[str], wait_s: float, deadline: float, out: Collected
-    ) -> AsyncIterator[tuple[str, HeldAverage]]:
-        """Each of `peers`' copies of round `round`'s average, asked in turn until `deadline` (what failed, who
-        lacks one too and the bytes received are noted in `out`). Peers that could not be dialed are asked again
-        after the others, until the deadline (dial.py)."""
-        unreached = []
-        for peer in peers:
-            got, reason, size = await self._fetch_within(peer, round, wait_s, deadline)
-            if got is None and unreachable(reason):
-                unreached.append(peer)
-                continue
-            if got is None and ("connection refused" in reason or RESTARTED in reason):
-                out.gone.append(peer)
-            if self._noted(out, peer, got, reason, size):
-                yield peer, got
-        for peer in unreached:
-            got, reason, size = await redial(lambda: self._fetch_within(peer, round, wait_s, deadline), deadline,
-                                             what=f"round {round}: the average held by {peer}")  # fmt: skip
-            if got is None and unreachable(reason) and await gone(reason):
-                out.gone.append(peer)
-            if self._noted(out, peer, got, reason, size):
-                yield peer, got
-
-    async def _fetch_within(
-        self, peer: str, round: int, wait_s: float, deadline: float
-    ) -> tuple[HeldAverage | None, str, int]:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None, "no time left", 0
-        return await self._fetch_average(peer, round, min(wait_s, remaining), remaining)
-
-    @staticmethod
-    def _noted(out: Collected, peer: str, got: HeldAverage | None, reason: str, size: int) -> bool:
-        """Note a fetch in `out`; whether it brought a copy."""
-        out.bytes_received += size
-        if got is None:
-            out.failures.append(f"{peer}: {reason}")
-            if reason.startswith(swarm_pb2.StateStatus.Name(swarm_pb2.STATE_LACKING)):
-                out.lacking.append(peer)
-        return got is not None
-
-    def _reply_limits(self, wait_s: float, total_s: float) -> dict[str, float]:
-        """How long a reply may take: the server's wait plus one chunk timeout for its header, one chunk
-        timeout between chunks, `total_s` in all."""
-        return dict(first_within=wait_s + self.next_chunk_timeout, each_within=self.next_chunk_timeout, total_within=total_s)
-
-    async def _fetch_average(
-        self, peer: str, round: int, wait_s: float, timeout: float
-    ) -> tuple[HeldAverage | None, str, int]:
-        request = swarm_pb2.AverageRequest(
-            run_id=self.run_id, config_hash=self.config_hash, stage=self.stage, round=round, wait_s=wait_s
-        )
-        sealed = self.signer.seal_message(request, topic=peer, round=round)
-        try:
-            stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_average(sealed), min(timeout, self.next_chunk_timeout))
-            reply = await _read_stream(stream, max_bytes=self._tensor_bytes(1), **self._reply_limits(wait_s, timeout))
-            header = self._open_head(reply, swarm_pb2.AverageHeader, peer, sealed)
-        except (WireRejected, _Oversized) as e:
-            return None, f"refused: {e}", 0
-        except Exception as e:
-            return None, repr(e)[:200], 0
-        tensors, size = reply.tensors, reply.size
-        if header.status != swarm_pb2.STATE_OK:
-            return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
-        # shapes first: a reply cut short (a connection reset ends the stream cleanly) is a failure, not a fault
-        if len(tensors) != header.n_tensors or not _same_shapes(tensors, self._of_round(round, self._averaged_tensors)):
-            return None, "the tensors do not fit this stage (cut short or malformed)", size
-        if reply.sha256 != header.sha256:
-            return None, "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)", size
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
-            return None, "refused: the average holds NaN or Inf", size
-        info = header.average
-        missing = tuple((s.start, s.end) for s in info.missing)
-        return HeldAverage(round, AverageKind(info.kind), tensors, missing, tuple(info.group), info.group_id), "", size
-
-    async def rpc_download_average(
-        self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
-    ) -> AsyncIterator[swarm_pb2.Chunk]:
-        """Stream this worker's copy of round `request.round`'s average (waiting up to `wait_s` for it)."""
-        header = swarm_pb2.AverageHeader(status=swarm_pb2.STATE_REFUSED)
-        opened, header.reason = self._open_request(sealed, swarm_pb2.AverageRequest, context)
-        if opened is None:
-            yield self._head(header, sealed)
-            return
-        request, nonce = opened.message, opened.envelope.nonce
-        if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
-            header.reason = "another run, config or stage"
-            yield self._head(header, nonce=nonce)
-            return
-        if injection.armed("hoard_average", round=request.round, stage=self.stage):
-            header.status = swarm_pb2.STATE_NOT_READY
-            yield self._head(header, nonce=nonce)
-            return
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
-
-        def restarted() -> bool:  # the member of that round's group that asks knew this worker's earlier life
-            return request.round < self._life_start.value
-
-        def lacking() -> bool:
-            return self._current_round > request.round or self._failed_round.value == request.round or restarted()
-
-        while request.round not in self._held and time.monotonic() < deadline and not lacking():
-            await asyncio.sleep(0.2)
-        held = self._held.get(request.round)
-        if held is None and request.round <= self._dropped_up_to:
-            # it had that average and moved KEEP_AVERAGES rounds past it: the asker is behind the stage group, not
-            # stranded alike with it (LACKING told a joiner that fell rounds behind to keep its own state)
-            header.status, header.reason = swarm_pb2.STATE_GONE, f"this worker is at round {self._current_round}"
-            yield self._head(header, nonce=nonce)
-            return
-        if held is None:
-            header.status = swarm_pb2.STATE_LACKING if lacking() else swarm_pb2.STATE_NOT_READY
-            if restarted():
-                header.reason = f"{RESTARTED} at round {self._life_start.value}"
-            yield self._head(header, nonce=nonce)
-            return
-        chunks, digest = self._tensor_chunks(held.tensors)
-        header = swarm_pb2.AverageHeader(
-            status=swarm_pb2.STATE_OK, average=held.info(), n_tensors=len(held.tensors), sha256=digest
-        )
-        yield self._head(header, nonce=nonce)
-        for chunk in chunks:
-            yield chunk
-
-    # ----- averager process: signed requests and replies ------------------------------------
-    def _open_request(
-        self, sealed: envelope_pb2.SignedEnvelope, cls: type, context: P2PContext
-    ) -> tuple[Any, str]:
-        """The verified request (fresh, addressed to this worker, from the peer on the stream), or why not."""
-        sender = context.remote_id.to_base58()
-        try:
-            return self.gate.open(sealed, cls, sender=sender, topic=self.signer.worker_id, fresh=True), ""
-        except WireRejected as e:
-            self._refused(f"a {cls.DESCRIPTOR.name} from {sender}", str(e))
-            return None, f"refused: {e}"[:300]
-
-    def _head(self, header: Any, sealed: envelope_pb2.SignedEnvelope | None = None, *, nonce: bytes = b"") -> swarm_pb2.Chunk:
-        """A signed reply header answering `nonce` (or, for a request that was refused, the nonce it claims)."""
-        if sealed is not None:
-            nonce = _claimed_nonce(sealed)
-        return swarm_pb2.Chunk(head=self.signer.seal(header, in_reply_to=nonce))
-
-    def _open_head(self, reply: _Reply, cls: type, peer: str, request: envelope_pb2.SignedEnvelope) -> Any:
-        """The reply's header, signed by `peer` in answer to `request`; raises WireRejected."""
-        if not reply.head:
-            raise WireRejected("reply without a header")
-        return self.gate.open(reply.head, cls, sender=peer, in_reply_to=_claimed_nonce(request)).message
-
-    def _tensor_chunks(self, tensors: Sequence[torch.Tensor]) -> tuple[list[swarm_pb2.Chunk], bytes]:
-        """Tensor parts to stream, and the SHA-256 of their bytes (for the signed header)."""
-        parts = [p.SerializeToString() for t in tensors for p in split_for_streaming(serialize_torch_tensor(t))]
-        digest = hashlib.sha256(b"".join(parts)).digest()
-        if parts and injection.armed("flip_served_bit", stage=self.stage):
-            parts[0] = injection.flip_last_bit(parts[0])
-        return [swarm_pb2.Chunk(tensor_part=p) for p in parts], digest
-
-    def _tensor_bytes(self, copies: int) -> int:
-        """The most bytes a reply of `copies` copies of this stage's tensors (plus framing) can take."""
-        total = sum(t.numel() * t.element_size() for t in self._averaged_tensors)
-        return int(copies * total * 1.02) + (1 << 20)
-
-    # ----- averager process: state download --------------------------------------------------
-    async def rpc_download_round(
-        self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
-    ) -> AsyncIterator[swarm_pb2.Chunk]:
-        """Stream this worker's state at `request.boundary`, waiting up to `wait_s` for it to be complete."""
-        header = swarm_pb2.StateHeader(status=swarm_pb2.STATE_REFUSED)
-        opened, header.reason = self._open_request(sealed, swarm_pb2.StateRequest, context)
-        if opened is None:
-            yield self._head(header, sealed)
-            return
-        request, nonce = opened.message, opened.envelope.nonce
-        if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
-            header.reason = "another run, config or stage"
-            yield self._head(header, nonce=nonce)
-            return
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
-        with self._state_wanted.get_lock():
-            self._state_wanted.value += 1
-        try:
-            metadata, tensors, status = await self._wait_for_state(request, deadline)
-        finally:
-            with self._state_wanted.get_lock():
-                self._state_wanted.value -= 1
-        if status != swarm_pb2.STATE_OK:
-            header.status, header.boundary = status, self._boundary.value
-            yield self._head(header, nonce=nonce)
-            return
-        chunks, digest = self._tensor_chunks(tensors)
-        header = swarm_pb2.StateHeader(
-            status=swarm_pb2.STATE_OK,
-            boundary=metadata["boundary"],
-            state_hash=metadata["state_hash"],
-            n_tensors=len(tensors),
-            has_pending=metadata["pending"] is not None,
-            sha256=digest,
-        )
-        if metadata["pending"] is not None:
-            p = metadata["pending"]
-            header.pending.CopyFrom(
-                swarm_pb2.AverageInfo(
-                    round=p["round"],
-                    kind=p["kind"],
-                    missing=[swarm_pb2.Span(start=a, end=b) for a, b in p["missing"]],
-                    group=p["group"],
-                )
-            )
-        yield self._head(header, nonce=nonce)
-        for chunk in chunks:
-            yield chunk
-
-    async def _wait_for_state(self, request: swarm_pb2.StateRequest, deadline: float) -> tuple[Any, Any, int]:
-        """This worker's complete state at `request.boundary`: the current one once its pending average is
-        in, or, if the worker moved on before the request was served (its all-reduce is slower than
-        training, or the request came late), the one it kept because a request was waiting."""
-        while True:
-            boundary, ready, kept = self._boundary.value, self._state_ready.value, self._kept_boundary.value
-            if boundary > request.boundary and kept != request.boundary:
-                return None, None, swarm_pb2.STATE_GONE
-            if (boundary == request.boundary and ready) or kept == request.boundary:
-                metadata, tensors = await self._fetch_state(request.boundary)
-                if metadata.get("boundary", -1) == request.boundary:
-                    return metadata, tensors, swarm_pb2.STATE_OK
-            if time.monotonic() >= deadline:
-                return None, None, swarm_pb2.STATE_NOT_READY
-            await asyncio.sleep(0.2)
-
-    async def _fetch_state(self, boundary: int) -> tuple[dict[str, Any], Sequence[torch.Tensor]]:
-        """The host's copy of its complete state of `boundary` (metadata {"boundary": -1} if it holds none).
-        Asking for the boundary, not for "the current state", matters once the worker moved on: its newer
-        state may be complete too, and a copy of it would not do for a request waiting for the kept one."""
-        if self._state_fetch is None:
-            self._state_fetch = asyncio.Lock()
-        async with self._state_fetch:
-            self._state_asked.value = boundary
-            blob, tensors, _ = await self._get_current_state_from_host_process()
-        return self.serializer.loads(blob), tensors
-
-    async def _download_round(self, peer_id: str, boundary: int, wait_s: float, timeout: float, future: MPFuture) -> None:
-        try:
-            request = swarm_pb2.StateRequest(
-                run_id=self.run_id,
-                config_hash=self.config_hash,
-                stage=self.stage,
-                boundary=boundary,
-                wait_s=wait_s,
-            )
-            sealed = self.signer.seal_message(request, topic=peer_id, round=boundary)
-            stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_round(sealed), min(timeout, self.next_chunk_timeout))
-            limits = self._reply_limits(wait_s, timeout + wait_s)
-            reply = await _read_stream(stream, max_bytes=self._tensor_bytes(3), **limits)
-            header = self._open_head(reply, swarm_pb2.StateHeader, peer_id, sealed)
-            future.set_result(self._state_from(header, reply, peer_id))
-        except (WireRejected, _Oversized) as e:
-            if not future.done():
-                future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=f"refused: {e}"))
-        except Exception as e:
-            if not future.done():
-                future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=repr(e)[:200]))
-
-    def _state_from(self, header: swarm_pb2.StateHeader, reply: _Reply, donor: str) -> StateDownload:
-        tensors = reply.tensors
-        if header.status != swarm_pb2.STATE_OK:
-            return StateDownload(status=header.status, boundary=header.boundary, donor=donor, reason=header.reason)
-        n = len(self._averaged_tensors)
-        pending_like = self._of_round(header.pending.round, self._averaged_tensors) if header.has_pending else []
-        if len(tensors) != header.n_tensors or len(tensors) != 2 * n + len(pending_like):
-            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="truncated or malformed reply")
-        like = [*self._averaged_tensors, *self._averaged_tensors, *pending_like]
-        if not _same_shapes(tensors, like):  # before the hash: a reply cut short is a failure, not a fault
-            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="the tensors do not fit this stage")
-        if reply.sha256 != header.sha256:
-            reason = "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)"
-            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason=reason)
-        pending = None
-        if header.has_pending:
-            p = header.pending
-            average = Average(
-                kind=AverageKind(p.kind),
-                tensors=tensors[2 * n :],
-                missing=tuple((s.start, s.end) for s in p.missing),
-                group=tuple(p.group),
-            )
-            pending = PendingAverage(p.round, average)
-        state = StageState(header.boundary, tensors[:n], tensors[n : 2 * n], pending)
-        return StateDownload(
-            status=swarm_pb2.STATE_OK, boundary=header.boundary, donor=donor, state=state, state_hash=header.state_hash
-        )
-
-
-def _same_shapes(tensors: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> bool:
-    return len(tensors) == len(like) and all(
-        t.shape == r.shape and t.dtype == r.dtype for t, r in zip(tensors, like)
-    )
-
-
-def _claimed_nonce(sealed: envelope_pb2.SignedEnvelope) -> bytes:
-    """The nonce a request says it has (unverified: only echoed back, or compared with our own)."""
-    try:
-        return envelope_pb2.Envelope.FromString(sealed.body).nonce
-    except Exception:
-        return b""
-
-
-class _Oversized(ValueError):
-    """A reply longer than what this stage's tensors can take: refused before reading more."""
-
-
-@dataclass
-class _Reply:
-    head: bytes
-    tensors: list[torch.Tensor]
-    size: int
-    sha256: bytes
-    """SHA-256 of the tensor parts, end to end, as received."""
-
 
 def _ask_only_admitted_leaders(leaders: Any, averager: DilocoxAverager) -> None:
     """hivemind's follower asks leaders in the order of its queue: skip those this round does not admit."""
@@ -1022,59 +559,3 @@ def _ask_only_admitted_leaders(leaders: Any, averager: DilocoxAverager) -> None:
 
     leaders.pop_next_leader = pop_admitted
     leaders._dilocox_filtered = True
-
-
-async def _read_stream(
-    stream: AsyncIterator[swarm_pb2.Chunk], *, first_within: float, each_within: float, total_within: float, max_bytes: int
-) -> _Reply:
-    """Collect the header chunk, the tensors that follow it (a part with a dtype starts a new tensor),
-    the bytes received and the SHA-256 of the tensor parts. The header must come within `first_within` s
-    (the server may wait for what is asked) and every later chunk within `each_within` s of the one
-    before, all within `total_within` s: a frozen sender costs one chunk timeout, not the whole budget.
-    More than `max_bytes` in all is refused as soon as it is exceeded."""
-    head, parts, tensors, size, digest = None, [], [], 0, hashlib.sha256()
-    deadline = time.monotonic() + total_within
-    chunks = aiter(stream)
-    while True:
-        within = min(first_within if head is None else each_within, deadline - time.monotonic())
-        if within <= 0:
-            raise TimeoutError(f"the reply took longer than {total_within:.1f}s")
-        try:
-            chunk = await asyncio.wait_for(anext(chunks), within)
-        except StopAsyncIteration:
-            break
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no {'header' if head is None else 'next chunk'} within {within:.1f}s") from None
-        size += chunk.ByteSize()
-        if size > max_bytes:
-            raise _Oversized(f"the reply exceeds {max_bytes} bytes, more than this stage's tensors can take")
-        if head is None:
-            head = chunk.head
-            continue
-        digest.update(chunk.tensor_part)
-        part = _tensor_part(chunk.tensor_part)
-        if part.dtype and parts:
-            tensors.append(_combine(parts))
-            parts = []
-        parts.append(part)
-    if parts:
-        tensors.append(_combine(parts))
-    return _Reply(head or b"", tensors, size, digest.digest())
-
-
-def _tensor_part(blob: bytes) -> runtime_pb2.Tensor:
-    """One streamed part of an uncompressed float32 tensor (all that workers send); WireRejected otherwise."""
-    try:
-        part = runtime_pb2.Tensor.FromString(blob)
-    except Exception as e:
-        raise WireRejected(f"a malformed tensor part ({type(e).__name__})") from None
-    if not blob or part.compression != runtime_pb2.CompressionType.NONE or part.dtype not in ("", "float32"):
-        raise WireRejected("a tensor part that is not uncompressed float32")
-    return part
-
-
-def _combine(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
-    try:
-        return deserialize_torch_tensor(combine_from_streaming(parts))
-    except Exception as e:  # shapes that do not fit the bytes, a first part without a dtype...
-        raise WireRejected(f"tensor parts that do not make a tensor ({type(e).__name__}: {str(e)[:80]})") from None

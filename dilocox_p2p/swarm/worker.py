@@ -31,7 +31,7 @@ from ..logs import set_log_context
 from ..state import StageState
 from ..worker import StageWorker
 from .agreement import majority_hash
-from .averager import StateDownload
+from .state_service import StateDownload
 from .dht import Member
 from .priority import lower_priority, settle
 from .stage import SwarmStage

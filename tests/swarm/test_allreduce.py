@@ -20,7 +20,8 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter
 
 from dilocox_p2p.average import AverageKind, ordered_mean
-from dilocox_p2p.swarm.averager import DilocoxAverager, HeldAverage
+from dilocox_p2p.swarm.averager import DilocoxAverager
+from dilocox_p2p.swarm.held import HeldAverage
 from tests.helpers.signed import signed_node
 
 pytestmark = pytest.mark.swarm

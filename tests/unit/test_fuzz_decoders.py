@@ -10,13 +10,13 @@ messages, and may only accept or refuse them the documented way:
     EnvelopeValidator.validate    a bool, never an exception
     StageCodec.receive            MessageRejected (fp16, int8, topk, lowrank); what it accepts decodes
     payload.unframe               ValueError (its docstring)
-    averager._read_stream         TimeoutError, _Oversized, WireRejected (a part that is not uncompressed
+    transfer.read_stream          TimeoutError, Oversized, WireRejected (a part that is not uncompressed
                                   float32, or parts that do not make a tensor)
 
 Examples are derandomized (the same ones on every run) and Ed25519 keys come from fixed seeds.
 The passing tests run 12,200 examples in all (23 message classes x 100 for wire.decode, 4,400
 for envelopes, 1,200 for the DHT validator, 3,200 for StageCodec.receive, 600 for unframe, 500
-for _read_stream), and 800 more for unframe's and _read_stream's documented errors. About 25 s
+for read_stream), and 800 more for unframe's and read_stream's documented errors. About 25 s
 on 2 CPU cores.
 
     pytest tests/unit/test_fuzz_decoders.py -q --durations=0
@@ -52,7 +52,7 @@ from dilocox_p2p.envelope import Gate, Policy
 from dilocox_p2p.errors import WireRejected
 from dilocox_p2p.identity import certify_peer, certify_worker, peer_id_of, public_raw
 from dilocox_p2p.proto_gen import compression_pb2, envelope_pb2, swarm_pb2
-from dilocox_p2p.swarm.averager import _Oversized, _read_stream
+from dilocox_p2p.swarm.transfer import Oversized, read_stream
 from dilocox_p2p.swarm.dht import EnvelopeValidator, run_keys
 from dilocox_p2p.wire import PROTOCOL_VERSION, decode
 
@@ -505,21 +505,21 @@ def test_unframe_refuses_unframed_bytes_with_value_error_as_documented(blob):
         pass
 
 
-# ----- replies streamed to a download (averager._read_stream) ----------------------------------
+# ----- replies streamed to a download (transfer.read_stream) ----------------------------------
 async def _chunks(chunks: list[swarm_pb2.Chunk]):
     for chunk in chunks:
         yield chunk
 
 
-def read_stream(chunks: list[swarm_pb2.Chunk], *, max_bytes: int):
-    return asyncio.run(_read_stream(_chunks(chunks), first_within=5.0, each_within=5.0, total_within=10.0,
+def _read(chunks: list[swarm_pb2.Chunk], *, max_bytes: int):
+    return asyncio.run(read_stream(_chunks(chunks), first_within=5.0, each_within=5.0, total_within=10.0,
                                     max_bytes=max_bytes))  # fmt: skip
 
 
 @fuzz(200)
 @given(head=st.binary(max_size=200))
 def test_read_stream_takes_any_header_bytes_as_the_header(head):
-    reply = read_stream([swarm_pb2.Chunk(head=head)], max_bytes=1 << 20)
+    reply = _read([swarm_pb2.Chunk(head=head)], max_bytes=1 << 20)
     assert reply.head == head and reply.tensors == [] and reply.sha256 == hashlib.sha256().digest()
 
 
@@ -530,8 +530,8 @@ def test_read_stream_refuses_a_reply_over_its_limit_before_parsing_the_part_that
     chunks = [swarm_pb2.Chunk(head=head)] + [swarm_pb2.Chunk(tensor_part=p) for p in parts]
     if chunks[0].ByteSize() + chunks[1].ByteSize() <= max_bytes:
         chunks[1].tensor_part += b"\x00" * max_bytes  # the first part always exceeds the limit
-    with pytest.raises(_Oversized, match=f"exceeds {max_bytes} bytes"):
-        read_stream(chunks, max_bytes=max_bytes)
+    with pytest.raises(Oversized, match=f"exceeds {max_bytes} bytes"):
+        _read(chunks, max_bytes=max_bytes)
 
 
 def test_read_stream_gives_up_on_a_frozen_sender():
@@ -541,7 +541,7 @@ def test_read_stream_gives_up_on_a_frozen_sender():
         yield swarm_pb2.Chunk()
 
     with pytest.raises(TimeoutError, match="no next chunk within 0.1s"):
-        asyncio.run(_read_stream(frozen(), first_within=1.0, each_within=0.1, total_within=5.0, max_bytes=1 << 20))
+        asyncio.run(read_stream(frozen(), first_within=1.0, each_within=0.1, total_within=5.0, max_bytes=1 << 20))
 
 
 _tensor_parts = st.one_of(
@@ -568,6 +568,6 @@ _tensor_parts = st.one_of(
 def test_read_stream_refuses_garbage_tensor_parts_only_with_its_documented_errors(parts):
     chunks = [swarm_pb2.Chunk(head=b"head")] + [swarm_pb2.Chunk(tensor_part=p) for p in parts]
     try:
-        read_stream(chunks, max_bytes=1 << 20)
-    except (TimeoutError, _Oversized, WireRejected):
+        _read(chunks, max_bytes=1 << 20)
+    except (TimeoutError, Oversized, WireRejected):
         pass

@@ -140,19 +140,19 @@ def _stalling_reply(chunks: int, stall_after: int, stall_s: float):
 
 
 def test_a_reply_that_stalls_costs_one_chunk_timeout_not_the_whole_budget():
-    from dilocox_p2p.swarm.averager import _read_stream
+    from dilocox_p2p.swarm.transfer import read_stream
 
     limits = dict(first_within=0.5, each_within=0.2, total_within=30.0, max_bytes=1 << 20)
-    reply = asyncio.run(_read_stream(_stalling_reply(1, 1, 0.0), **limits))
+    reply = asyncio.run(read_stream(_stalling_reply(1, 1, 0.0), **limits))
     assert reply.head == b"signed header" and reply.tensors == []
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="no next chunk within 0.2s"):
-        asyncio.run(_read_stream(_stalling_reply(3, 1, 20.0), **limits))
+        asyncio.run(read_stream(_stalling_reply(3, 1, 20.0), **limits))
     with pytest.raises(TimeoutError, match="no header within 0.5s"):
-        asyncio.run(_read_stream(_stalling_reply(3, 0, 20.0), **limits))
+        asyncio.run(read_stream(_stalling_reply(3, 0, 20.0), **limits))
     assert time.monotonic() - started < 3.0
     with pytest.raises(TimeoutError, match="no header within 0.1s"):  # never past the whole budget
-        asyncio.run(_read_stream(_stalling_reply(3, 0, 0.3), first_within=1.0, each_within=1.0, total_within=0.1,
+        asyncio.run(read_stream(_stalling_reply(3, 0, 0.3), first_within=1.0, each_within=1.0, total_within=0.1,
                                  max_bytes=1 << 20))
 
 

@@ -1,0 +1,176 @@
+"""The stage's state at a round boundary, served to a joining or repairing worker and downloaded from a donor.
+
+`rpc_download_round` streams this worker's complete state at a boundary (theta_g, outer momentum and
+the average still pending, read from the host process), waiting up to the request's `wait_s` for it
+to be complete; a worker that moved on keeps the boundary a request waits for (`_kept_boundary`).
+`_download_round` asks a donor for it and checks the reply (shapes, signed SHA-256) before anything
+is used. Runs in the averager process (DilocoxAverager, averager.py); signed as transfer.py says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
+
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.utils import MPFuture
+
+from ..average import Average, AverageKind
+from ..errors import WireRejected
+from ..proto_gen import envelope_pb2
+from ..state import PendingAverage, StageState
+from ..wire import swarm_pb2
+from .transfer import MAX_WAIT_S, Oversized, Reply, read_stream, same_shapes
+
+__all__ = ["StateDownload", "StateProvider", "StateService"]
+
+
+@dataclass
+class StateDownload:
+    """A state received from a donor (status OK), or why not."""
+
+    status: int
+    boundary: int
+    donor: str
+    state: StageState | None = None
+    state_hash: str = ""
+    reason: str = ""
+
+
+StateProvider = Callable[[int], StageState | None]  # the complete state of a boundary, if held
+
+
+class StateService:
+    """The averager's (DilocoxAverager's) state serving and downloading."""
+
+    async def rpc_download_round(
+        self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
+    ) -> AsyncIterator[swarm_pb2.Chunk]:
+        """Stream this worker's state at `request.boundary`, waiting up to `wait_s` for it to be complete."""
+        header = swarm_pb2.StateHeader(status=swarm_pb2.STATE_REFUSED)
+        opened, header.reason = self._open_request(sealed, swarm_pb2.StateRequest, context)
+        if opened is None:
+            yield self._head(header, sealed)
+            return
+        request, nonce = opened.message, opened.envelope.nonce
+        if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
+            header.reason = "another run, config or stage"
+            yield self._head(header, nonce=nonce)
+            return
+        deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
+        with self._state_wanted.get_lock():
+            self._state_wanted.value += 1
+        try:
+            metadata, tensors, status = await self._wait_for_state(request, deadline)
+        finally:
+            with self._state_wanted.get_lock():
+                self._state_wanted.value -= 1
+        if status != swarm_pb2.STATE_OK:
+            header.status, header.boundary = status, self._boundary.value
+            yield self._head(header, nonce=nonce)
+            return
+        chunks, digest = self._tensor_chunks(tensors)
+        header = swarm_pb2.StateHeader(
+            status=swarm_pb2.STATE_OK,
+            boundary=metadata["boundary"],
+            state_hash=metadata["state_hash"],
+            n_tensors=len(tensors),
+            has_pending=metadata["pending"] is not None,
+            sha256=digest,
+        )
+        if metadata["pending"] is not None:
+            p = metadata["pending"]
+            header.pending.CopyFrom(
+                swarm_pb2.AverageInfo(
+                    round=p["round"],
+                    kind=p["kind"],
+                    missing=[swarm_pb2.Span(start=a, end=b) for a, b in p["missing"]],
+                    group=p["group"],
+                )
+            )
+        yield self._head(header, nonce=nonce)
+        for chunk in chunks:
+            yield chunk
+
+    async def _wait_for_state(self, request: swarm_pb2.StateRequest, deadline: float) -> tuple[Any, Any, int]:
+        """This worker's complete state at `request.boundary`: the current one once its pending average is
+        in, or, if the worker moved on before the request was served (its all-reduce is slower than
+        training, or the request came late), the one it kept because a request was waiting."""
+        while True:
+            boundary, ready, kept = self._boundary.value, self._state_ready.value, self._kept_boundary.value
+            if boundary > request.boundary and kept != request.boundary:
+                return None, None, swarm_pb2.STATE_GONE
+            if (boundary == request.boundary and ready) or kept == request.boundary:
+                metadata, tensors = await self._fetch_state(request.boundary)
+                if metadata.get("boundary", -1) == request.boundary:
+                    return metadata, tensors, swarm_pb2.STATE_OK
+            if time.monotonic() >= deadline:
+                return None, None, swarm_pb2.STATE_NOT_READY
+            await asyncio.sleep(0.2)
+
+    async def _fetch_state(self, boundary: int) -> tuple[dict[str, Any], Sequence[torch.Tensor]]:
+        """The host's copy of its complete state of `boundary` (metadata {"boundary": -1} if it holds none).
+        Asking for the boundary, not for "the current state", matters once the worker moved on: its newer
+        state may be complete too, and a copy of it would not do for a request waiting for the kept one."""
+        if self._state_fetch is None:
+            self._state_fetch = asyncio.Lock()
+        async with self._state_fetch:
+            self._state_asked.value = boundary
+            blob, tensors, _ = await self._get_current_state_from_host_process()
+        return self.serializer.loads(blob), tensors
+
+    async def _download_round(self, peer_id: str, boundary: int, wait_s: float, timeout: float, future: MPFuture) -> None:
+        try:
+            request = swarm_pb2.StateRequest(
+                run_id=self.run_id,
+                config_hash=self.config_hash,
+                stage=self.stage,
+                boundary=boundary,
+                wait_s=wait_s,
+            )
+            sealed = self.signer.seal_message(request, topic=peer_id, round=boundary)
+            stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+            stream = await asyncio.wait_for(stub.rpc_download_round(sealed), min(timeout, self.next_chunk_timeout))
+            limits = self._reply_limits(wait_s, timeout + wait_s)
+            reply = await read_stream(stream, max_bytes=self._tensor_bytes(3), **limits)
+            header = self._open_head(reply, swarm_pb2.StateHeader, peer_id, sealed)
+            future.set_result(self._state_from(header, reply, peer_id))
+        except (WireRejected, Oversized) as e:
+            if not future.done():
+                future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=f"refused: {e}"))
+        except Exception as e:
+            if not future.done():
+                future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=repr(e)[:200]))
+
+    def _state_from(self, header: swarm_pb2.StateHeader, reply: Reply, donor: str) -> StateDownload:
+        tensors = reply.tensors
+        if header.status != swarm_pb2.STATE_OK:
+            return StateDownload(status=header.status, boundary=header.boundary, donor=donor, reason=header.reason)
+        n = len(self._averaged_tensors)
+        pending_like = self._of_round(header.pending.round, self._averaged_tensors) if header.has_pending else []
+        if len(tensors) != header.n_tensors or len(tensors) != 2 * n + len(pending_like):
+            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="truncated or malformed reply")
+        like = [*self._averaged_tensors, *self._averaged_tensors, *pending_like]
+        if not same_shapes(tensors, like):  # before the hash: a reply cut short is a failure, not a fault
+            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="the tensors do not fit this stage")
+        if reply.sha256 != header.sha256:
+            reason = "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)"
+            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason=reason)
+        pending = None
+        if header.has_pending:
+            p = header.pending
+            average = Average(
+                kind=AverageKind(p.kind),
+                tensors=tensors[2 * n :],
+                missing=tuple((s.start, s.end) for s in p.missing),
+                group=tuple(p.group),
+            )
+            pending = PendingAverage(p.round, average)
+        state = StageState(header.boundary, tensors[:n], tensors[n : 2 * n], pending)
+        return StateDownload(
+            status=swarm_pb2.STATE_OK, boundary=header.boundary, donor=donor, state=state, state_hash=header.state_hash
+        )

@@ -1,0 +1,161 @@
+"""Phase 5 of an exchange: the members of a group agree on one copy of its average before anyone uses it.
+
+Mending can reach some members and not others, so copies of one group's average can differ: each
+member announces the hash of its copy in the DHT (AverageRecord), reads the others', and takes the
+majority's copy (`GroupVote._majority` says how, and when it stops waiting). A mixin of
+exchange.RoundExchange (its stage, averager, membership, round and clock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+from .. import injection
+from ..average import Average, AverageKind, average_hash, intersect_spans, spans_by_tensor
+from ..wire import swarm_pb2
+from .agreement import held_by_most, majority_hash
+
+__all__ = ["AGREE_POLL_S", "GroupVote"]
+
+logger = logging.getLogger("dilocox_p2p.swarm.exchange")  # its logs read as the exchange's
+
+AGREE_POLL_S = 0.2  # phase 5 reads the group's average records this often until the majority is settled
+
+
+class GroupVote:
+    """Phase 5 of RoundExchange."""
+
+    def _agree(self, average: Average, voters: Sequence[str] | None = None) -> Average:
+        agreed = self._majority(average, voters)
+        self.clock.mark("agree")
+        return agreed
+
+    def _majority(self, average: Average, voters: Sequence[str] | None = None) -> Average:
+        """Make this worker's average the one most of its group holds, before anyone uses it.
+
+        Mending can reach some members and not others (a reducer on a crawling link delivers
+        to a few before their timeouts), so copies of one group's average can differ. Each
+        member (the `voters`: the group; a borrower votes in none) announces the hash of its
+        copy and reads the others'. It is settled as soon as a strict majority of the group
+        holds one hash, or every other member has announced its copy or is past this round
+        without one (it took another copy). After `chunk_timeout`, members that failed in the
+        round (suspects) or left are not waited for, members still mending are; after
+        `allreduce_timeout` it decides with the records there are (a split left then is found
+        by the hash check and repaired at the next boundary). The majority's copy (a tie: the
+        the one its smallest-ranked holder holds, as in agreement.py) is made from this worker's own where it covers
+        more (the majority's missing spans left out again: no download), else downloaded from
+        a holder and checked against its hash; if that fails too, the average is marked
+        `off_majority` and the worker takes the swarm's state at the boundary, before theta_g is
+        used or recorded (worker.py). A clean round costs one DHT store and a read or
+        two, overlapped with training in every mode but `sync`.
+        """
+        voters = set(average.group if voters is None else voters)
+        me = self.stage.peer_id
+        if not average.kind.applies or len(voters) < 2 or self.abandoned():
+            return average
+        mine = average_hash(average.tensors, average.missing)
+        if me in voters:
+            self._announce(average, mine)
+        records = self._group_records(average.group_id, voters, mine if me in voters else None)
+        hashes = {p: r.average_hash for p, r in records.items()}
+        if me in voters:
+            hashes[me] = mine
+        winner = majority_hash(hashes, self.stage.records.rank)
+        if winner is None or winner == mine:
+            return average
+        holders = sorted(p for p, h in hashes.items() if h == winner and p != me)
+        skip = injection.armed("skip_adopting", round=self.round, stage=self.stage.stage)
+        adopted = None if skip else (
+            self._restricted(average, records[holders[0]], winner) or self._downloaded(average, holders, winner)
+        )
+        if adopted is None:  # the failures were counted as downloads_failed; the boundary repairs this worker
+            logger.warning("round %d: this worker's average differs from its group's majority (%d of %d hold %s) and "
+                           "theirs could not be had: taking the swarm's state at the boundary", self.round,
+                           len(holders), len(hashes), winner[:12])  # fmt: skip
+            return dataclasses.replace(average, off_majority=True)
+        self.stage.faults.count(
+            "averages_adopted", "round %d: this worker's average (%s, %.1f%% of coordinates) differed from its group's "
+            "majority (%d of %d hold %s): took theirs (%s, %.1f%%)", self.round, average.kind.value,
+            100 * average.coverage, len(holders), len(hashes), winner[:12], adopted.kind.value, 100 * adopted.coverage,
+        )  # fmt: skip
+        if me in voters:
+            self._announce(adopted, winner)  # members still deciding count this worker in the majority now
+        return adopted
+
+    def _announce(self, average: Average, average_hash_: str) -> None:
+        record = swarm_pb2.AverageRecord(
+            round=self.round, group_id=average.group_id, average_hash=average_hash_, kind=average.kind.value,
+            missing=[swarm_pb2.Span(start=a, end=b) for a, b in average.missing],
+        )  # fmt: skip
+        self.stage.records.publish_average(record)
+
+    def _group_records(self, group_id: bytes, voters: set[str], mine: str | None) -> dict[str, swarm_pb2.AverageRecord]:
+        """The other voters' AverageRecords for `group_id`, read until the majority is settled (this worker's
+        own copy, `mine`, counts if it votes)."""
+        started = time.monotonic()
+        deadline, others = started + self.sw.allreduce_timeout, voters - {self.stage.peer_id}
+        records: dict[str, swarm_pb2.AverageRecord] = {}
+        while not self.abandoned():
+            try:
+                found = self.stage.records.average_records(self.round)
+                records = {p: r for p, r in found.items() if p in others and r.group_id == group_id}
+            except Exception as e:
+                self.stage.faults.count("lookups_failed", "round %d: the group's average records could not be read: %r",
+                                        self.round, e)  # fmt: skip
+            hashes = [r.average_hash for r in records.values()] + ([mine] if mine is not None else [])
+            if 2 * held_by_most(hashes) > len(voters) or not self._awaited(others - set(records), time.monotonic() - started):
+                break
+            if time.monotonic() >= deadline:
+                logger.info("round %d: %d of %d members' average records in after %.0fs; deciding with them",
+                            self.round, len(records), len(voters), self.sw.allreduce_timeout)  # fmt: skip
+                break
+            time.sleep(AGREE_POLL_S)
+        return records
+
+    def _awaited(self, silent: set[str], waited: float) -> set[str]:
+        """Those of the `silent` voters that may still announce their copy: not the ones whose member record
+        shows them past this round (they took another group's average: a borrower announces nothing), and
+        after one chunk timeout, not the ones that failed in this round (suspects), left, or no longer train
+        (a member restarted since, joining or taking the swarm's state, never announces this round's copy:
+        waiting for it held the round's average back for allreduce_timeout, and its own state download
+        with it, 60 s of a restart). One found gone while this worker collected (nothing listens at its
+        addresses: it died in the round) is not waited for at all: a member killed in a pair's all-reduce
+        held the survivor's round back a chunk timeout more."""
+        members = {m.peer_id: m for m in self.membership.members(others_only=False)}
+        return {
+            p for p in silent
+            if p not in self._gone
+            and not (p in members and self.membership.finished(members[p], self.round))
+            and (waited < self.sw.chunk_timeout or (p in members and members[p].record.training))
+        }  # fmt: skip
+
+    def _restricted(self, average: Average, record: swarm_pb2.AverageRecord, winner: str) -> Average | None:
+        """This worker's copy with the majority's missing spans left out, if that gives the majority's bits."""
+        target = tuple((s.start, s.end) for s in record.missing)
+        if intersect_spans(average.missing, target) != average.missing or not average.tensors:
+            return None  # the majority covers coordinates this copy lacks
+        tensors = [t.clone() for t in average.tensors]
+        for index, a, b in spans_by_tensor(target, [t.numel() for t in tensors]):
+            tensors[index].view(-1)[a:b] = 0.0
+        if average_hash(tensors, target) != winner:
+            return None
+        kind = AverageKind(record.kind)
+        self._hold(tensors, kind, average.group, average.group_id, target)
+        return dataclasses.replace(average, kind=kind, tensors=tensors, missing=target)
+
+    def _downloaded(self, average: Average, holders: list[str], winner: str) -> Average | None:
+        """The majority's copy from one of its `holders`, checked against its hash (None: counted)."""
+        got = self.averager.adopt(self.round, holders, winner, wait_s=self.sw.chunk_timeout,
+                                  deadline_s=self.sw.state_timeout)  # fmt: skip
+        for failure in got.failures:
+            self.stage.faults.count("downloads_failed", "round %d: no majority average from %s", self.round, failure)
+        if got.average is None:
+            return None
+        return got.average.to_average(
+            bytes_sent=average.bytes_sent, bytes_received=average.bytes_received + got.bytes_received,
+            window=(average.window[0] if average.window else self._window_start, time.time()),
+            note=average.note, mended_from=tuple(got.mended_from),
+        )  # fmt: skip
