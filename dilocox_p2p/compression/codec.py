@@ -144,11 +144,13 @@ class StageCodec:
 
     def begin(self, round: int, delta: Sequence[torch.Tensor]) -> RoundCodec:
         with self.lock:
-            if self.feedback is not None:
+            if self.feedback is not None and is_finite(delta):
                 target = self.feedback.absorb(delta)  # the buffers themselves: encoding reads them first
-            else:
-                target = [d.detach().to(torch.float32) for d in delta]  # the delta is the averager's now
-        return RoundCodec(self, round, target)
+                return RoundCodec(self, round, target)
+            # no feedback, or a delta holding NaN or Inf (only a worker playing hostile sends one: exchange.py);
+            # it never enters the buffer, which stays finite, and its message is refused by every member
+            target = [d.detach().to(torch.float32) for d in delta]  # the delta is the averager's now
+            return RoundCodec(self, round, target, from_buffer=False)
 
     def reset(self) -> None:
         """Forget this peer's own history (it moved on to the swarm's state)."""
@@ -284,8 +286,9 @@ class Received:
 class RoundCodec:
     """One round's encoding and decoding at one stage worker."""
 
-    def __init__(self, codec: StageCodec, round: int, target: list[torch.Tensor]):
+    def __init__(self, codec: StageCodec, round: int, target: list[torch.Tensor], *, from_buffer: bool = True):
         self.codec, self.round, self.target = codec, round, target
+        self.from_buffer = from_buffer and codec.feedback is not None  # settle takes the message out of the buffer
         self.bases: dict[int, Basis] = {}
         self.phase1: Decoded | None = None
         self.basis = b""  # basis_digest of the phase-1 messages this worker's basis came from
@@ -328,7 +331,7 @@ class RoundCodec:
             if self.settled or self.generation != codec.generation:
                 return
             self.settled = True
-            if codec.feedback is None:
+            if codec.feedback is None or not self.from_buffer:
                 return
             if counted and self.sent is not None:
                 mine = codec.receive(self.sent, round=self.round, phase=1)

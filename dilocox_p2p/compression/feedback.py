@@ -20,6 +20,8 @@ import torch
 
 __all__ = ["ErrorFeedback"]
 
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
 
 class ErrorFeedback:
     """One buffer per tensor of a stage."""
@@ -32,11 +34,13 @@ class ErrorFeedback:
 
     @torch.no_grad()
     def absorb(self, delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """e <- decay * e + delta; returns the buffers (what is to be compressed)."""
+        """e <- decay * e + delta; returns the buffers (what is to be compressed). `delta` must be finite
+        (codec.StageCodec.begin keeps any other out); a sum beyond fp32's range is held at its largest
+        value, never Inf: a buffer never holds a non-finite value."""
         for e, d in zip(self.buffers, delta):
             if self.decay != 1.0:
                 e.mul_(self.decay)
-            e.add_(d)
+            e.add_(d).clamp_(-FP32_MAX, FP32_MAX)
         return self.buffers
 
     @torch.no_grad()

@@ -457,6 +457,22 @@ def test_a_value_fp16_cannot_hold_is_sent_as_its_largest_and_the_rest_follows_in
     assert torch.equal(delivered, delta)  # 65504 + 4496 (both exact in fp16), over two rounds
 
 
+def test_an_error_feedback_buffer_never_holds_nan_or_inf():
+    from dilocox_p2p.compression.codec import MessageRejected
+
+    codec = StageCodec(CompressionConfig(kind="int8"), ["w"], [torch.Size((64,))], run_id="r")
+    big = torch.full((64,), 3e38)
+    codec.begin(0, [big]).settle(False)  # never averaged: it stays in the buffer
+    codec.begin(1, [big]).settle(False)  # 6e38 is beyond fp32: held at its largest value
+    assert is_finite(codec.feedback.buffers) and float(codec.feedback.buffers[0][0]) == torch.finfo(torch.float32).max
+    held = codec.feedback.buffers[0].clone()
+    hostile = codec.begin(2, [torch.full((64,), float("nan"))])  # a worker playing hostile (exchange._play_hostile)
+    with pytest.raises(MessageRejected, match="NaN or Inf"):
+        codec.receive(hostile.message(1), round=2, phase=1)
+    hostile.settle(True)
+    assert torch.equal(codec.feedback.buffers[0], held)  # the NaN never entered it, nor left anything out of it
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp4"])
 def test_a_block_too_large_for_any_scale_is_clamped_and_still_received(kind):
     codec = StageCodec(CompressionConfig(kind=kind, block=64), ["w"], [torch.Size((64,))], run_id="r")
