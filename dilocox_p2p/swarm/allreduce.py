@@ -158,6 +158,16 @@ class ExactAllReduceRunner(AllReduceRunner):
 
         container.register_failed_reducer = on_failed_reducer
 
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        """As hivemind's, and once every sender has started or is banned, the wait for missing senders ends:
+        hivemind's waits for every sender to *start* (`all_senders_started`) up to sender_timeout, and the
+        all-reduce ends only after that wait. A member banned before it sent anything (an outsider, a member
+        killed before its first part) made every other member's all-reduce last sender_timeout more: 5 s of
+        a leader's all-reduce with an outsider, past which its stage no longer looked for a group again."""
+        await super()._ban_sender(peer_id)
+        if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
+            self.all_senders_started.set()
+
     def failed_spans(self) -> Spans:
         """Coordinates whose reducer failed before delivering them to this member."""
         spans, start = [], 0

@@ -59,7 +59,10 @@ PATCHES: dict[str, str] = {
     "AllReduceRunner._generate_input_for_peer / rpc_aggregate_part": "count bytes sent and received",
     "AllReduceRunner._get_peer_stub": "wrapped to count bytes received",
     "AllReduceRunner._ban_sender": "called as hivemind does when a sender's stream ends early, and for a member "
-    "that answers BAD_GROUP_ID (it never joined the group)",
+    "that answers BAD_GROUP_ID (it never joined the group); overridden to end the wait for missing senders "
+    "once every sender started or is banned",
+    "AllReduceRunner.all_senders_started / active_senders / banned_senders / sender_peer_ids": "read; the event set "
+    "as hivemind sets it once every sender has started",
     # averaging/partition.py
     "TensorPartContainer._input_parts_by_peer": "read for each reducer's part sizes (missing spans)",
     "TensorPartContainer._outputs_registered_by_peer": "read when a reducer fails: its first undelivered part",

@@ -14,10 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import as_aiter
+from hivemind.p2p import PeerID
+from hivemind.utils.asyncio import as_aiter, enter_asynchronously
 
 from dilocox_p2p.average import AverageKind, ordered_mean
 from dilocox_p2p.swarm.averager import DilocoxAverager
@@ -37,6 +39,9 @@ def _inputs(n: int) -> list[list[torch.Tensor]]:
 class CollectingAverager(DilocoxAverager):
     """Collects garbage in its averager process on request, as often as the cycle collector could under load."""
 
+    _rpc_handlers = None  # its own RPC handlers and stubs (LeadingAverager says why)
+    _stub_type = None
+
     async def _collect_garbage(self, seconds: float, future: MPFuture) -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -48,8 +53,35 @@ class CollectingAverager(DilocoxAverager):
 class FollowedAverager(DilocoxAverager):
     """Tells the followers its search has accepted so far (its averager process's matchmaking state)."""
 
+    _rpc_handlers = None  # its own RPC handlers and stubs (LeadingAverager says why)
+    _stub_type = None
+
     async def _followers(self, future: MPFuture) -> None:
         future.set_result(sorted(p.to_base58() for p in self._matchmaking.current_followers))
+
+
+class LeadingAverager(DilocoxAverager):
+    """Leads an all-reduce of a group it makes up itself, as hivemind's leader runs one (its averager process)."""
+
+    _rpc_handlers = None  # hivemind caches RPC handlers and stubs per class, named for it: this class's own, or
+    _stub_type = None  # after another test had cached DilocoxAverager's, the members' stubs and handlers differed
+
+    async def _lead(self, round: int, others: list[str], future: MPFuture) -> None:
+        try:
+            peers = (self.peer_id, *(PeerID.from_base58(p) for p in others))
+            group_id = b"a group its other members never learnt of"
+            self._current_round = round
+            self._running_groups[group_id] = asyncio.Future()
+            kwargs = {k: v for k, v in self.allreduce_kwargs.items() if k != "min_vector_size"}  # as hivemind's step
+            started = time.monotonic()
+            async with enter_asynchronously(self.get_tensors()) as tensors:
+                await self._run_allreduce_inplace_(tensors, GroupInfo(group_id, peers, (b"",) * len(peers)),
+                                                   peer_fractions=(1 / len(peers),) * len(peers), **kwargs)
+            self._running_groups.pop(group_id)
+            r = self._last_result
+            future.set_result((time.monotonic() - started, r.outsiders, r.failed_reducers, r.banned_senders))
+        except Exception as e:  # pragma: no cover - reported to the test
+            future.set_exception(e)
 
 
 class Group:
@@ -322,6 +354,20 @@ def test_a_member_outside_every_group_answers_a_part_of_an_unknown_group_at_once
     finally:
         control.cancel()
     assert codes == [averaging_pb2.BAD_GROUP_ID]
+
+
+def test_a_leader_whose_only_other_member_never_learnt_of_the_group_ends_its_all_reduce_at_once():
+    # the leader counted in a follower that had given up on it: the follower answers its parts BAD_GROUP_ID at
+    # once and is banned as a sender, but hivemind's leader still waited for it to start sending (sender_timeout,
+    # 5 s here) before its all-reduce ended, and its stage was then too late in the round to look for a group again
+    group = Group(2, LeadingAverager)
+    try:
+        leader, outsider = group.averagers
+        seconds, outsiders, failed, banned = leader._call("_lead", 30.0, round=4, others=[group.ids[1]])
+    finally:
+        group.close()
+    assert outsiders == [group.ids[1]], (seconds, outsiders, failed, banned)
+    assert seconds < 2.5, f"the all-reduce lasted {seconds:.1f} s (next_chunk_timeout: 5 s)"
 
 
 def test_a_member_outside_every_group_answers_a_request_for_a_compressed_message_of_that_group_at_once(group):
