@@ -232,14 +232,9 @@ class AverageService:
     ) -> AsyncIterator[swarm_pb2.Chunk]:
         """Stream this worker's copy of round `request.round`'s average (waiting up to `wait_s` for it)."""
         header = swarm_pb2.AverageHeader(status=swarm_pb2.STATE_REFUSED)
-        opened, header.reason = self._open_request(sealed, swarm_pb2.AverageRequest, context)
-        if opened is None:
-            yield self._head(header, sealed)
-            return
-        request, nonce = opened.message, opened.envelope.nonce
-        if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
-            header.reason = "another run, config or stage"
-            yield self._head(header, nonce=nonce)
+        request, nonce, refusal = self._stage_request(sealed, swarm_pb2.AverageRequest, context, header)
+        if refusal is not None:
+            yield refusal
             return
         if injection.armed("hoard_average", round=request.round, stage=self.stage):
             header.status = swarm_pb2.STATE_NOT_READY

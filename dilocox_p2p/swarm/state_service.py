@@ -52,14 +52,9 @@ class StateService:
     ) -> AsyncIterator[swarm_pb2.Chunk]:
         """Stream this worker's state at `request.boundary`, waiting up to `wait_s` for it to be complete."""
         header = swarm_pb2.StateHeader(status=swarm_pb2.STATE_REFUSED)
-        opened, header.reason = self._open_request(sealed, swarm_pb2.StateRequest, context)
-        if opened is None:
-            yield self._head(header, sealed)
-            return
-        request, nonce = opened.message, opened.envelope.nonce
-        if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
-            header.reason = "another run, config or stage"
-            yield self._head(header, nonce=nonce)
+        request, nonce, refusal = self._stage_request(sealed, swarm_pb2.StateRequest, context, header)
+        if refusal is not None:
+            yield refusal
             return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
         with self._state_wanted.get_lock():

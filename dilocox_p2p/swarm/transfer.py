@@ -46,6 +46,20 @@ class SignedReplies:
             self._refused(f"a {cls.DESCRIPTOR.name} from {sender}", str(e))
             return None, f"refused: {e}"[:300]
 
+    def _stage_request(
+        self, sealed: envelope_pb2.SignedEnvelope, cls: type, context: P2PContext, header: Any
+    ) -> tuple[Any, bytes, swarm_pb2.Chunk | None]:
+        """(the verified request, its nonce, None) if it is of this run, config and stage; else the signed
+        refusal to send, `header` (status REFUSED) saying why."""
+        opened, header.reason = self._open_request(sealed, cls, context)
+        if opened is None:
+            return None, b"", self._head(header, sealed)
+        request, nonce = opened.message, opened.envelope.nonce
+        if (request.run_id, request.config_hash, request.stage) != (self.run_id, self.config_hash, self.stage):
+            header.reason = "another run, config or stage"
+            return None, nonce, self._head(header, nonce=nonce)
+        return request, nonce, None
+
     def _head(self, header: Any, sealed: envelope_pb2.SignedEnvelope | None = None, *, nonce: bytes = b"") -> swarm_pb2.Chunk:
         """A signed reply header answering `nonce` (or, for a request that was refused, the nonce it claims)."""
         if sealed is not None:
