@@ -225,8 +225,11 @@ class SwarmStage:
         if injection.armed("nan_pseudo_gradient", round=round, stage=self.stage):
             tensors[0].view(-1)[0] = float("nan")
         finite = is_finite(tensors)
-        # tells the others this round is ready to average, or that this worker sits it out (nothing to send)
-        self.heartbeat.update(averaging_round=round, sitting_out=0 if finite else round + 1, wait=False)
+        # tells the others this round is ready to average, or that this worker sits it out (nothing to send). The
+        # record keeps the latest round sat out (swarm.proto): reset at the next round, it was gone before a slower
+        # member read it, which then counted this worker into that round's group and waited round_wait for it (CI)
+        sitting = {} if finite else {"sitting_out": round + 1}
+        self.heartbeat.update(averaging_round=round, wait=False, **sitting)
         # a worker alone in the run goes through the exchange too: it holds its average of one, which a
         # member that shows up during the round (a restarted peer) borrows to stay in agreement
         return self.exchanges.submit(round, list(tensors), finite=finite)
