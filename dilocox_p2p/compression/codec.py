@@ -331,7 +331,7 @@ class RoundCodec:
             if self.settled or self.generation != codec.generation:
                 return
             self.settled = True
-            if codec.feedback is None or not self.from_buffer:
+            if not self.from_buffer:  # no error feedback, or a delta that never entered the buffer
                 return
             if counted and self.sent is not None:
                 mine = codec.receive(self.sent, round=self.round, phase=1)
