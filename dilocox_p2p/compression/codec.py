@@ -40,10 +40,7 @@ group's ranks from the messages it receives.
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import math
-import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,7 +52,18 @@ from ..average import ordered_mean, screen
 from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
-from .lowrank import Basis, adapt_rank, basis, initial_q, local_basis, reconstruct
+from .lowrank import (
+    Basis,
+    adapt_rank,
+    basis,
+    basis_digest,
+    fit_rank,
+    group_energy,
+    group_rank,
+    initial_q,
+    local_basis,
+    reconstruct,
+)
 from .payload import (
     SLICE,
     FlatLayout,
@@ -369,7 +377,7 @@ class RoundCodec:
             out = streamed_mean(readers, layout, slice_step(codec.cfg, layout.numel))
             return Decoded(out, used=sorted(received), rejected=rejected)
         decoded = {index: r.pieces() for index, r in received.items()}
-        ranks = {i: _group_rank([d[i].shape[0] for d in decoded.values()]) for i in codec.factored}
+        ranks = {i: group_rank([d[i].shape[0] for d in decoded.values()]) for i in codec.factored}
         for i, r in ranks.items():
             if r is not None:
                 codec.ranks[i] = r
@@ -377,7 +385,7 @@ class RoundCodec:
         for i, shape in enumerate(codec.shapes):
             if codec.lowrank[i]:
                 rank = codec.ranks[i]
-                parts = [_fit_rank(d[i].T, rank) for d in decoded.values()]
+                parts = [fit_rank(d[i].T, rank) for d in decoded.values()]
                 out.append(ordered_mean(parts, torch.Size((shape[0], rank))))
             else:
                 out.append(ordered_mean([d[i] for d in decoded.values()], shape))
@@ -411,11 +419,11 @@ class RoundCodec:
         out = list(self.phase1.tensors)
         for j, i in enumerate(codec.factored):
             rank, cols = self.bases[i].rank, codec.shapes[i][1]
-            q_mean = ordered_mean([_fit_rank(d[j].T, rank) for d in decoded.values()], torch.Size((cols, rank)))
+            q_mean = ordered_mean([fit_rank(d[j].T, rank) for d in decoded.values()], torch.Size((cols, rank)))
             out[i] = reconstruct(self.bases[i], q_mean)
             codec.qs[i] = q_mean
             energies = [(m.energy_total[j], m.energy_kept[j]) for m in received.values()]
-            codec.last_energy[i] = energy = _group_energy(energies)
+            codec.last_energy[i] = energy = group_energy(energies)
             if cfg.energy_target > 0:
                 high = codec.rank_cap(i)
                 low = min(cfg.rank_min, high)
@@ -447,25 +455,8 @@ class RoundCodec:
         return received, rejected
 
 
-def _group_energy(energies: Sequence[tuple[float, float]]) -> float:
-    """The share of a matrix's energy the group's basis kept: the lower median of the members' shares
-    (kept / total, at most 1), so that no member's own numbers steer the group's ranks. (The share of the
-    summed energies let one member claiming a total of 1e30 drive every member's rank to its cap.) The
-    numbers travelled in the messages: every member computes the same share."""
-    shares = sorted(min(kept / total, 1.0) if total > 0 else 1.0 for total, kept in energies)
-    return shares[(len(shares) - 1) // 2] if shares else 1.0
 
 
-def basis_digest(gathered: Sequence[bytes | None], used: Sequence[int]) -> bytes:
-    """Names the phase-1 messages a low-rank basis is computed from: sha256 over each averaged message's index
-    in the group and its own sha256. Members that averaged the same messages compute the same basis (bit for
-    bit: outer.py's rule), so equal digests mean factors in one basis."""
-    digest = hashlib.sha256(b"dilocox low-rank basis v1")
-    for index in used:
-        blob = gathered[index]
-        assert blob is not None, "an averaged message was received"
-        digest.update(struct.pack("<I", index) + hashlib.sha256(blob).digest())
-    return digest.digest()
 
 
 def _said(encoded: pb.EncodedTensor) -> str:
@@ -488,20 +479,3 @@ def _rows(matrix: torch.Tensor) -> int:
 def _factorable(shape: torch.Size, cfg: CompressionConfig) -> bool:
     """A matrix worth factoring: its factors at the lowest rank are well below its size."""
     return len(shape) == 2 and min(shape) > 1 and cfg.rank_min * (shape[0] + shape[1]) * 4 <= shape[0] * shape[1]
-
-
-def _group_rank(ranks: Sequence[int]) -> int | None:
-    """The rank most of the group's messages use for a matrix (ties: the larger), None if none."""
-    counts = collections.Counter(ranks)
-    if not counts:
-        return None
-    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
-
-
-def _fit_rank(factor: torch.Tensor, rank: int) -> torch.Tensor:
-    """A factor (rows, r) cut or zero-padded to `rank` columns (a member that used another rank)."""
-    if factor.shape[1] == rank:
-        return factor
-    if factor.shape[1] > rank:
-        return factor[:, :rank]
-    return torch.cat([factor, torch.zeros(factor.shape[0], rank - factor.shape[1])], dim=1)

@@ -29,13 +29,19 @@ what int4 or int8 factors on the wire leave.
 
 A column of P that is (numerically) a combination of earlier ones gets no basis vector: its
 row of W is zero. The rank of each matrix adapts (`adapt_rank`) to the share of the energy
-the approximation captures, decided from group-wide sums so that every member decides alike.
+the approximation captures, decided from the numbers in the group's messages so that every
+member decides alike: the lower median of the members' shares (`group_energy`), and for the
+factors' width the rank most messages used (`group_rank`, `fit_rank`). A phase-2 message names
+the phase-1 messages its basis came from (`basis_digest`).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +49,10 @@ import torch
 
 from ..model import portable_normal
 
-__all__ = ["Basis", "adapt_rank", "basis", "initial_q", "local_basis", "reconstruct"]
+__all__ = [
+    "Basis", "adapt_rank", "basis", "basis_digest", "fit_rank", "group_energy", "group_rank", "initial_q", "local_basis",
+    "reconstruct",
+]  # fmt: skip
 
 _EXACT_BITS = 52  # integer sums below 2^53 are exact in float64
 _ROWS_VALUES = 1 << 20  # reconstruct this many values at a time
@@ -168,3 +177,41 @@ def adapt_rank(rank: int, energy: float, *, target: float, low: int, high: int) 
     if energy > target + (1.0 - target) / 2:
         return max(low, rank - max(1, rank // 8))
     return rank
+
+
+def group_energy(energies: Sequence[tuple[float, float]]) -> float:
+    """The share of a matrix's energy the group's basis kept: the lower median of the members' shares
+    (kept / total, at most 1), so that no member's own numbers steer the group's ranks. (The share of the
+    summed energies let one member claiming a total of 1e30 drive every member's rank to its cap.) The
+    numbers travelled in the messages: every member computes the same share."""
+    shares = sorted(min(kept / total, 1.0) if total > 0 else 1.0 for total, kept in energies)
+    return shares[(len(shares) - 1) // 2] if shares else 1.0
+
+
+def basis_digest(gathered: Sequence[bytes | None], used: Sequence[int]) -> bytes:
+    """Names the phase-1 messages a low-rank basis is computed from: sha256 over each averaged message's index
+    in the group and its own sha256. Members that averaged the same messages compute the same basis (bit for
+    bit: outer.py's rule), so equal digests mean factors in one basis."""
+    digest = hashlib.sha256(b"dilocox low-rank basis v1")
+    for index in used:
+        blob = gathered[index]
+        assert blob is not None, "an averaged message was received"
+        digest.update(struct.pack("<I", index) + hashlib.sha256(blob).digest())
+    return digest.digest()
+
+
+def group_rank(ranks: Sequence[int]) -> int | None:
+    """The rank most of the group's messages use for a matrix (ties: the larger), None if none."""
+    counts = collections.Counter(ranks)
+    if not counts:
+        return None
+    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+
+
+def fit_rank(factor: torch.Tensor, rank: int) -> torch.Tensor:
+    """A factor (rows, r) cut or zero-padded to `rank` columns (a member that used another rank)."""
+    if factor.shape[1] == rank:
+        return factor
+    if factor.shape[1] > rank:
+        return factor[:, :rank]
+    return torch.cat([factor, torch.zeros(factor.shape[0], rank - factor.shape[1])], dim=1)
