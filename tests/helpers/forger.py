@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import tempfile
@@ -47,10 +48,18 @@ def _signer(root: Path, name: str, run_id: str) -> Signer:
     return Signer(worker_key, cert)
 
 
-def _boundaries(raw_members: dict) -> dict[str, int]:
-    """Victims' boundaries, read from their member records without checking anything."""
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def _boundaries(raw_members: dict, mine: set[bytes]) -> dict[str, int]:
+    """Victims' boundaries, read from their member records without checking anything but that the forger
+    did not write the record itself (its own forgery under a victim's subkey outlives the victim's record
+    in its own storage, and would hold the victim's boundary where it was when first forged)."""
     out = {}
     for subkey, item in raw_members.items():
+        if _digest(item.value) in mine:
+            continue
         try:
             body = envelope_pb2.Envelope.FromString(envelope_pb2.SignedEnvelope.FromString(item.value).body)
             out[subkey] = swarm_pb2.MemberRecord.FromString(body.payload).boundary
@@ -72,17 +81,31 @@ async def attack(args: argparse.Namespace) -> None:
     members_key = f"{run}:members:s0"
     counts = dict.fromkeys(["passes", "wrong_key", "majority", "replayed", "oversized", "malformed", "plain", "other_run"], 0)
     stores = []
+    mine: set[bytes] = set()  # digests of every value it wrote, never mistaken for a victim's
+    boundary_of: dict[str, int] = {}  # the newest boundary each victim announced
+    real: dict[str, tuple[int, bytes]] = {}  # each victim's newest own round record seen: (boundary, value)
 
     def store(key: str, subkey: str | None, value: bytes, kind: str) -> None:
+        mine.add(_digest(value))
         stores.append(node.store(key, value, get_dht_time() + TTL_S, subkey=subkey))
         counts[kind] += 1
+
+    async def own_round_record(victim: str, boundary: int) -> tuple[int, bytes] | None:
+        """The victim's own round record of an earlier boundary: the one of boundary - 1 if the DHT still
+        returns it, else the newest seen in an earlier pass."""
+        old = await node.get(f"{run}:round:s0:{boundary - 1}", latest=True)
+        item = old.value.get(victim) if old is not None and isinstance(old.value, dict) else None
+        if item is not None and _digest(item.value) not in mine:
+            real[victim] = max(real.get(victim, (-1, b"")), (boundary - 1, item.value))
+        return real.get(victim)
 
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline and counts["passes"] < 300:
         found = await node.get(members_key, latest=True)
         raw = found.value if found is not None and isinstance(found.value, dict) else {}
-        victims = {k: b for k, b in _boundaries(raw).items() if k != me.worker_id}
-        for victim, boundary in victims.items():
+        for victim, boundary in _boundaries(raw, mine).items():
+            boundary_of[victim] = max(boundary, boundary_of.get(victim, 0))
+        for victim, boundary in boundary_of.items():
             record = swarm_pb2.MemberRecord(run_id=run, stage=0, boundary=boundary, training=False)
             store(members_key, victim, me.seal(record, topic=members_key), "wrong_key")
             for b in (boundary, boundary + 1):
@@ -91,11 +114,9 @@ async def attack(args: argparse.Namespace) -> None:
                 store(key, victim, me.seal(forged, topic=key, round=b), "wrong_key")
                 for signer in third:
                     store(key, signer.worker_id, signer.seal(forged, topic=key, round=b), "majority")
-            if boundary >= 1:  # the victim's own record of an earlier boundary, replayed two boundaries on
-                old = await node.get(f"{run}:round:s0:{boundary - 1}", latest=True)
-                item = old.value.get(victim) if old is not None and isinstance(old.value, dict) else None
-                if item is not None:
-                    store(f"{run}:round:s0:{boundary + 1}", victim, item.value, "replayed")
+            old = await own_round_record(victim, boundary) if boundary >= 1 else None
+            if old is not None:  # the victim's own record of an earlier boundary, replayed under a later one
+                store(f"{run}:round:s0:{old[0] + 2}", victim, old[1], "replayed")
         store(members_key, me.worker_id, os.urandom(200_000), "oversized")
         store(members_key, me.worker_id, os.urandom(300), "malformed")
         store(members_key, None, b"not a dictionary", "plain")
