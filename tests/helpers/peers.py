@@ -20,6 +20,7 @@ from dilocox_p2p.errors import DilocoxError
 from dilocox_p2p.identity import peer_id_of, worker_identity
 from dilocox_p2p.launch import wait_for_multiaddrs
 from tests.helpers.ports import free_port
+from tests.helpers.zygote import Forked, zygote
 
 PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the machinery in delayed mode
     "--mode", "delayed",
@@ -39,7 +40,7 @@ PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the m
 ]
 
 
-def kill_session(proc: subprocess.Popen) -> None:
+def kill_session(proc: subprocess.Popen | Forked) -> None:
     """SIGKILL every process of `proc`'s session (started with start_new_session=True), then reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -50,22 +51,35 @@ def kill_session(proc: subprocess.Popen) -> None:
 
 class Peer:
     def __init__(
-        self, run_dir: Path, args: list[str], env: dict[str, str] | None = None, limits: dict[int, int] | None = None
+        self,
+        run_dir: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        limits: dict[int, int] | None = None,
+        *,
+        fresh: bool = False,
     ):
-        """`limits`: resource limits (resource.RLIMIT_*: bytes) of the peer's processes, as a container sets them."""
+        """`limits`: resource limits (resource.RLIMIT_*: bytes) of the peer's processes, as a container sets them.
+        The peer forks from the session's zygote (zygote.py: the same process, without importing torch and
+        hivemind again) unless `fresh`, or `env` sets more than DILOCOX_* variables: then it starts as a new
+        interpreter, its stages forked from a fork server, exactly as a user's."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = run_dir.parent / f"{run_dir.name}.out"
         self.log = open(self.log_path, "a")  # a resumed peer writes after its earlier life
-        cmd = [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-dir", str(run_dir), *PEER_ARGS, *args]
+        argv = ["join", "--run-dir", str(run_dir), *PEER_ARGS, *args]
+        full_env = {**os.environ, **(env or {})}
+        if not fresh and all(k.startswith("DILOCOX_") for k in env or {}):
+            self.proc: subprocess.Popen | Forked = zygote().fork(argv, env=full_env, log=self.log_path, limits=limits)
+            return
 
         def limit() -> None:
             for which, value in (limits or {}).items():
                 resource.setrlimit(which, (value, value))
 
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
-            preexec_fn=limit if limits else None,
+            [sys.executable, "-m", "dilocox_p2p.cli", *argv], stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True, env=full_env, preexec_fn=limit if limits else None,
         )  # fmt: skip
 
     def metrics(self) -> list[dict]:

@@ -91,7 +91,7 @@ def test_every_thread_of_a_stage_and_of_its_helpers_gets_the_configured_priority
     own = _nice(0)
     own_group = _autogroup_nice(os.getpid())
     flags = ["--set", f"swarm.helper_nice={helper_nice}", "--set", f"swarm.settled_nice={settled_nice}"]
-    peer = Peer(tmp_path / "peer", ["--rounds", "200", "--inner-steps", "10", *flags])
+    peer = Peer(tmp_path / "peer", ["--rounds", "200", "--inner-steps", "10", *flags], fresh=True)
     try:
         _wait_settled(peer, timeout=180)
         stages = _stage_and_helper_threads(peer)
