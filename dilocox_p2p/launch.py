@@ -26,6 +26,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -189,10 +190,10 @@ def _may_compile(cfg: Config) -> bool:
 
 
 def _stage_context(cfg: Config) -> Any:
-    if all(name in sys.modules for name in _stage_modules(cfg)):
-        # This launcher already holds every module the stages need: it was forked from an interpreter that had
-        # imported them (the swarm tests start their peers so: tests/helpers/zygote.py). The stages fork from
-        # it as they would from the fork server, and import nothing again.
+    if all(name in sys.modules for name in _stage_modules(cfg)) and threading.active_count() == 1:
+        # This launcher already holds every module the stages need, and runs no thread: it was forked from an
+        # interpreter that had imported them (the swarm tests start their peers so: tests/helpers/zygote.py).
+        # The stages fork from it as they would from the fork server, and import nothing again.
         return mp.get_context("fork")
     if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - not Linux
         return mp.get_context("spawn")

@@ -45,6 +45,7 @@ PRELOAD = (
     "dilocox_p2p.swarm.worker",
 )
 START_TIMEOUT_S = 120.0
+REPORT_TIMEOUT_S = 10.0  # from a peer's exit to its code beside its log
 
 
 # ---- the zygote process ------------------------------------------------------------------------------
@@ -162,6 +163,7 @@ class Forked:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
+        exited = None  # when the pidfd said the peer had exited
         while self.poll() is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -169,6 +171,9 @@ class Forked:
             # readable once the peer exited; the zygote writes its code a moment later
             ready, _, _ = select.select([self._pidfd], [], [], 0.5 if left is None else min(left, 0.5))
             if ready:
+                exited = exited or time.monotonic()
+                if time.monotonic() - exited > REPORT_TIMEOUT_S:
+                    raise RuntimeError(f"peer {self.pid} exited, but the zygote never wrote its exit code")
                 time.sleep(0.005)
         return self.returncode  # type: ignore[return-value]
 
