@@ -172,6 +172,17 @@ def screen(norms: Mapping[int, float], max_ratio: float) -> dict[int, str]:
     return out
 
 
+def fixed_order_sum(values: torch.Tensor) -> float:
+    """The sum of `values` in float64 in one fixed pairwise order, by elementwise adds only: the same bits on any
+    CPU, capability and thread count (torch.sum splits its work by the thread count, and its last bit follows)."""
+    x = values.reshape(-1).to(torch.float64)
+    while x.numel() > 1:
+        if x.numel() % 2:
+            x = torch.cat([x, x.new_zeros(1)])
+        x = x[0::2] + x[1::2]
+    return float(x[0]) if x.numel() else 0.0
+
+
 def norm(tensor: torch.Tensor) -> float:
     """The L2 norm in float64 (inf or nan for a tensor holding them)."""
     return float(torch.linalg.vector_norm(tensor.to(torch.float64)))

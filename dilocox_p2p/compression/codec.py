@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..average import ordered_mean, screen
+from ..average import fixed_order_sum, ordered_mean, screen
 from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
@@ -262,7 +262,8 @@ class StageCodec:
             reader = PayloadReader.of(message.payload, sections, layout.numel)
         except (ValueError, RuntimeError) as e:
             raise MessageRejected(str(e)) from None
-        return Received(layout, reader, ranks, energy_total, energy_kept, bytes(message.basis))
+        step = slice_step(self.cfg, layout.numel)
+        return Received(layout, reader, ranks, energy_total, energy_kept, bytes(message.basis), step)
 
 
 @dataclass
@@ -277,12 +278,16 @@ class Received:
     energy_kept: list[float]
     basis: bytes = b""
     """Low-rank phase 2: the phase-1 messages its factors' basis came from (`basis_digest`)."""
+    step: int = 1
+    """Values decoded at a time (payload.slice_step of this message's own length)."""
 
-    def norm(self, step: int) -> float:
-        """The payload's L2 norm (float64), decoded a slice at a time; inf or nan if it holds them."""
+    def norm(self) -> float:
+        """The payload's L2 norm (float64), decoded a slice at a time; inf or nan if it holds them. Its bits depend
+        on the message alone (its own slices, summed in a fixed order: average.fixed_order_sum), so every member
+        screens it alike on any CPU and thread count."""
         total = 0.0
-        for lo in range(0, self.layout.numel, step):
-            total += float(torch.sum(self.reader.read(lo, min(lo + step, self.layout.numel)).double() ** 2))
+        for lo in range(0, self.layout.numel, self.step):
+            total += fixed_order_sum(self.reader.read(lo, min(lo + self.step, self.layout.numel)).double().square())
         return math.sqrt(total) if math.isfinite(total) else total
 
     def pieces(self) -> list[torch.Tensor]:
@@ -448,8 +453,7 @@ class RoundCodec:
                 rejected[index] = OTHER_BASIS
                 del received[index]
         # robust aggregation: every member screens the same messages alike (average.screen)
-        step = slice_step(self.codec.cfg, max((r.layout.numel for r in received.values()), default=1))
-        for index, reason in screen({i: r.norm(step) for i, r in received.items()}, self.codec.max_norm_ratio).items():
+        for index, reason in screen({i: r.norm() for i, r in received.items()}, self.codec.max_norm_ratio).items():
             rejected[index] = reason
             del received[index]
         return received, rejected

@@ -1,7 +1,8 @@
 """Run under one ATEN_CPU_CAPABILITY; print the SHA-256 of every result peers must agree on, as JSON:
 the model init (theta_g at round 0), the outer step, the reducer's mean, decoding and mending, and
 the compression codecs (quantization, top-k, the exact low-rank basis and reconstruction, and a
-whole stage's codec: its messages and the group's mean, built a slice at a time).
+whole stage's codec: its messages and the group's mean, built a slice at a time), and the norms
+by which members screen compressed messages (`norms`, with `--threads` to vary torch's threads).
 
     ATEN_CPU_CAPABILITY=default python -m tests.helpers.determinism_probe --seed 0 --cases 20
 
@@ -21,7 +22,7 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from dilocox_p2p.average import fill_missing
+from dilocox_p2p.average import fill_missing, fixed_order_sum
 from dilocox_p2p.compression.codec import StageCodec
 from dilocox_p2p.compression.lowrank import basis, reconstruct
 from dilocox_p2p.compression.quantize import dequantize, quantize
@@ -94,14 +95,32 @@ def probe(seed: int, cases: int) -> dict[str, str]:
 
         a, b = rand((4099,)), rand((4099,))
         out["fused_control"].append(_digest([a.add(b, alpha=0.3)]))
+    out["norms"] = _norms(rng)
     result = {name: hashlib.sha256("".join(values).encode()).hexdigest() for name, values in out.items()}
     result["capability"] = torch.backends.cpu.get_cpu_capability()
     return result
+
+
+def _norms(rng: np.random.Generator) -> list[str]:
+    """The norms by which members screen compressed messages, of vectors long enough that torch splits its
+    reductions across threads: fixed_order_sum's own, and whole messages' (Received.norm)."""
+    out = []
+    for n in (300_007, 1_200_000):
+        x = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        out.append(repr(fixed_order_sum(x.double().square())))
+    for kind in ("fp16", "int8", "topk"):
+        codec = StageCodec(CompressionConfig(kind=kind), ["w"], [(1200, 1000)], run_id="p")
+        message = codec.begin(0, [torch.from_numpy(rng.standard_normal((1200, 1000)).astype(np.float32))]).message(1)
+        out.append(repr(codec.receive(message, round=0, phase=1).norm()))
+    return out
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: its default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(json.dumps(probe(args.seed, args.cases)))
