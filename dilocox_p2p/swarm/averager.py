@@ -26,28 +26,26 @@ import logging
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
 
 import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 
-from .. import injection
 from ..average import AverageKind, Spans
 from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..fragments import as_fragments, of_round
 from ..proto_gen import envelope_pb2
-from .allreduce import ExactAllReduceRunner
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
+from .group_round import GroupRound, RoundResult
 from .held import AverageService, Collected, HeldAverage
 from .matchmaking import (
     count_extra_followers,
@@ -63,49 +61,18 @@ from .priority import lower_priority
 from .state_service import StateDownload, StateProvider, StateService
 from .transfer import SignedReplies
 
-__all__ = ["DilocoxAverager", "RoundResult", "round_group_bits"]
+__all__ = ["DilocoxAverager", "round_group_bits"]
 
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 24
 ALIVE_CHECK_S = 1.0  # a call into the averager process checks that the process lives this often
-GATHER_SHARE = 0.7  # share of allreduce_timeout the first gather of a compressed round may take
 JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
 
 
 def round_group_bits(round: int) -> str:
     """Group-key bits that spell the round number (groups never mix rounds)."""
     return format(round % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
-
-
-@dataclass
-class RoundResult:
-    """What one all-reduce did, reported back to the stage worker (the tensors are in the averager's buffers)."""
-
-    round: int
-    group: list[str]
-    group_id: bytes
-    missing: Spans
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    failed_reducers: list[str] = field(default_factory=list)
-    banned_senders: list[str] = field(default_factory=list)
-    outsiders: list[str] = field(default_factory=list)
-    """Members the leader counted in that never learnt of the group (they hold no copy of its average)."""
-    offenders: dict[str, str] = field(default_factory=dict)
-    """Members whose contribution (as sender) or average (as reducer) was refused here, and why."""
-    messages: list[bytes | None] | None = None
-    """With compression: the group's phase-1 messages, in group order (None: never received)."""
-    failures: list[str] = field(default_factory=list)
-    grouped_at: float | None = None
-    """Unix time the group formed (matchmaking ended, the all-reduce or gather began)."""
-
-    def alone_with_outsiders(self, me: str) -> bool:
-        """Whether every other member of `me`'s group was counted in after it had given up on the leader: those
-        joined other groups of the round, and this "average" is `me`'s own. `me` borrows theirs instead (kept, it
-        would be a minority state: repaired a round later), and never serves it as the group's."""
-        return bool(self.outsiders) and set(self.group) - set(self.outsiders) <= {me}
-
 
 
 async def _drained(stream: AsyncIterator[Any]) -> None:
@@ -119,7 +86,7 @@ async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class DilocoxAverager(AverageService, StateService, SignedReplies, MessageGather, DecentralizedAverager):
+class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, MessageGather, DecentralizedAverager):
     """One stage worker's averager: exact round-keyed all-reduce, average and state serving."""
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: collect this subclass's own
@@ -458,92 +425,6 @@ class DilocoxAverager(AverageService, StateService, SignedReplies, MessageGather
                 raise AllreduceException(f"the group holds {peer}, which this worker does not admit: {refusal}")
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return self._last_result
-
-    async def _run_allreduce_inplace_(
-        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
-    ) -> None:
-        group_id = group_info.group_id if group_id is None else group_id
-        round = self._current_round
-        tensors = self._of_round(round, tensors)
-        if self._payload is not None:  # compressed: all-gather the messages instead of the butterfly
-            self._running_groups[group_id].set_result(None)  # no butterfly parts will arrive for this group
-            await self._gather_first_phase(round, group_info, group_id)
-            return
-        runner = ExactAllReduceRunner(
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
-            tensors=tensors,
-            group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids,
-            kill_on_first_part=injection.armed("kill_peer_in_allreduce", round=round, stage=self.stage),
-            withhold=injection.armed("withhold_average", round=round, stage=self.stage),
-            hoard=injection.armed("hoard_average", round=round, stage=self.stage),
-            nan_average=injection.armed("send_nan_average", round=round, stage=self.stage),
-            max_norm_ratio=self.max_norm_ratio,
-            **kwargs,
-        )
-        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
-        self._running_groups[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
-            return
-        outputs = [averaged async for averaged in runner]  # local tensors stay untouched until the end
-        missing = runner.failed_spans()
-        for tensor, averaged in zip(tensors, outputs):
-            tensor.copy_(averaged)
-        peers = tuple(p.to_base58() for p in group_info.peer_ids)
-        kind = AverageKind.PARTIAL if missing else AverageKind.AVERAGED
-        self._last_result = RoundResult(
-            round=round,
-            group=list(peers),
-            group_id=group_id,
-            missing=missing,
-            bytes_sent=runner.bytes_sent,
-            bytes_received=runner.bytes_received,
-            failed_reducers=[peers[i] for i in sorted(runner.failed_from)],
-            banned_senders=[p.to_base58() for p in runner.banned_senders],
-            outsiders=sorted(p.to_base58() for p in runner.outsiders),
-            offenders=runner.offenders(),
-            grouped_at=self._grouped_at,
-        )
-        # a member whose every other member was an outsider holds no average of the group: served, a member that
-        # had given up on this group borrowed this worker's own half-reduced parts and split from the rest (busy run)
-        if not self._last_result.alone_with_outsiders(self.peer_id.to_base58()):
-            self._hold(HeldAverage(round, kind, outputs, missing, peers, group_id))
-
-    async def _gather_first_phase(self, round: int, group_info: GroupInfo, group_id: bytes) -> None:
-        peers = [p.to_base58() for p in group_info.peer_ids]
-        # well inside hivemind's own timeout of the step, so that a member that never shows (its
-        # matchmaking failed after the group formed) costs its message, not the whole round
-        deadline = time.monotonic() + GATHER_SHARE * self._allreduce_timeout
-        assert self._payload is not None
-        gathered = await self._all_gather(group_id, 1, peers, self.peer_id.to_base58(), self._payload, deadline)
-        self._last_result = RoundResult(
-            round=round,
-            group=peers,
-            group_id=group_id,
-            missing=(),
-            bytes_sent=gathered.bytes_sent,
-            bytes_received=gathered.bytes_received,
-            messages=gathered.messages,
-            failures=gathered.failures,
-            offenders=gathered.offenders,
-            outsiders=gathered.outsiders,
-            grouped_at=self._grouped_at,
-        )
-
-    async def _gather_phase(
-        self, phase: int, payload_size: int, group: list[str], group_id: bytes, timeout: float, future: MPFuture
-    ) -> None:
-        try:
-            payload = self._unstage(payload_size)
-            deadline = time.monotonic() + timeout
-            gathered = await self._all_gather(group_id, phase, group, self.peer_id.to_base58(), payload, deadline)
-            future.set_result(gathered)
-        except Exception as e:  # pragma: no cover - reported to the caller
-            future.set_exception(e)
 
 
 def _ask_only_admitted_leaders(leaders: Any, averager: DilocoxAverager) -> None:

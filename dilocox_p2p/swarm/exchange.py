@@ -38,7 +38,7 @@ from hivemind.averaging.control import AveragingStage
 from .. import injection, startup
 from ..average import Average, AverageKind, Spans
 from ..compression.codec import NO_FAULT, NOT_RECEIVED
-from .averager import RoundResult
+from .group_round import RoundResult
 from .held import Collected, HeldAverage
 from .matchmaking import cancel_step
 from .phase_clock import PhaseClock

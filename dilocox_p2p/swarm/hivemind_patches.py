@@ -26,7 +26,8 @@ CHECKED_VERSIONS = ("1.1.11", "1.1.12")
 PATCHES: dict[str, str] = {
     # averaging/averager.py: DecentralizedAverager (our swarm/averager.py: DilocoxAverager)
     "DecentralizedAverager._aggregate_with_group": "returns our RoundResult instead of the gathered data",
-    "DecentralizedAverager._run_allreduce_inplace_": "runs ExactAllReduceRunner; keeps each round's average",
+    "DecentralizedAverager._run_allreduce_inplace_": "runs ExactAllReduceRunner or the gather; keeps each round's average "
+    "(swarm/group_round.py: GroupRound)",
     "DecentralizedAverager._rpc_handlers / _stub_type": "reset so that the subclass's own rpc_* handlers are served",
     "DecentralizedAverager._matchmaking": "read to set the group bits and target size per round",
     "DecentralizedAverager._running_groups": "read (asserted) as hivemind does when registering a group",

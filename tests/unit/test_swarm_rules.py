@@ -18,7 +18,7 @@ from dilocox_p2p import injection
 from dilocox_p2p.compression.codec import NOT_RECEIVED
 from dilocox_p2p.swarm import dial
 from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
-from dilocox_p2p.swarm.averager import RoundResult
+from dilocox_p2p.swarm.group_round import RoundResult
 from dilocox_p2p.swarm.exchange import gather_suspects, mending_order, suspects_after
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
 from dilocox_p2p.swarm.membership import config_diff
