@@ -459,10 +459,6 @@ class RoundCodec:
         return received, rejected
 
 
-
-
-
-
 def _said(encoded: pb.EncodedTensor) -> str:
     """An encoding in a few words, for a refusal."""
     which = encoded.WhichOneof("encoding")
