@@ -68,7 +68,10 @@ def mending_order(result: RoundResult, me: str) -> list[str]:
 def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool) -> list[str]:
     """The members of `result`'s group that failed in its all-reduce and gave no sign of life since: not
     expected in the next groups until they heartbeat again (membership.suspect). A reducer that answered
-    the mending is alive (the failure was on the way to this worker only); once nothing is missing
+    the mending is alive (the failure was on the way to this worker only), with a copy or without one: one
+    still waiting for its own average (not ready) or that failed too (lacking), suspected, was left out of the
+    next round's group, so that the survivors of a crash each went alone or borrowed (CI run of b27b20d:
+    a survivor took its partner for gone and averaged alone the round after); once nothing is missing
     (`mended`) every reducer delivered its part to someone. An outsider answered as well: it is in no such
     group (a leader counted it in after it had given up on the leader). Suspected, it was left out of the
     next rounds' expected count: a leader's target fell one short, the outsider filled the place first, and
@@ -354,7 +357,8 @@ class RoundExchange(GroupVote):
         skip = injection.armed("skip_mending", round=self.round, stage=self.stage.stage)
         if result.missing and not skip:
             collected = self._collect(mending_order(result, self.stage.peer_id), start=raw)
-            raw, answered, mended_from = collected.average or raw, collected.answered, collected.mended_from
+            raw, mended_from = collected.average or raw, collected.mended_from
+            answered = [*collected.answered, *collected.replied]
             bytes_received += collected.bytes_received
         self.membership.suspect(suspects_after(result, answered, mended=not raw.missing))
         self.clock.mark("mend")

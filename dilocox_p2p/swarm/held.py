@@ -70,6 +70,8 @@ class Collected:
     failures: list[str] = field(default_factory=list)
     lacking: list[str] = field(default_factory=list)
     """Members that answered that they have no average of the round either."""
+    replied: list[str] = field(default_factory=list)
+    """Members that answered without a copy (not ready, lacking, gone past it): alive all the same."""
     gone: list[str] = field(default_factory=list)
     """Members that left the round: nothing listens at their addresses any more (dial.gone), or they restarted
     since (RESTARTED). Neither announces its copy of the round's average."""
@@ -192,6 +194,8 @@ class AverageService:
         out.bytes_received += size
         if got is None:
             out.failures.append(f"{peer}: {reason}")
+            if reason.startswith("STATE_"):  # a signed status from the peer itself
+                out.replied.append(peer)
             if reason.startswith(swarm_pb2.StateStatus.Name(swarm_pb2.STATE_LACKING)):
                 out.lacking.append(peer)
         return got is not None

@@ -21,6 +21,7 @@ from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
 from dilocox_p2p.swarm.group_round import RoundResult
 from dilocox_p2p.swarm.exchange import gather_suspects, mending_order, suspects_after
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
+from dilocox_p2p.swarm.held import AverageService, Collected
 from dilocox_p2p.swarm.membership import config_diff
 
 pytestmark = pytest.mark.unit
@@ -49,6 +50,18 @@ def test_a_failed_reducer_is_suspected_unless_it_answered_or_was_in_no_such_grou
     assert suspects_after(result, answered=[], mended=True) == []  # mended: every reducer delivered to someone
     banned = RoundResult(round=3, group=["a", "b"], group_id=b"g", missing=(), banned_senders=["b"])
     assert suspects_after(banned, answered=[], mended=True) == ["b"]
+
+
+def test_a_member_that_answers_a_request_for_the_average_without_a_copy_is_alive_and_not_suspected():
+    out = Collected(average=None)
+    # b still waits for its own average, c failed too, d cannot be dialed, e closed its connection
+    for peer, reason in [("b", "STATE_NOT_READY"), ("c", "STATE_LACKING"), ("d", "TimeoutError()"),
+                         ("e", "ConnectionResetError()")]:  # fmt: skip
+        assert not AverageService._noted(out, peer, None, reason, 0)
+    assert out.replied == ["b", "c"] and out.lacking == ["c"] and len(out.failures) == 4
+    result = RoundResult(round=2, group=["a", "b", "c", "d", "e"], group_id=b"g", missing=((0, 4),),
+                         failed_reducers=["b", "c", "d", "e"])  # fmt: skip
+    assert suspects_after(result, answered=[*out.answered, *out.replied], mended=False) == ["d", "e"]
 
 
 def test_a_compressed_rounds_member_whose_message_never_came_is_suspected_unless_it_was_in_no_such_group():
