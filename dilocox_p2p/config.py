@@ -2,7 +2,8 @@
 
 One `Config` holds eight sections (run, model, data, inner, outer, compression, swarm,
 control). Values are checked on construction; errors name the key, the value and the fix.
-`config_hash()` covers exactly the fields every peer of a run must agree on.
+`config_hash()` covers exactly the fields every peer of a run must agree on. The [swarm] and
+[control] sections live in config_network.py, the checks of single values in config_checks.py.
 
     cfg = load_config("peer.toml", overrides={"inner.steps": 50, "model.stages": 4})
     print(to_toml(cfg))
@@ -14,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +27,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import tomli_w
 
+from .config_checks import check_choices, coerce, fail
+from .config_network import ControlConfig, SwarmConfig
 from .errors import ConfigError
 from .wire import protocol_version
 
@@ -82,19 +84,6 @@ TOPK_MAX_CHUNK = 1 << 20
 """The largest top-k chunk: indices within a chunk travel and are held as 32-bit integers."""
 
 
-def _fail(key: str, value: Any, why: str) -> typing.NoReturn:
-    raise ConfigError(f"{key} = {value!r}: {why}")
-
-
-def _check_choices(section: Any, name: str) -> None:
-    """Reject values outside a field's Literal choices (also for sections built in code)."""
-    for f in dataclasses.fields(section):
-        hint = typing.get_type_hints(type(section))[f.name]
-        if typing.get_origin(hint) is Literal and getattr(section, f.name) not in typing.get_args(hint):
-            choices = ", ".join(map(str, typing.get_args(hint)))
-            _fail(f"{name}.{f.name}", getattr(section, f.name), f"must be one of: {choices}")
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     run_id: str = "dilocox"
@@ -111,13 +100,13 @@ class RunConfig:
     """Where inner training runs; auto picks cuda when available."""
 
     def __post_init__(self) -> None:
-        _check_choices(self, "run")
+        check_choices(self, "run")
         if not self.run_id or any(c in self.run_id for c in " ./\\"):
-            _fail("run.run_id", self.run_id, "must be non-empty, without spaces, dots or slashes")
+            fail("run.run_id", self.run_id, "must be non-empty, without spaces, dots or slashes")
         if self.rounds < 1:
-            _fail("run.rounds", self.rounds, "must be at least 1")
+            fail("run.rounds", self.rounds, "must be at least 1")
         if self.checkpoint_every < 1:
-            _fail("run.checkpoint_every", self.checkpoint_every, "must be at least 1")
+            fail("run.checkpoint_every", self.checkpoint_every, "must be at least 1")
 
     @property
     def path(self) -> Path:
@@ -134,19 +123,19 @@ class ModelConfig:
     """Context length in bytes; 0 means the preset's."""
 
     def __post_init__(self) -> None:
-        _check_choices(self, "model")
+        check_choices(self, "model")
         if self.preset not in PRESETS:
-            _fail("model.preset", self.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
+            fail("model.preset", self.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
         if self.stages < 1:
-            _fail("model.stages", self.stages, "must be at least 1")
+            fail("model.stages", self.stages, "must be at least 1")
         if self.stages > self.shape.n_layer:
-            _fail(
+            fail(
                 "model.stages",
                 self.stages,
                 f"preset {self.preset!r} has only {self.shape.n_layer} layers; use at most that many stages",
             )
         if self.seq_len < 0:
-            _fail("model.seq_len", self.seq_len, "must be positive (or 0 for the preset's)")
+            fail("model.seq_len", self.seq_len, "must be positive (or 0 for the preset's)")
 
     @property
     def shape(self) -> ModelShape:
@@ -169,13 +158,13 @@ class DataConfig:
     sizes and times): "" = $DILOCOX_CACHE_DIR or ~/.cache/dilocox-p2p; "off" reads the files at every start."""
 
     def __post_init__(self) -> None:
-        _check_choices(self, "data")
+        check_choices(self, "data")
         if not 0.0 < self.val_fraction < 0.5:
-            _fail("data.val_fraction", self.val_fraction, "must be between 0 and 0.5")
+            fail("data.val_fraction", self.val_fraction, "must be between 0 and 0.5")
         if self.val_batches < 1:
-            _fail("data.val_batches", self.val_batches, "must be at least 1")
+            fail("data.val_batches", self.val_batches, "must be at least 1")
         if self.seed < -1:
-            _fail("data.seed", self.seed, "must be >= 0, or -1 for a random seed kept in the run dir")
+            fail("data.seed", self.seed, "must be >= 0, or -1 for a random seed kept in the run dir")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,22 +203,22 @@ class InnerConfig:
     more forward of compute."""
 
     def __post_init__(self) -> None:
-        _check_choices(self, "inner")
+        check_choices(self, "inner")
         for name in ("steps", "batch_size", "microbatches"):
             if getattr(self, name) < 1:
-                _fail(f"inner.{name}", getattr(self, name), "must be at least 1")
+                fail(f"inner.{name}", getattr(self, name), "must be at least 1")
         if self.batch_size % self.microbatches:
-            _fail("inner.microbatches", self.microbatches, f"must divide inner.batch_size ({self.batch_size})")
+            fail("inner.microbatches", self.microbatches, f"must divide inner.batch_size ({self.batch_size})")
         if self.lr <= 0:
-            _fail("inner.lr", self.lr, "must be positive")
+            fail("inner.lr", self.lr, "must be positive")
         if self.warmup_steps < 0:
-            _fail("inner.warmup_steps", self.warmup_steps, "must be >= 0")
+            fail("inner.warmup_steps", self.warmup_steps, "must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            _fail("inner.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
+            fail("inner.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
         if self.grad_clip < 0:
-            _fail("inner.grad_clip", self.grad_clip, "must be >= 0")
+            fail("inner.grad_clip", self.grad_clip, "must be >= 0")
         if self.threads < 0:
-            _fail("inner.threads", self.threads, "must be >= 0")
+            fail("inner.threads", self.threads, "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -262,19 +251,19 @@ class OuterConfig:
     (0 takes theta_g as it is)."""
 
     def __post_init__(self) -> None:
-        _check_choices(self, "outer")
+        check_choices(self, "outer")
         if self.lr < 0:
-            _fail("outer.lr", self.lr, "must be positive (or 0 for the mode's default)")
+            fail("outer.lr", self.lr, "must be positive (or 0 for the mode's default)")
         if self.momentum != -1.0 and not 0.0 <= self.momentum < 1.0:
-            _fail("outer.momentum", self.momentum, "must be in [0, 1), or -1 for the default")
+            fail("outer.momentum", self.momentum, "must be in [0, 1), or -1 for the default")
         if self.fragments < 1:
-            _fail("outer.fragments", self.fragments, "must be at least 1")
+            fail("outer.fragments", self.fragments, "must be at least 1")
         if self.fragments > 1 and self.mode != "streaming":
-            _fail("outer.fragments", self.fragments, f"fragments sync in turn only in mode streaming, not {self.mode}")
+            fail("outer.fragments", self.fragments, f"fragments sync in turn only in mode streaming, not {self.mode}")
         if self.overlap_steps < 0:
-            _fail("outer.overlap_steps", self.overlap_steps, "must be at least 1 (or 0 for the default)")
+            fail("outer.overlap_steps", self.overlap_steps, "must be at least 1 (or 0 for the default)")
         if not 0.0 <= self.merge_alpha < 1.0:
-            _fail("outer.merge_alpha", self.merge_alpha, "must be in [0, 1)")
+            fail("outer.merge_alpha", self.merge_alpha, "must be in [0, 1)")
 
     @property
     def effective_lr(self) -> float:
@@ -319,135 +308,27 @@ class CompressionConfig:
     (topk 0.95, where it stands in for outer momentum; 1.0 otherwise); 0 turns error feedback off."""
 
     def __post_init__(self) -> None:
-        _check_choices(self, "compression")
+        check_choices(self, "compression")
         if self.block < 1:
-            _fail("compression.block", self.block, "must be at least 1")
+            fail("compression.block", self.block, "must be at least 1")
         top = self.rank_max or self.rank
         if not 1 <= self.rank_min <= self.rank <= top:
-            _fail("compression.rank", self.rank,
+            fail("compression.rank", self.rank,
                   f"must satisfy 1 <= rank_min ({self.rank_min}) <= rank <= rank_max ({self.rank_max}, 0: auto)")
         if not 0.0 <= self.energy_target < 1.0:
-            _fail("compression.energy_target", self.energy_target, "must be in [0, 1)")
+            fail("compression.energy_target", self.energy_target, "must be in [0, 1)")
         if not 0.0 < self.topk_density <= 1.0:
-            _fail("compression.topk_density", self.topk_density, "must be in (0, 1]")
+            fail("compression.topk_density", self.topk_density, "must be in (0, 1]")
         if not 1 <= self.topk_chunk <= TOPK_MAX_CHUNK:
-            _fail("compression.topk_chunk", self.topk_chunk, f"must be in [1, {TOPK_MAX_CHUNK}]")
+            fail("compression.topk_chunk", self.topk_chunk, f"must be in [1, {TOPK_MAX_CHUNK}]")
         if self.feedback_decay != -1.0 and not 0.0 <= self.feedback_decay <= 1.0:
-            _fail("compression.feedback_decay", self.feedback_decay, "must be in [0, 1], or -1 for the kind's default")
+            fail("compression.feedback_decay", self.feedback_decay, "must be in [0, 1], or -1 for the kind's default")
 
     @property
     def effective_feedback_decay(self) -> float:
         if self.feedback_decay != -1.0:
             return self.feedback_decay
         return 0.95 if self.kind == "topk" else 1.0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SwarmConfig:
-    enabled: bool = True
-    """Join (or start) a swarm; false trains alone without a DHT (a baseline for benchmarks)."""
-    initial_peers: tuple[str, ...] = ()
-    """Multiaddrs of live peers or bootstrap nodes; empty starts a new swarm."""
-    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    """Where each stage worker's DHT listens; tcp/0 picks a free port per stage."""
-    announce_maddrs: tuple[str, ...] = ()
-    """Addresses other machines should use to reach this peer (public IP, NAT mapping)."""
-    auto_relay: bool = False
-    """Behind a NAT that cannot forward a port: become reachable through relays (bootstrap nodes started with
-    `--relay`) among the initial peers. Slower than a direct link: forward the port when you can."""
-    min_group_size: int = 2
-    """Fewest peers an all-reduce may run with; a worker that finds no such group takes the average its
-    stage group computed without it, or (if there is none) its own pseudo-gradient."""
-    min_peers: int = 1
-    """Wait before the first round until this many peers (this one included) are in the run."""
-    peer_wait: float = 600.0
-    """Most seconds to wait for min_peers; after that, training starts with those present."""
-    round_wait: float = 30.0
-    """Most seconds a fast peer waits for slower ones to form a round's group (then averages without them)."""
-    allreduce_timeout: float = 60.0
-    """Most seconds one all-reduce may take once its group is formed."""
-    chunk_timeout: float = 10.0
-    """A peer that sends no data for this long during an all-reduce is dropped from it."""
-    state_timeout: float = 60.0
-    """Most seconds a state download (late join, repair) may take."""
-    helper_nice: int = 0
-    """CPU priority of the swarm's helper processes (DHT, p2p daemon, averager) against training, in nice
-    levels. 0 (default): equal, so neither can starve the other (benchmarks/overlap.py: 0.97x of training
-    without averaging). Positive: the helpers run that many levels below training and take only the CPU it
-    leaves idle (about as fast where cores are to spare; on a CPU-bound machine starved helpers can miss the
-    all-reduce timeouts). Negative: training runs below the helpers (measured slower: helper wake-ups
-    preempt pipeline stages)."""
-    settled_nice: int = 10
-    """Nice levels by which each stage lowers itself and its helpers once it trains (its first round's average
-    applied), so that a peer starting or restarting on the same machine takes the CPU first (beside 5 busy
-    peers on 2 cores: see README, Start-up). Changes nothing where cores are idle; 0 keeps the priority."""
-    identity: str = ""
-    """This peer's Ed25519 key file (`dilocox-peer keygen`); empty: a key made in the run directory and kept."""
-    admission: Literal["open", "closed"] = "open"
-    """open: any peer with a signed identity and this config; closed: only keys on `allowlist` or holding a
-    certificate from the run key (`dilocox-peer certify`)."""
-    allowlist: tuple[str, ...] = ()
-    """Closed runs: peer public keys (hex, as `dilocox-peer keygen` prints them) admitted without a certificate."""
-    run_key: str = ""
-    """Closed runs: the run key's public key (hex); peers holding a certificate it signed are admitted."""
-    certificate: str = ""
-    """Closed runs: this peer's certificate file from `dilocox-peer certify`."""
-    max_norm_ratio: float = 10.0
-    """A contribution whose norm exceeds this many times the group's median is left out of the average."""
-    ban_after: int = 3
-    """Strikes (refused contributions or messages) after which a peer is banned for the rest of the run."""
-
-    def __post_init__(self) -> None:
-        _check_choices(self, "swarm")
-        if self.min_group_size < 1:
-            _fail("swarm.min_group_size", self.min_group_size, "must be at least 1")
-        if self.min_peers < 1:
-            _fail("swarm.min_peers", self.min_peers, "must be at least 1")
-        if not -19 <= self.helper_nice <= 19:
-            _fail("swarm.helper_nice", self.helper_nice, "must be -19..19 (nice levels)")
-        if not 0 <= self.settled_nice <= 19:
-            _fail("swarm.settled_nice", self.settled_nice, "must be 0..19 (nice levels; a peer can only lower itself)")
-        for name in ("peer_wait", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):
-            if getattr(self, name) <= 0:
-                _fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")
-        if not self.host_maddrs:
-            _fail("swarm.host_maddrs", self.host_maddrs, "needs at least one listen address")
-        for key in (*self.allowlist, *([self.run_key] if self.run_key else [])):
-            if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
-                _fail("swarm.allowlist" if key in self.allowlist else "swarm.run_key", key,
-                      "must be an Ed25519 public key in 64 lowercase hex digits (as `dilocox-peer keygen` prints it)")
-        if self.admission == "closed" and not (self.allowlist or self.run_key):
-            _fail("swarm.admission", self.admission, "a closed run needs swarm.allowlist or swarm.run_key")
-        if self.max_norm_ratio <= 1:
-            _fail("swarm.max_norm_ratio", self.max_norm_ratio, "must be above 1 (times the group's median norm)")
-        if self.ban_after < 1:
-            _fail("swarm.ban_after", self.ban_after, "must be at least 1 strike")
-        for name in ("initial_peers", "host_maddrs", "announce_maddrs") if self.enabled else ():  # unused alone
-            for text in getattr(self, name):
-                _check_maddr(f"swarm.{name}", text, need_peer_id=name == "initial_peers")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ControlConfig:
-    progress: Literal["auto", "bar", "lines", "off"] = "auto"
-    """Progress display: auto = a bar on a terminal, one line per round otherwise."""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["text", "json"] = "text"
-    """text: one readable line per event; json: one JSON object per line (time, level, peer, stage, round...)."""
-    control_addr: str = "127.0.0.1:0"
-    """Where stage 0 serves the PeerControl gRPC service and gRPC health (`dilocox-peer status`); port 0 picks a
-    free port. The bound address is written to RUN_DIR/control.addr. It is read-only but unauthenticated: keep
-    it on loopback or a private network."""
-    metrics_addr: str = ""
-    """Where stage 0 serves Prometheus metrics at /metrics (HOST:PORT); empty: not served."""
-
-    def __post_init__(self) -> None:
-        _check_choices(self, "control")
-        from .endpoints import parse_hostport
-
-        parse_hostport(self.control_addr, flag="control.control_addr")
-        if self.metrics_addr:
-            parse_hostport(self.metrics_addr, flag="control.metrics_addr")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -464,9 +345,9 @@ class Config:
     def __post_init__(self) -> None:
         shape = self.model.shape
         if shape.seq_len < 2:
-            _fail("model.seq_len", shape.seq_len, "must be at least 2")
+            fail("model.seq_len", shape.seq_len, "must be at least 2")
         if self.model.stages > 1 and self.inner.microbatches < self.model.stages:
-            _fail("inner.microbatches", self.inner.microbatches,
+            fail("inner.microbatches", self.inner.microbatches,
                   f"must be at least model.stages ({self.model.stages}): the pipeline fills every stage with a "
                   "micro-batch (raise inner.microbatches, with inner.batch_size a multiple of it)")  # fmt: skip
         if self.compression.kind == "topk" and (self.outer.momentum == -1.0 or self.outer.lr == 0.0):
@@ -475,13 +356,13 @@ class Config:
             object.__setattr__(self, "outer", dataclasses.replace(self.outer, momentum=momentum, lr=lr))
         sync_steps, rest = divmod(self.inner.steps, self.outer.syncs_per_round)
         if rest:
-            _fail("outer.fragments", self.outer.fragments,
+            fail("outer.fragments", self.outer.fragments,
                   f"inner.steps ({self.inner.steps}) must be a multiple of it: each fragment syncs every H steps, "
                   "offset by H / fragments")  # fmt: skip
         if self.outer.overlap_steps == 0:
             object.__setattr__(self, "outer", dataclasses.replace(self.outer, overlap_steps=min(5, sync_steps)))
         if self.outer.mode == "streaming" and self.outer.overlap_steps > sync_steps:
-            _fail("outer.overlap_steps", self.outer.overlap_steps,
+            fail("outer.overlap_steps", self.outer.overlap_steps,
                   f"must be at most inner.steps / fragments = {sync_steps}: a fragment's average is merged "
                   "before the next fragment syncs")  # fmt: skip
 
@@ -558,44 +439,8 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any], source: str)
     for key, value in values.items():
         if key not in known:
             raise ConfigError(f"{source}: unknown key {name}.{key}; known keys in [{name}]: {', '.join(sorted(known))}")
-        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+        kwargs[key] = coerce(f"{name}.{key}", value, hints[key])
     return cls(**kwargs)
-
-
-def _check_maddr(key: str, text: str, *, need_peer_id: bool) -> None:
-    import multiaddr
-
-    try:
-        protocols = [p.name for p in multiaddr.Multiaddr(text).protocols()]
-    except Exception as e:  # the multiaddr package raises several types
-        _fail(key, text, f"not a multiaddr ({e}); expected e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...")
-    if need_peer_id and "p2p" not in protocols:
-        _fail(key, text, "lacks the peer id: copy the whole address, ending in /p2p/<peer id>, from multiaddrs.txt")
-
-
-_KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "a table"}
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        if value not in typing.get_args(hint):
-            choices = ", ".join(map(str, typing.get_args(hint)))
-            _fail(key, value, f"must be one of: {choices}")
-        return value
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            _fail(key, value, "must be a list of strings")
-        return tuple(value)
-    if origin in (typing.Union, types.UnionType):  # pragma: no cover - no optional fields today
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, str, bool) and (type(value) is not hint):
-        _fail(key, value, f"must be {_KIND[hint]}, got {_KIND.get(type(value), type(value).__name__)}")
-    return value
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -19,7 +19,6 @@ import asyncio
 import calendar
 import inspect
 import ipaddress
-import os
 import shutil
 import socket
 import time
@@ -30,19 +29,18 @@ from typing import Any, Literal
 
 from multiaddr import Multiaddr
 
-from .config import Config, ModelShape
+from .config import Config
 from .endpoints import HOST_PROTOCOLS, ensure_port_free, format_hostport, maddr_host, parse_hostport, stage_maddr
 from .errors import ConfigError
+from .memory_estimate import DEVICE_BYTES_PER_PARAM, HOST_BYTES_PER_PARAM, available_ram, estimate_memory, gib
 
 __all__ = [
     "Check",
-    "MemoryEstimate",
     "PeerAddress",
     "address_scope",
     "announce_checks",
     "clock_check",
     "disk_check",
-    "estimate_memory",
     "hello_verdict",
     "listen_hostport",
     "memory_check",
@@ -60,15 +58,6 @@ RELEASE_YEAR = 2026
 """The year of this release: a clock that reads an earlier year is certainly wrong."""
 MEMORY_MARGIN = 0.8
 """Above this share of free memory: WARN (activations, CUDA context and allocator slack are not estimated)."""
-DEVICE_BYTES_PER_PARAM = {"weights": 4, "gradients": 4, "AdamW moments": 8}
-"""fp32 bytes per parameter where inner training runs (one stage's layers)."""
-HOST_BYTES_PER_PARAM = {"theta_g": 4, "outer momentum": 4, "pending average": 4, "averager copy": 4}
-"""fp32 bytes per parameter a stage worker keeps in RAM on any device (outer.py, swarm/averager.py). Not counted:
-error feedback with compression and the trained weights streaming mode keeps (4 B each), activations."""
-CHECKPOINT_BYTES_PER_PARAM = {"theta_g": 4, "outer momentum": 4, "pending average": 4, "AdamW moments": 8, "weights": 4}
-"""fp32 bytes per parameter in one stage checkpoint (checkpoint.py; measured 24 B/param with the defaults)."""
-COMPRESSION_CHECKPOINT_BYTES_PER_PARAM = 4
-"""With compression, the error feedback each codec keeps adds this (measured 28 B/param in all)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,41 +223,9 @@ def _explicit_announce_checks(
 
 
 # ----- memory and disk (pure) -------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class MemoryEstimate:
-    """Bytes one peer needs: per stage on its training device, in RAM for all stages, on disk for checkpoints."""
-
-    stage_params: tuple[int, ...]
-    device_bytes: tuple[int, ...]
-    """Per stage, where inner training runs (on CPU this is RAM as well)."""
-    host_bytes: int
-    """RAM for the outer state of all this peer's stages (plus device_bytes when training on CPU)."""
-    checkpoint_bytes: int
-    """Disk at peak: the kept checkpoints of every stage plus the one being written."""
-
-
-def estimate_memory(
-    shape: ModelShape, num_stages: int, *, on_cuda: bool, checkpoints_kept: int, compressed: bool = False
-) -> MemoryEstimate:
-    """Estimate a peer's memory and disk from the model shape (fp32 everywhere; activations not counted)."""
-    from .model import stage_layout, unit_param_counts
-
-    counts = unit_param_counts(shape)
-    stage_params = tuple(sum(counts[i] for i in units) for units in stage_layout(shape, num_stages))
-    device = tuple(n * sum(DEVICE_BYTES_PER_PARAM.values()) for n in stage_params)
-    host = sum(stage_params) * sum(HOST_BYTES_PER_PARAM.values()) + (0 if on_cuda else sum(device))
-    per_param = sum(CHECKPOINT_BYTES_PER_PARAM.values()) + (COMPRESSION_CHECKPOINT_BYTES_PER_PARAM if compressed else 0)
-    disk = sum(stage_params) * per_param * (checkpoints_kept + 1)
-    return MemoryEstimate(stage_params, device, host, disk)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
-
-
 def memory_check(what: str, need: int, free: int, *, basis: str) -> Check:
     """FAIL when `need` bytes exceed `free`; WARN above MEMORY_MARGIN of it (unestimated overheads)."""
-    found = f"needs ~{_gib(need)} ({basis}), {_gib(free)} free"
+    found = f"needs ~{gib(need)} ({basis}), {gib(free)} free"
     fix = "use more --stages (each holds fewer layers), a smaller --preset, or a machine with more memory"
     if need > free:
         return Check("FAIL", what, found, fix)
@@ -280,7 +237,7 @@ def memory_check(what: str, need: int, free: int, *, basis: str) -> Check:
 def disk_check(path: Path, need: int, free: int, *, checkpoints_kept: int) -> Check:
     """FAIL when the checkpoints of `path` would not fit in `free` bytes."""
     what = f"disk for checkpoints in {path}"
-    found = f"needs ~{_gib(need)} ({checkpoints_kept} kept + 1 being written, per stage), {_gib(free)} free"
+    found = f"needs ~{gib(need)} ({checkpoints_kept} kept + 1 being written, per stage), {gib(free)} free"
     if need > free:
         return Check("FAIL", what, found, "free space there, or pass a --run-dir on a larger filesystem")
     return Check("PASS", what, found)
@@ -371,17 +328,6 @@ def _resolve(host: str) -> str:
         return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError:
         return host
-
-
-def available_ram() -> int:
-    """Bytes of RAM available to new processes (MemAvailable), or free pages where /proc is absent."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def memory_checks(cfg: Config) -> list[Check]:

@@ -37,7 +37,8 @@ from .fragments import fragment_tensors, of_round
 from .logs import set_log_context
 from .metrics import MetricsWriter, Progress
 from .average import Averager, LocalAverager
-from .outer import OuterLoop, RoundOutcome
+from .outer import OuterLoop
+from .round_outcome import RoundOutcome
 
 __all__ = ["StageWorker", "WorkerSpec"]
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import injection, startup
 from ..average import Average, Averager, AverageKind, average_hash
-from ..outer import RoundOutcome
+from ..round_outcome import RoundOutcome
 from ..logs import set_log_context
 from ..state import StageState
 from ..worker import StageWorker

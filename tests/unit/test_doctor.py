@@ -16,18 +16,17 @@ import pytest
 from dilocox_p2p.cli.__main__ import main
 from dilocox_p2p.config import PRESETS
 from dilocox_p2p.doctor import (
-    CHECKPOINT_BYTES_PER_PARAM,
     Check,
     address_scope,
     announce_checks,
     clock_check,
     disk_check,
-    estimate_memory,
     hello_verdict,
     listen_hostport,
     memory_check,
     parse_peer_maddr,
 )
+from dilocox_p2p.memory_estimate import CHECKPOINT_BYTES_PER_PARAM, estimate_memory
 from dilocox_p2p.model import unit_param_counts
 from dilocox_p2p.proto_gen.control_pb2 import HelloReply
 
