@@ -93,6 +93,9 @@ def _stage_entry(
 ) -> None:
     """Entry point of a stage process (forked from the peer's fork server, which imported stage_process)."""
     from .stage_process import stage_main
+    from .swarm.hivemind_patches import own_process_locks
+
+    own_process_locks()
 
     stage_main(cfg, stage=stage, resume=resume, data_seed=data_seed, lead_maddrs=lead, ports=ports,
                own_session=own_session)  # fmt: skip

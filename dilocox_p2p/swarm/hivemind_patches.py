@@ -15,8 +15,10 @@ accepts anyway.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import sys
 
-__all__ = ["CHECKED_VERSIONS", "PATCHES", "check_version"]
+__all__ = ["CHECKED_VERSIONS", "PATCHES", "check_version", "own_process_locks"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,27 @@ PATCHES: dict[str, str] = {
     # dht/node.py, protocol.py, routing.py (our swarm/reconnect.py): the DHT asks its initial peers only at start
     "DHTNode.protocol.routing_table.peer_id_to_uid": "read: which peers the DHT node still has a route to",
     "DHTProtocol.call_ping": "pings a lost peer; its answer puts it back in both routing tables",
+    # utils/mpfuture.py, utils/asyncio.py: process-wide locks made at import (own_process_locks below)
+    "MPFuture.reset_backend": "called in each stage process forked from a process that imported hivemind",
+    "_AsyncContextWrapper.EXECUTOR_LOCK": "replaced by a lock of the stage process's own, as reset_backend does its",
 }
+
+
+def own_process_locks() -> None:
+    """Give this process hivemind's process-wide locks of its own, as a fresh interpreter has them.
+
+    hivemind makes them at import: multiprocessing semaphores, shared with every process forked after. A stage
+    forked from a process that had imported hivemind (the fork server; the tests' zygote, whose peers all fork
+    from one interpreter) shared them with every other process forked from it. One SIGKILLed while it held
+    MPFuture._update_lock left it held for good, and in every later process the first MPFuture result a child
+    sent blocked for ever (swarm tier of 2026-11-27: a later test's pair hung, each in its DHT's start). A
+    process that has not imported hivemind makes fresh locks when it does."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()
+    asyncio_utils = sys.modules.get("hivemind.utils.asyncio")
+    if asyncio_utils is not None:
+        asyncio_utils._AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
 
 
 def check_version() -> None:

@@ -63,6 +63,9 @@ def _become_peer(request: dict[str, Any], closing: list[Any]) -> None:
         for signum in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        from dilocox_p2p.swarm.hivemind_patches import own_process_locks
+
+        own_process_locks()  # not the zygote's, which every peer of the session would share (a killed one's held)
         for which, value in request["limits"]:
             resource.setrlimit(which, (value, value))
         os.chdir(request["cwd"])
