@@ -45,22 +45,29 @@ def _restore_root_logging():
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     """A failed test's peers' logs and records go to the artifacts directory (tests/helpers/artifacts.py), copied
-    while its temporary directory is still there."""
+    while its temporary directory is still there; the report names where (read by the process that prints the
+    summary: this one, or pytest-xdist's controller)."""
     report = yield
     source = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
     if report.when == "call" and report.failed and source is not None:
         kept = artifacts.keep(item.nodeid, source)
         if kept is not None:
-            _kept.append(f"{item.nodeid}: {kept}")
+            report.user_properties.append(("artifacts", str(kept)))
     return report
 
 
 _kept: list[str] = []
 
 
+def pytest_runtest_logreport(report):
+    _kept.extend(f"{report.nodeid}: {value}" for name, value in report.user_properties if name == "artifacts")
+
+
 def pytest_sessionstart(session):
-    """The artifacts of an earlier session are not this one's: start with none (tests/helpers/artifacts.py)."""
-    artifacts.clear()
+    """The artifacts of an earlier session are not this one's: start with none (tests/helpers/artifacts.py).
+    Under pytest-xdist the controller clears them before its workers start, and they do not."""
+    if not hasattr(session.config, "workerinput"):
+        artifacts.clear()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -68,3 +75,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("logs and records of failed tests")
         for line in _kept:
             terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) the tests of the netns and docker
+    tiers run on one worker, one after the other: each builds networks and namespaces of its own, which two at
+    once could take alike. Swarm and unit tests go to whichever worker is free. Before xdist's own hook, which
+    reads the group."""
+    for item in items:
+        if item.get_closest_marker("netns") or item.get_closest_marker("docker"):
+            item.add_marker(pytest.mark.xdist_group("network"))
