@@ -77,12 +77,13 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-@pytest.hookimpl(tryfirst=True)
+
+TIERS = ("unit", "swarm", "netns", "docker")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) the tests of the netns and docker
-    tiers run on one worker, one after the other: each builds networks and namespaces of its own, which two at
-    once could take alike. Swarm and unit tests go to whichever worker is free. Before xdist's own hook, which
-    reads the group."""
-    for item in items:
-        if item.get_closest_marker("netns") or item.get_closest_marker("docker"):
-            item.add_marker(pytest.mark.xdist_group("network"))
+    """Every test belongs to a tier: the test command selects tiers (`-m "unit or swarm"`, then `-m "netns or
+    docker"`), and a test of none would never run there."""
+    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:10])}")
