@@ -77,7 +77,6 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-
 TIERS = ("unit", "swarm", "netns", "docker")
 
 

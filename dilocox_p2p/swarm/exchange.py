@@ -358,7 +358,7 @@ class RoundExchange(GroupVote):
         if result.missing and not skip:
             collected = self._collect(mending_order(result, self.stage.peer_id), start=raw)
             raw, mended_from = collected.average or raw, collected.mended_from
-            answered = [*collected.answered, *collected.replied]
+            answered = collected.alive
             bytes_received += collected.bytes_received
         self.membership.suspect(suspects_after(result, answered, mended=not raw.missing))
         self.clock.mark("mend")

@@ -77,6 +77,11 @@ class Collected:
     since (RESTARTED). Neither announces its copy of the round's average."""
     bytes_received: int = 0
 
+    @property
+    def alive(self) -> list[str]:
+        """Members that answered, with a copy or without one: alive, whatever failed on the way to this worker."""
+        return [*self.answered, *self.replied]
+
 
 class AverageService:
     """The averager's (DilocoxAverager's) held averages: kept, served, collected and adopted."""

@@ -61,7 +61,7 @@ def test_a_member_that_answers_a_request_for_the_average_without_a_copy_is_alive
     assert out.replied == ["b", "c"] and out.lacking == ["c"] and len(out.failures) == 4
     result = RoundResult(round=2, group=["a", "b", "c", "d", "e"], group_id=b"g", missing=((0, 4),),
                          failed_reducers=["b", "c", "d", "e"])  # fmt: skip
-    assert suspects_after(result, answered=[*out.answered, *out.replied], mended=False) == ["d", "e"]
+    assert suspects_after(result, answered=out.alive, mended=False) == ["d", "e"]
 
 
 def test_a_compressed_rounds_member_whose_message_never_came_is_suspected_unless_it_was_in_no_such_group():
