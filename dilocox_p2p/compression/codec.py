@@ -346,17 +346,38 @@ class RoundCodec:
             self.settled = True
             if not self.from_buffer:  # no error feedback, or a delta that never entered the buffer
                 return
-            if counted and self.sent is not None:
-                mine = codec.receive(self.sent, round=self.round, phase=1)
-                buffers = [None if codec.lowrank[i] else b for i, b in enumerate(codec.feedback.buffers)]  # not P
-                for lo, hi in mine.layout.slices(slice_step(codec.cfg, mine.layout.numel)):
-                    mine.layout.subtract(buffers, lo, hi, mine.reader.read(lo, hi))
+            if counted:
+                self._give_back(None)
             if not (counted if factors is None else factors):
                 return
             for i, (b, qt) in zip(codec.factored, self.sent_factors):  # this peer's part B B^T M_i of the average
                 buffer = codec.feedback.buffers[i]
                 for lo in range(0, buffer.shape[0], _rows(buffer)):
                     buffer[lo : lo + _rows(buffer)].sub_(b[lo : lo + _rows(buffer)] @ qt)
+
+    def settle_spans(self, spans: Sequence[tuple[int, int]]) -> None:
+        """`settle` per span of the message's vector (the compressed butterfly, compression/butterfly.py: each
+        reducer averaged this worker's part of its span or left it out): the values of the spans counted leave
+        the error-feedback buffer, the rest stays whole, to be sent again."""
+        with self.codec.lock:
+            if self.settled or self.generation != self.codec.generation:
+                return
+            self.settled = True
+            if self.from_buffer:
+                self._give_back(spans)
+
+    def _give_back(self, spans: Sequence[tuple[int, int]] | None) -> None:
+        """buffer -= what this worker's phase-1 message decodes to, on `spans` (None: all of it); never P's."""
+        codec = self.codec
+        if self.sent is None:
+            return
+        mine = codec.receive(self.sent, round=self.round, phase=1)
+        buffers = [None if codec.lowrank[i] else b for i, b in enumerate(codec.feedback.buffers)]  # not P
+        step = slice_step(codec.cfg, mine.layout.numel)
+        for lo, hi in [(0, mine.layout.numel)] if spans is None else spans:
+            for a in range(lo, hi, step):  # lo on a span unit: a slice starts on a block
+                b = min(a + step, hi)
+                mine.layout.subtract(buffers, a, b, mine.reader.read(a, b))
 
     # ----- phase 1 -------------------------------------------------------------------------
     def _first(self) -> bytes:

@@ -1,0 +1,253 @@
+"""The compressed butterfly: quantized messages reduce-scattered, then the reduced parts all-gathered.
+
+    spans = reducer_spans(numel, n, unit)             # member i of the group reduces values spans[i]
+    part = cut(message, lo, hi, parts=n)              # a member's message, values [lo, hi) only: bytes copied
+    reduced = codec.reduce(parts, round=r, span=(lo, hi), parts=n)   # on reducer i (codec.py)
+    average = round_codec.assemble(reduced_parts, own=j)             # on every member (codec.py)
+
+For the quantizers (fp16, int8, fp4) a message's vector is cut at quantization blocks into one
+span per member of the group, as hivemind's butterfly cuts fp32 tensors. Each member sends
+each reducer the encoded bytes of that reducer's span (no re-encoding: a block's codes and scale
+travel as they are). The reducer decodes the parts, leaves out those that are not finite or
+outsized (average.screen: one party decides, for every member), sums the rest in group order in
+float64, divides once, encodes the mean once with the same quantizer and serves the *same bytes*
+to every member, behind its own signed digest, naming the members it averaged (`used`). Every
+member, the reducer too, applies what those bytes decode to, so every member holds the same bits.
+
+Bytes per member and round: (N - 1)/N of a message out to the reducers and (N - 1)/N in from
+them, the same again for the reduced parts: 2 (N - 1)/N of a message each way, flat in N, against
+N - 1 messages for the all-gather (gather.py).
+
+Nothing is lost to the second quantization: the reducer keeps the rounding of its mean in its own
+error-feedback buffer on its span, times the number of members averaged (the mean's rounding,
+spread over the next group, adds back what this one missed), so that what every member applied
+plus every buffer adds up to what was sent, to rounding (`test_butterfly.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..average import Spans, fixed_order_sum, screen
+from ..proto_gen import compression_pb2 as pb
+from .codec import NOT_RECEIVED, MessageRejected, RoundCodec, StageCodec
+from .payload import FlatLayout, PayloadReader, encode_payload, encoding_of, frame, slice_step, streamed_mean, unframe
+
+__all__ = ["BUTTERFLY_KINDS", "REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "part_spans",
+           "receive_part", "reduce", "reducer_spans", "span_unit", "unpadded"]  # fmt: skip
+
+BUTTERFLY_KINDS = frozenset({"fp16", "int8", "fp4"})
+"""Compression kinds that ride the butterfly (low-rank and top-k are all-gathered: gather.py)."""
+REDUCED = 3
+"""The phase of a reduced part (phases 1 and 2 are a message's own: codec.py)."""
+
+
+def span_unit(encoding: pb.EncodedTensor) -> int:
+    """Values per unit that spans start on: two blocks for blockwise codes (so that a part's codes and
+    scales are whole bytes and whole blocks of the message's), 64 values for fp16."""
+    which = encoding.WhichOneof("encoding")
+    if which == "quantized":
+        return 2 * encoding.quantized.block
+    if which == "fp4":
+        return 2 * encoding.fp4.block
+    if which == "fp16":
+        return 64
+    raise ValueError(f"a {which or 'bare'} payload cannot be cut into parts")
+
+
+def reducer_spans(numel: int, n: int, unit: int) -> list[tuple[int, int]]:
+    """The values [lo, hi) each of `n` reducers owns: contiguous, in group order, as equal as whole units
+    allow (a member may own none of a vector shorter than n units)."""
+    if n < 1 or unit < 1:
+        raise ValueError(f"{n} reducers in units of {unit}")
+    units = -(-numel // unit)
+    bounds = [min(numel, (i * units // n) * unit) for i in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def cut(blob: bytes, lo: int, hi: int, *, parts: int) -> bytes:
+    """The part of a framed message (payload.frame) that holds its values [lo, hi), framed on its own: the
+    header of the message with the span, then the slices of its sections (`lo` on a span unit)."""
+    message, sections = unframe(blob)
+    numel = int(message.payload.shape[0])
+    if not 0 <= lo <= hi <= numel or lo % span_unit(message.payload):
+        raise ValueError(f"values [{lo}, {hi}) of a {numel}-value message")
+    which = message.payload.WhichOneof("encoding")
+    if which == "fp16":
+        cut_sections = [[sections[0][2 * lo : 2 * hi]]]
+    else:
+        block = message.payload.quantized.block if which == "quantized" else message.payload.fp4.block
+        per_byte = 2 if which == "fp4" or message.payload.quantized.bits == 4 else 1
+        codes = sections[0][lo // per_byte : -(-hi // per_byte)]
+        scales = sections[1][2 * (lo // block) : 2 * -(-hi // block)]
+        cut_sections = [[codes], [scales]]
+    header = pb.CompressedMessage()
+    header.CopyFrom(message)
+    header.payload.shape[:] = [hi - lo]
+    header.span_lo, header.span_hi, header.parts = lo, hi, parts
+    return frame(header, cut_sections)
+
+
+def part_spans(blob: bytes, n: int) -> list[tuple[int, int]]:
+    """The reducer spans of a framed message cut for a group of `n`."""
+    message, _ = unframe(blob)
+    return reducer_spans(int(message.payload.shape[0]), n, span_unit(message.payload))
+
+
+def cut_all(blob: bytes, n: int) -> list[bytes]:
+    """A framed message's parts for a group of `n`, in reducer order."""
+    return [cut(blob, lo, hi, parts=n) for lo, hi in part_spans(blob, n)]
+
+
+
+@dataclass
+class Reduced:
+    """A reducer's mean of its span, framed (the same bytes for every member), and its outcome."""
+
+    blob: bytes
+    used: list[int]
+    """Group indices of the members whose parts it averaged."""
+    rejected: dict[int, str] = field(default_factory=dict)
+    """Group index -> why that member's part was left out (codec.NOT_RECEIVED: it never came)."""
+
+
+@dataclass
+class Assembled:
+    """The group's average put together from the reduced parts of every reducer."""
+
+    tensors: list[torch.Tensor]
+    used: list[int]
+    """Group indices of the members some reducer averaged."""
+    missing: Spans = ()
+    """Coordinates (of the tensors laid end to end, no padding) whose reduced part never came or was refused:
+    zeros here, to be mended from members that hold them (exchange.py)."""
+    refused: dict[int, str] = field(default_factory=dict)
+    """Reducer index -> why its reduced part was refused (codec.NOT_RECEIVED: it never came)."""
+    empty: int = 0
+    """Reducers whose span averaged no member's part (every part left out): those values apply nothing."""
+
+
+def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, int]) -> Reduced:
+    """Reducer side: the group's parts of this reducer's `span` (in group order, None: never came) to the reduced
+    part every member applies. The rounding of the mean goes into this worker's error-feedback buffer."""
+    codec, (lo, hi), n = rc.codec, span, len(parts)
+    readers: dict[int, PayloadReader] = {}
+    rejected: dict[int, str] = {}
+    for index, blob in enumerate(parts):
+        if blob is None:
+            rejected[index] = NOT_RECEIVED
+            continue
+        try:
+            readers[index] = receive_part(codec, blob, round=rc.round, phase=1, span=span, parts=n)[1]
+        except MessageRejected as e:
+            rejected[index] = str(e)
+    step = slice_step(codec.cfg, hi - lo)
+    for index, reason in screen({i: _norm(r, step) for i, r in readers.items()}, codec.max_norm_ratio).items():
+        rejected[index] = reason
+        del readers[index]
+    used = sorted(readers)
+    mean = streamed_mean([readers[i] for i in used], FlatLayout([torch.Size((hi - lo,))], 1), step)[0]
+    message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=REDUCED, span_lo=lo, span_hi=hi,
+                                   parts=n, used=used)  # fmt: skip
+    sections, decoded = encode_payload(codec.cfg, [mean], pad=1, out=message.payload, keep=True)
+    assert decoded is not None
+    with codec.lock:
+        if rc.from_buffer and used and rc.generation == codec.generation:
+            # what the second rounding left out of the group's sum, sent again in this worker's later messages
+            rounding = decoded[0].sub_(mean).mul_(len(used))  # -(mean - decoded) * members
+            FlatLayout(codec.shapes, codec.pad).subtract(codec.feedback.buffers, lo, hi, rounding)
+    return Reduced(frame(message, sections), used, rejected)
+
+
+def assemble(rc: RoundCodec, reduced: Sequence[bytes | None], *, spans: Sequence[tuple[int, int]], own: int) -> Assembled:
+    """Member side: the reduced parts of every reducer (in group order, None: never came) to the average, and this
+    worker's message leaves its buffer on the spans whose reducer averaged it (`own`: its group index)."""
+    codec = rc.codec
+    layout = FlatLayout(codec.shapes, codec.pad)
+    out = [torch.zeros(s, dtype=torch.float32) for s in codec.shapes]
+    used: set[int] = set()
+    counted: list[tuple[int, int]] = []
+    missing: list[tuple[int, int]] = []
+    refused: dict[int, str] = {}
+    empty = 0
+    for index, (blob, (lo, hi)) in enumerate(zip(reduced, spans, strict=True)):
+        if lo == hi:
+            continue
+        try:
+            if blob is None:
+                raise MessageRejected(NOT_RECEIVED)
+            message, reader = receive_part(codec, blob, round=rc.round, phase=REDUCED, span=(lo, hi), parts=len(spans))
+        except MessageRejected as e:
+            refused[index] = str(e)
+            missing.append((lo, hi))
+            continue
+        members = list(message.used)
+        if not members:
+            empty += 1
+            continue
+        used.update(members)
+        if own in members:
+            counted.append((lo, hi))
+        step = slice_step(codec.cfg, hi - lo)
+        for a in range(0, hi - lo, step):
+            b = min(a + step, hi - lo)
+            layout.write(out, lo + a, lo + b, reader.read(a, b))
+    rc.settle_spans(counted)
+    return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty)
+
+
+def receive_part(
+    codec: StageCodec, blob: bytes, *, round: int, phase: int, span: tuple[int, int], parts: int
+) -> tuple[pb.CompressedMessage, PayloadReader]:
+    """Parse and check a part (phase 1) or a reduced part (REDUCED) of `span`. Raises MessageRejected."""
+    lo, hi = span
+    if len(blob) > codec.max_message_bytes:
+        raise MessageRejected(f"{len(blob)} bytes, more than this stage's messages can take")
+    try:
+        message, sections = unframe(blob)
+    except ValueError as e:
+        raise MessageRejected(f"malformed ({e})") from None
+    said = (message.codec, message.round, message.phase, message.span_lo, message.span_hi, message.parts)
+    if said != (codec.cfg.kind, round, phase, lo, hi, parts):
+        raise MessageRejected(f"a {message.codec} part of round {message.round} phase {message.phase}, values "
+                              f"[{message.span_lo}, {message.span_hi}) of {message.parts} parts")  # fmt: skip
+    if list(message.used) != sorted(set(message.used)) or any(not 0 <= i < parts for i in message.used):
+        raise MessageRejected(f"members {list(message.used)} are not indices of a group of {parts}")
+    described, expected = pb.EncodedTensor(), encoding_of(codec.cfg, hi - lo)
+    described.CopyFrom(message.payload)
+    del described.sections[:]
+    if described != expected:
+        raise MessageRejected(f"encoded otherwise than this run's {codec.cfg.kind} ({described.WhichOneof('encoding')})")
+    try:
+        return message, PayloadReader.of(message.payload, sections, hi - lo)
+    except (ValueError, RuntimeError) as e:
+        raise MessageRejected(str(e)) from None
+
+
+def unpadded(layout: FlatLayout, spans: Sequence[tuple[int, int]]) -> Spans:
+    """Spans of a padded layout as spans of its pieces laid end to end without padding (the averager's
+    coordinates: held.py), adjacent ones merged."""
+    starts = [0]
+    for shape in layout.shapes:
+        starts.append(starts[-1] + shape.numel())
+    out: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        for index, a, b, _ in layout.overlaps(lo, hi):
+            span = (starts[index] + a, starts[index] + b)
+            if out and out[-1][1] == span[0]:
+                out[-1] = (out[-1][0], span[1])
+            else:
+                out.append(span)
+    return tuple(out)
+
+
+def _norm(reader: PayloadReader, step: int) -> float:
+    """A part's L2 norm in float64 (inf or nan if it holds them): the reducer's alone, any rounding will do."""
+    total = 0.0
+    for lo in range(0, reader.numel, step):
+        total += fixed_order_sum(reader.read(lo, min(lo + step, reader.numel)).double().square())
+    return math.sqrt(total) if math.isfinite(total) else total

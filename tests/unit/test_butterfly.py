@@ -1,0 +1,173 @@
+"""The compressed butterfly (compression/butterfly.py): members of one group in one process.
+
+    pytest tests/unit/test_butterfly.py -q
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dilocox_p2p.compression.butterfly import assemble, cut, cut_all, part_spans, reduce, reducer_spans
+from dilocox_p2p.compression.codec import NOT_RECEIVED, StageCodec
+from dilocox_p2p.compression.payload import FlatLayout, PayloadReader, frame, unframe
+from dilocox_p2p.config import CompressionConfig
+
+pytestmark = pytest.mark.unit
+
+SHAPES = [torch.Size((96, 64)), torch.Size((64,)), torch.Size((64, 200)), torch.Size((3, 5))]
+NAMES = ["a.weight", "a.bias", "b.weight", "c.weight"]
+KINDS = ["fp16", "int8", "fp4"]
+
+
+def _deltas(seed: int, scale: float = 1e-3) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy((rng.standard_normal(tuple(s)) * scale).astype(np.float32)) for s in SHAPES]
+
+
+def _butterfly(codecs, deltas, *, round=0, lose=(), tamper=None):
+    """One round: every member's message cut into parts, each reducer reduces its span, every member assembles.
+    `lose`: (sender, reducer) pairs whose part never reaches the reducer; `tamper(parts)` edits the parts
+    reducer 1 receives."""
+    n = len(codecs)
+    rounds = [c.begin(round, d) for c, d in zip(codecs, deltas)]
+    messages = [r.message(1) for r in rounds]
+    parts = [cut_all(m, n) for m in messages]  # parts[sender][reducer]
+    spans = part_spans(messages[0], n)
+    reduced = []
+    for reducer in range(n):
+        mine = [None if (sender, reducer) in lose else parts[sender][reducer] for sender in range(n)]
+        if tamper is not None and reducer == 1:
+            mine = tamper(mine)
+        reduced.append(reduce(rounds[reducer], mine, span=spans[reducer]))
+    blobs = [r.blob for r in reduced]
+    return [assemble(r, blobs, spans=spans, own=i) for i, r in enumerate(rounds)], reduced, spans
+
+
+def test_reducer_spans_cover_the_vector_in_whole_units_as_evenly_as_they_can():
+    assert reducer_spans(1000, 3, 128) == [(0, 256), (256, 640), (640, 1000)]
+    assert reducer_spans(100, 4, 64) == [(0, 0), (0, 64), (64, 64), (64, 100)]  # 2 units for 4 reducers
+    for n in range(1, 9):
+        spans = reducer_spans(12345, n, 128)
+        assert spans[0][0] == 0 and spans[-1][1] == 12345
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and all(lo % 128 == 0 for lo, _ in spans)
+        sizes = [hi - lo for lo, hi in spans]
+        assert max(sizes) - min(sizes) <= 128 + 12345 % 128
+    with pytest.raises(ValueError):
+        reducer_spans(10, 0, 64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_part_is_the_messages_own_bytes_of_its_span_and_decodes_to_the_same_values(kind):
+    codec = StageCodec(CompressionConfig(kind=kind, block=32), NAMES, SHAPES, run_id="r")
+    message = codec.begin(0, _deltas(0)).message(1)
+    head, sections = unframe(message)
+    whole = PayloadReader.of(head.payload, sections, int(head.payload.shape[0])).read_all()
+    total = 0
+    for lo, hi in part_spans(message, 3):
+        part_head, part_sections = unframe(cut(message, lo, hi, parts=3))
+        assert (part_head.span_lo, part_head.span_hi, part_head.parts) == (lo, hi, 3)
+        assert torch.equal(PayloadReader.of(part_head.payload, part_sections, hi - lo).read_all(), whole[lo:hi])
+        total += sum(len(s) for s in part_sections)
+    assert total == sum(len(s) for s in sections)  # the parts together are the message's payload, once
+    with pytest.raises(ValueError):
+        cut(message, 1, 10, parts=3)  # not on a span unit
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_every_member_assembles_the_same_bits_close_to_the_true_mean(kind, n):
+    codecs = [StageCodec(CompressionConfig(kind=kind), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    deltas = [_deltas(seed) for seed in range(n)]
+    results, reduced, _ = _butterfly(codecs, deltas)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0].tensors, other.tensors))
+    assert all(r.used == list(range(n)) and not r.missing and not r.refused for r in results)
+    assert all(r.used == list(range(n)) for r in reduced)
+    tolerance = {"fp16": 1e-3, "int8": 3e-2, "fp4": 0.45}[kind]
+    for got, want in zip(results[0].tensors, [sum(d[i] for d in deltas) / n for i in range(len(SHAPES))]):
+        assert float(torch.linalg.norm(got - want) / torch.linalg.norm(want)) < tolerance
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_what_was_applied_plus_every_buffer_adds_up_to_what_was_sent_the_second_rounding_included(kind):
+    """Error feedback telescopes through the butterfly: N * the average applied + the members' buffers = the sum
+    of their pseudo-gradients, to fp32 rounding, round after round."""
+    n = 3
+    codecs = [StageCodec(CompressionConfig(kind=kind), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    sent = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    applied = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for round in range(4):
+        deltas = [_deltas(100 * round + seed) for seed in range(n)]
+        results, _, _ = _butterfly(codecs, deltas, round=round)
+        for i in range(len(SHAPES)):
+            sent[i] += sum(d[i].double() for d in deltas)
+            applied[i] += n * results[0].tensors[i].double()
+    for i in range(len(SHAPES)):
+        buffers = sum(c.feedback.buffers[i].double() for c in codecs)
+        scale = float(sent[i].abs().max())
+        assert float((applied[i] + buffers - sent[i]).abs().max()) < 1e-4 * scale, NAMES[i]
+
+
+def test_a_part_that_never_reached_its_reducer_stays_in_its_senders_buffer_on_that_span_only():
+    n = 3
+    cfg = CompressionConfig(kind="int8")
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(n)]
+    deltas = [_deltas(seed) for seed in range(n)]
+    results, reduced, spans = _butterfly(codecs, deltas, lose={(0, 2)})
+    assert reduced[2].used == [1, 2] and reduced[2].rejected == {0: NOT_RECEIVED}
+    assert all(torch.equal(a, b) for a, b in zip(results[0].tensors, results[1].tensors))
+    layout = FlatLayout(SHAPES, cfg.block)
+    buffer = layout.read(codecs[0].feedback.buffers, 0, layout.numel)
+    delta = layout.read(deltas[0], 0, layout.numel)
+    lo, hi = spans[2]
+    assert torch.equal(buffer[lo:hi], delta[lo:hi])  # never averaged: kept whole, to be sent again
+    assert float(buffer[:lo].abs().max()) < 0.02 * float(delta[:lo].abs().max())  # averaged: only its rounding
+
+
+def test_a_reducer_leaves_out_an_outsized_part_and_every_member_applies_its_decision():
+    n = 3
+    codecs = [StageCodec(CompressionConfig(kind="fp16"), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    deltas = [_deltas(seed) for seed in range(n)]
+    deltas[1] = [d * 1000 for d in deltas[1]]
+    results, reduced, _ = _butterfly(codecs, deltas)
+    assert all(r.used == [0, 2] and 1 in r.rejected and "median" in r.rejected[1] for r in reduced)
+    assert all(r.used == [0, 2] for r in results)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0].tensors, r.tensors))
+
+
+def test_a_part_of_another_span_or_encoding_is_refused_by_its_reducer():
+    n = 3
+    codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]
+
+    def swap(parts):  # member 0 sends reducer 1 the part meant for reducer 2; member 2 relabels its encoding
+        message, sections = unframe(parts[2])
+        message.payload.quantized.bits = 4
+        other = cut_all(codecs_messages[0], n)[2]
+        return [other, parts[1], frame(message, [[bytes(s)] for s in sections])]
+
+    rounds = [c.begin(0, _deltas(seed)) for seed, c in enumerate(codecs)]
+    codecs_messages = [r.message(1) for r in rounds]
+    spans = part_spans(codecs_messages[0], n)
+    parts = swap([cut_all(m, n)[1] for m in codecs_messages])
+    out = reduce(rounds[1], parts, span=spans[1])
+    assert out.used == [1] and "values" in out.rejected[0] and "encoded otherwise" in out.rejected[2]
+
+
+def test_a_reduced_part_that_never_came_is_missing_on_that_member_only_in_unpadded_coordinates():
+    n = 3
+    cfg = CompressionConfig(kind="int8", block=64)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(n)]
+    rounds = [c.begin(0, _deltas(seed)) for seed, c in enumerate(codecs)]
+    messages = [r.message(1) for r in rounds]
+    spans = part_spans(messages[0], n)
+    blobs = [reduce(rounds[i], [cut_all(m, n)[i] for m in messages], span=spans[i]).blob for i in range(n)]
+    whole = assemble(rounds[0], blobs, spans=spans, own=0)
+    holed = assemble(rounds[1], [blobs[0], blobs[1], None], spans=spans, own=1)
+    assert holed.refused == {2: NOT_RECEIVED} and not whole.missing
+    flat_whole = torch.cat([t.reshape(-1) for t in whole.tensors])
+    flat_holed = torch.cat([t.reshape(-1) for t in holed.tensors])
+    (lo, hi), = holed.missing
+    assert hi == flat_whole.numel() and torch.equal(flat_holed[:lo], flat_whole[:lo])
+    assert not flat_holed[lo:].any() and flat_whole[lo:].any()
