@@ -21,6 +21,7 @@ import enum
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ __all__ = [
     "LocalAverager",
     "Spans",
     "alone",
+    "applies_nothing",
     "average_hash",
     "covered_share",
     "fill_missing",
@@ -186,6 +188,11 @@ def fixed_order_sum(values: torch.Tensor) -> float:
 def norm(tensor: torch.Tensor) -> float:
     """The L2 norm in float64 (inf or nan for a tensor holding them)."""
     return float(torch.linalg.vector_norm(tensor.to(torch.float64)))
+
+
+def applies_nothing(kind: AverageKind, note: str, started: float) -> Average:
+    """An exchange that applies nothing (STRANDED, ABANDONED), begun at unix time `started` (0: now)."""
+    return Average(kind=kind, tensors=[], note=note, window=(started or time.time(), time.time()))
 
 
 def alone(tensors: Sequence[torch.Tensor], *, round: int) -> Average:

@@ -38,12 +38,18 @@ from .codec import NOT_RECEIVED, MessageRejected, RoundCodec, StageCodec
 from .payload import FlatLayout, PayloadReader, encode_payload, encoding_of, frame, slice_step, streamed_mean, unframe
 
 __all__ = ["BUTTERFLY_KINDS", "REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "part_spans",
-           "receive_part", "reduce", "reducer_spans", "span_unit", "unpadded"]  # fmt: skip
+           "receive_part", "reduce", "reducer_spans", "rides_butterfly", "span_unit", "unpadded"]  # fmt: skip
 
 BUTTERFLY_KINDS = frozenset({"fp16", "int8", "fp4"})
 """Compression kinds that ride the butterfly (low-rank and top-k are all-gathered: gather.py)."""
 REDUCED = 3
 """The phase of a reduced part (phases 1 and 2 are a message's own: codec.py)."""
+
+
+def rides_butterfly(blob: bytes) -> bool:
+    """Whether a framed phase-1 message is of a kind the butterfly reduces (BUTTERFLY_KINDS)."""
+    message, _ = unframe(blob)
+    return message.codec in BUTTERFLY_KINDS
 
 
 def span_unit(encoding: pb.EncodedTensor) -> int:
@@ -128,7 +134,7 @@ class Assembled:
     refused: dict[int, str] = field(default_factory=dict)
     """Reducer index -> why its reduced part was refused (codec.NOT_RECEIVED: it never came)."""
     empty: int = 0
-    """Reducers whose span averaged no member's part (every part left out): those values apply nothing."""
+    """Reducers whose span averaged no member's part (every part left out): their spans are missing too."""
 
 
 def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, int]) -> Reduced:
@@ -186,8 +192,9 @@ def assemble(rc: RoundCodec, reduced: Sequence[bytes | None], *, spans: Sequence
             missing.append((lo, hi))
             continue
         members = list(message.used)
-        if not members:
+        if not members:  # alike on every member: applied nowhere (the mean of none is no zero step)
             empty += 1
+            missing.append((lo, hi))
             continue
         used.update(members)
         if own in members:

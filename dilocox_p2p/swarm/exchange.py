@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future, TimeoutError
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +36,8 @@ import torch
 from hivemind.averaging.control import AveragingStage
 
 from .. import injection, startup
-from ..average import Average, AverageKind, Spans
-from ..compression.codec import NO_FAULT, NOT_RECEIVED
+from ..average import Average, AverageKind, Spans, applies_nothing
+from .compressed_round import CompressedRound, gather_suspects
 from .group_round import RoundResult
 from .held import Collected, HeldAverage
 from .matchmaking import cancel_step
@@ -80,19 +80,7 @@ def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool
     return [p for p in (*result.failed_reducers, *result.banned_senders) if p not in alive]
 
 
-def gather_suspects(group: Sequence[str], rejected: Mapping[int, str], outsiders: Iterable[str], *, me: str) -> list[str]:
-    """The members of a compressed round's group whose message never came (`rejected`: index -> why it was left
-    out, codec.NOT_RECEIVED), except outsiders: a member that answered it is in no such group (a leader counted it
-    in after it had given up on the leader) is alive. Suspected, it was left out of the next rounds' targets,
-    whose groups then started without it round after round while it waited alone (CI run of 2026-11-27, a 3-peer
-    low-rank round 0). A message that came and was refused (not finite, outsized, malformed) is its author's
-    strike, not a sign that it is gone: suspected too, a pair that both sent NaN each went alone the next round
-    and their states split."""
-    outside = set(outsiders)
-    return [group[i] for i, why in rejected.items() if why == NOT_RECEIVED and group[i] != me and group[i] not in outside]
-
-
-class RoundExchange(GroupVote):
+class RoundExchange(CompressedRound, GroupVote):
     """The exchange of one round's pseudo-gradient with the stage group."""
 
     def __init__(self, stage: SwarmStage, round: int, tensors: list[torch.Tensor], *, finite: bool = True):
@@ -134,10 +122,10 @@ class RoundExchange(GroupVote):
         self.clock.mark("wait")
         self._expected = [m.peer_id for m in others]
         if self.abandoned():
-            return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
+            return applies_nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if not others:
             if not finite:
-                return _nothing(AverageKind.STRANDED, "a non-finite pseudo-gradient and nobody to average with", 0.0)
+                return applies_nothing(AverageKind.STRANDED, "a non-finite pseudo-gradient and nobody to average with", 0.0)
             # served like any average: a member that arrives late borrows it and stays in agreement
             self._hold(self.tensors, AverageKind.ALONE, (self.stage.peer_id,), b"")
             return Average(kind=AverageKind.ALONE, tensors=self.tensors)
@@ -157,7 +145,7 @@ class RoundExchange(GroupVote):
             return self._compressed(expected=1 + len(others))
         result, failure = self._grouped(expected=1 + len(others))
         if self.abandoned():
-            return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
+            return applies_nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         # Phase 3: mend what missed this worker, or borrow the group's average
         if result is not None:
             average = self._mend(result)
@@ -274,64 +262,6 @@ class RoundExchange(GroupVote):
                 logger.info("round %d: %d member(s) still train: the group's target is now %d%s", self.round,
                             len(others), target, " and this worker's group starts now" if started_now else "")
 
-    def _compressed(self, expected: int) -> Average:
-        """Phases 2-4 with compression: gather the group's messages, decode, hold what was applied."""
-        codec = self.stage.codec_for(self.round)
-        assert codec is not None
-        round_codec = codec.begin(self.round, self.tensors)
-        message = round_codec.message(1)
-        self.clock.mark("encode")
-        result, failure = self._all_reduce(expected, payload=message)
-        if self.abandoned():
-            return _nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
-        if result is None or result.messages is None:
-            # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
-            # average rather than strand this worker (members that failed too answer at once that they lack it)
-            average = self._agree(self._borrow(failure, wait_s=self.sw.allreduce_timeout))
-            # its message leaves the error-feedback buffer only if the average it took counted it
-            round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
-            return average
-        messages, failures = result.messages, list(result.failures)
-        sent, received = result.bytes_sent, result.bytes_received
-        outsiders = set(result.outsiders)
-        if codec.phases == 2:
-            second = self.averager.gather_phase(
-                self.round, 2, round_codec.message(2, messages),
-                group=result.group, group_id=result.group_id, timeout=self.sw.allreduce_timeout,
-            )  # fmt: skip
-            messages = second.messages
-            sent, received = sent + second.bytes_sent, received + second.bytes_received
-            failures += second.failures
-            outsiders |= set(second.outsiders)
-            for peer, reason in second.offenders.items():
-                self.stage.strike(peer, f"round {self.round} phase 2: {reason}")
-            self.clock.mark("phase2")
-        decoded = round_codec.average(messages, own=result.group.index(self.stage.peer_id))
-        self.clock.mark("decode")
-        used = tuple(result.group[i] for i in decoded.used)
-        for index, reason in decoded.rejected.items():
-            self.stage.faults.count("messages_left_out", "round %d: %s's message left out: %s",
-                                    self.round, result.group[index], reason)
-            if reason not in NO_FAULT:  # it arrived intact (signed digest) but cannot be averaged
-                self.stage.strike(result.group[index], f"round {self.round}: its message {reason}")
-        for failure in failures:
-            logger.info("round %d: %s", self.round, failure)
-        self.membership.suspect(gather_suspects(result.group, decoded.rejected, outsiders, me=self.stage.peer_id))
-        if not used:  # every message left out, on every member alike: no average (the mean of none is no zero step)
-            note = f"all {len(result.group)} messages of the group were left out"
-            average = dataclasses.replace(_nothing(AverageKind.STRANDED, note, self._window_start), stranded_alike=True)
-            self._log(average, expected=expected)
-            return average
-        self._hold(decoded.tensors, AverageKind.AVERAGED, used, result.group_id)
-        average = Average(
-            kind=AverageKind.AVERAGED, tensors=decoded.tensors, group=used, bytes_sent=sent, bytes_received=received,
-            window=(self._window_start, time.time()),
-            group_id=result.group_id,
-            note=f"{len(decoded.rejected)} of {len(result.group)} messages left out" if decoded.rejected else "",
-        )  # fmt: skip
-        self._log(average, expected=expected)
-        return self._agree(average, voters=result.group)  # the whole group votes, also members left out
-
     def _hold(
         self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans = ()
     ) -> None:
@@ -346,9 +276,12 @@ class RoundExchange(GroupVote):
         return [buffers[i] for i in self.stage.fragment_indices(self.round)]
 
     # ----- phase 3 -------------------------------------------------------------------------
-    def _mend(self, result: RoundResult) -> Average:
-        with self.averager.get_tensors() as buffers:
-            tensors = [b.clone() for b in self._buffers(buffers)]
+    def _mend(self, result: RoundResult, tensors: list[torch.Tensor] | None = None) -> Average:
+        """Fill the spans of `result` that missed this worker from the group's other members (`tensors`: the
+        average with those holes; None: the averager's buffers, where the fp32 butterfly left it)."""
+        if tensors is None:
+            with self.averager.get_tensors() as buffers:
+                tensors = [b.clone() for b in self._buffers(buffers)]
         kind = AverageKind.PARTIAL if result.missing else AverageKind.AVERAGED
         raw = HeldAverage(self.round, kind, tensors, result.missing, tuple(result.group), result.group_id)
         bytes_received = result.bytes_received
@@ -381,7 +314,7 @@ class RoundExchange(GroupVote):
             # members that answered all lack it too: the group is stranded alike, nobody is ahead
             alike = bool(collected.lacking) and all(f.split(":")[0] in collected.lacking or "STATE_" not in f
                                                     for f in collected.failures)  # fmt: skip
-            return dataclasses.replace(_nothing(AverageKind.STRANDED, note, self._window_start), stranded_alike=alike)
+            return dataclasses.replace(applies_nothing(AverageKind.STRANDED, note, self._window_start), stranded_alike=alike)
         return collected.average.to_average(
             bytes_received=collected.bytes_received,
             window=(self._window_start, time.time()),
@@ -464,15 +397,10 @@ class ExchangeQueue:
                 future.set_result(average)
             except Exception as e:  # never leave the outer loop hanging
                 if exchange.abandoned():  # stopping: its helpers may be gone already
-                    future.set_result(_nothing(AverageKind.ABANDONED, f"abandoned ({e!r})", 0.0))
+                    future.set_result(applies_nothing(AverageKind.ABANDONED, f"abandoned ({e!r})", 0.0))
                     continue
                 logger.exception("the exchange of round %d failed unexpectedly", exchange.round)
-                future.set_result(_nothing(AverageKind.STRANDED, f"internal error: {e!r}", 0.0))
+                future.set_result(applies_nothing(AverageKind.STRANDED, f"internal error: {e!r}", 0.0))
             finally:
                 with self._lock:
                     self._running = None
-
-
-def _nothing(kind: AverageKind, note: str, started: float) -> Average:
-    """An exchange that applies nothing (STRANDED, ABANDONED)."""
-    return Average(kind=kind, tensors=[], note=note, window=(started or time.time(), time.time()))

@@ -12,6 +12,12 @@ every other member's whole message, and each decodes the same set in the same or
       a message still missing: pull it from a member that has it (relaying), so that every
       member that stays reachable ends with the same set
 
+The compressed butterfly (compression/butterfly.py) uses the same pulls twice: `_scatter` holds
+a member's message in parts, part i + 1 for the group's reducer i, and pulls the parts of its
+own span from every member (nobody else holds them: no relays); then the reducers' reduced
+parts are all-gathered like messages. Each part travels behind its author's digest, which
+names the part.
+
 Messages are pulled, never pushed: a worker holds only what it asked for. What a member could
 not get by the deadline is None in the result; the worker decodes what it has and says so.
 Each message travels behind its author's signed MessageDigest (group, phase, size and
@@ -82,8 +88,11 @@ class MessageGather:
 
     def _init_gather(self, max_message_bytes: int) -> None:
         self._my_id = ""  # this worker's peer id, known once the averager process runs
-        # (group, phase) -> sender -> (message, the author's signed MessageDigest)
-        self._inbox: collections.OrderedDict[tuple[bytes, int], dict[str, tuple[bytes, bytes]]] = collections.OrderedDict()
+        # (group, phase) -> (sender, part) -> (message, the author's signed MessageDigest); part 0 is a whole
+        # message, part i + 1 the part of it for the group's reducer i (the compressed butterfly)
+        self._inbox: collections.OrderedDict[tuple[bytes, int], dict[tuple[str, int], tuple[bytes, bytes]]] = (
+            collections.OrderedDict()
+        )
         self._max_message_bytes = max_message_bytes
         self._served: dict[tuple[bytes, int], int] = collections.defaultdict(int)  # bytes served per inbox
         self._delivered: dict[tuple[bytes, int], set[str]] = collections.defaultdict(set)  # who pulled my message
@@ -93,7 +102,7 @@ class MessageGather:
         """Whether this worker is in no group `group_id` and about to join none (the averager knows)."""
         return False
 
-    def _box(self, group_id: bytes, phase: int) -> dict[str, tuple[bytes, bytes]]:
+    def _box(self, group_id: bytes, phase: int) -> dict[tuple[str, int], tuple[bytes, bytes]]:
         key = (group_id, phase)
         if key not in self._inbox:
             self._inbox[key] = {}
@@ -109,10 +118,7 @@ class MessageGather:
         """Every member's message of (group_id, phase), in the order of `peers`."""
         self._my_id = me
         box = self._box(group_id, phase)
-        digest = envelope_pb2.MessageDigest(
-            group_id=group_id, phase=phase, size=len(payload), sha256=hashlib.sha256(payload).digest()
-        )
-        box[me] = (payload, self.signer.seal(digest))
+        box[(me, 0)] = (payload, self._sealed_digest(group_id, phase, 0, payload))
         result = GatherResult(messages=[])
         others = [p for p in peers if p != me]
         pulls = [self._pull_whole(p, group_id, phase, p, deadline) for p in others]
@@ -126,43 +132,84 @@ class MessageGather:
                 elif reason.endswith(OUTSIDE):  # it never learnt of the group: nobody holds its message
                     outsiders.add(peer)
             else:
-                box[peer] = got
+                box[(peer, 0)] = got
                 answered.append(peer)
-        for sender in [p for p in others if p not in box and p not in outsiders]:  # relay what missed this worker
+        for sender in [p for p in others if (p, 0) not in box and p not in outsiders]:  # relay what missed this worker
             for holder in answered:
                 until = min(deadline, time.monotonic() + RELAY_WAIT_S)
                 got, reason, size = await self._pull_whole(holder, group_id, phase, sender, until)
                 result.bytes_received += size
                 if got is not None:
-                    box[sender] = got
+                    box[(sender, 0)] = got
                     logger.info("phase %d: %s's message relayed by %s", phase, sender, holder)
                     break
                 if reason.startswith("refused"):
                     result.offenders[holder] = reason
-        result.messages = [box[p][0] if p in box else None for p in peers]
+        result.messages = [box[(p, 0)][0] if (p, 0) in box else None for p in peers]
         result.outsiders = sorted(outsiders)
-        key, until = (group_id, phase), min(deadline, time.monotonic() + DELIVERY_WAIT_S)
-        while not set(answered) <= self._delivered[key] and time.monotonic() < until:
-            await asyncio.sleep(0.02)
-        result.bytes_sent = self._served[key]
+        result.bytes_sent = await self._delivered_to(answered, group_id, phase, deadline)
         return result
 
+    async def _scatter(
+        self, group_id: bytes, phase: int, peers: Sequence[str], me: str, parts: Sequence[bytes], deadline: float
+    ) -> GatherResult:
+        """The compressed butterfly's first step: this worker's message in parts, one per member of `peers` (its
+        reducer, in group order), each served to that member only; returns the parts of this worker's own span
+        from every member, in group order (None: never came; nobody else holds them, so nothing is relayed)."""
+        self._my_id = me
+        box, mine = self._box(group_id, phase), peers.index(me) + 1
+        for part, payload in enumerate(parts, start=1):
+            box[(me, part)] = (payload, self._sealed_digest(group_id, phase, part, payload))
+        result = GatherResult(messages=[])
+        others = [p for p in peers if p != me]
+        pulls = [self._pull_whole(p, group_id, phase, p, deadline, part=mine) for p in others]
+        answered, outsiders = [], set()
+        for peer, (got, reason, size) in zip(others, await asyncio.gather(*pulls)):
+            result.bytes_received += size
+            if got is None:
+                result.failures.append(f"{peer}: {reason}")
+                if reason.startswith("refused"):
+                    result.offenders[peer] = reason
+                elif reason.endswith(OUTSIDE):
+                    outsiders.add(peer)
+            else:
+                box[(peer, mine)] = got
+                answered.append(peer)
+        result.messages = [box[(p, mine)][0] if (p, mine) in box else None for p in peers]
+        result.outsiders = sorted(outsiders)
+        result.bytes_sent = await self._delivered_to(answered, group_id, phase, deadline)
+        return result
+
+    def _sealed_digest(self, group_id: bytes, phase: int, part: int, payload: bytes) -> bytes:
+        digest = envelope_pb2.MessageDigest(
+            group_id=group_id, phase=phase, part=part, size=len(payload), sha256=hashlib.sha256(payload).digest()
+        )
+        return self.signer.seal(digest)
+
+    async def _delivered_to(self, members: Sequence[str], group_id: bytes, phase: int, deadline: float) -> int:
+        """Wait (a few seconds at most) until `members` pulled what this worker holds for them of (group, phase),
+        so that the bytes served are counted with the round they belong to; returns those bytes."""
+        key, until = (group_id, phase), min(deadline, time.monotonic() + DELIVERY_WAIT_S)
+        while not set(members) <= self._delivered[key] and time.monotonic() < until:
+            await asyncio.sleep(0.02)
+        return self._served[key]
+
     async def _pull_whole(
-        self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float
+        self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float, *, part: int = 0
     ) -> tuple[tuple[bytes, bytes] | None, str, int]:
         """`_pull`, asked again while the holder cannot be dialed (dial.py), and once more when the stream ended
         before the whole message came (a connection reset mid-reply ends hivemind's stream without an error): a
         short message is a failure, not a fault."""
-        got, reason, size = await redial(lambda: self._pull(holder, group_id, phase, sender, deadline), deadline,
+        got, reason, size = await redial(lambda: self._pull(holder, group_id, phase, sender, deadline, part), deadline,
                                          what=f"phase {phase}: {sender}'s message from {holder}")  # fmt: skip
         if got is None and reason.startswith(CUT_SHORT):
             logger.info("phase %d: %s's message from %s %s: asking again", phase, sender, holder, reason)
-            got, reason, more = await self._pull(holder, group_id, phase, sender, deadline)
+            got, reason, more = await self._pull(holder, group_id, phase, sender, deadline, part)
             size += more
         return got, reason, size
 
     async def _pull(
-        self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float
+        self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float, part: int = 0
     ) -> tuple[tuple[bytes, bytes] | None, str, int]:
         """`sender`'s message and its author's signed digest, pulled from `holder`; or why not (a reason
         starting with "refused" blames the holder)."""
@@ -171,7 +218,7 @@ class MessageGather:
             return None, "no time left", 0
         request = swarm_pb2.GatherRequest(
             run_id=self.run_id, config_hash=self.config_hash, stage=self.stage,
-            group_id=group_id, phase=phase, sender=sender, wait_s=remaining,
+            group_id=group_id, phase=phase, sender=sender, wait_s=remaining, part=part,
         )  # fmt: skip
         sealed = self.signer.seal_message(request, topic=holder)
         nonce = envelope_pb2.Envelope.FromString(sealed.body).nonce
@@ -207,8 +254,8 @@ class MessageGather:
         blob, digest = b"".join(parts), opened.message
         if opened.sender != sender:
             return None, f"refused: {sender}'s message came behind a digest signed by {opened.sender}", size
-        if (digest.group_id, digest.phase) != (group_id, phase):
-            return None, f"refused: {sender}'s digest is of another group or phase (replayed)", size
+        if (digest.group_id, digest.phase, digest.part) != (group_id, phase, part):
+            return None, f"refused: {sender}'s digest is of another group, phase or part (replayed)", size
         if len(blob) < digest.size:  # the stream ended early: a reset connection reads as a clean end in hivemind
             return None, f"{CUT_SHORT}: {len(blob)} of {digest.size} bytes before the stream ended", size
         if len(blob) != digest.size or hashlib.sha256(blob).digest() != digest.sha256:
@@ -234,10 +281,10 @@ class MessageGather:
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 120.0)
-        key = (request.group_id, request.phase)
-        while time.monotonic() < deadline and request.sender not in self._inbox.get(key, {}):
+        key, which = (request.group_id, request.phase), (request.sender, request.part)
+        while time.monotonic() < deadline and which not in self._inbox.get(key, {}):
             await asyncio.sleep(0.05)
-        held = self._inbox.get(key, {}).get(request.sender)
+        held = self._inbox.get(key, {}).get(which)
         if held is None:
             header.status, header.reason = swarm_pb2.STATE_NOT_READY, "not held here"
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]

@@ -1,7 +1,10 @@
 """What a worker does in its group once matchmaking formed it (the averager process's side).
 
 fp32: the exact butterfly (allreduce.py), whose average this worker then holds and serves to
-members that mend or borrow it (held.py). Compressed: the all-gather of the round's messages
+members that mend or borrow it (held.py). Quantized (fp16, int8, fp4): the first step of the
+compressed butterfly, each member's message cut into parts for the group's reducers
+(compression/butterfly.py, gather.py's scatter); the stage worker reduces its span and the
+reduced parts are all-gathered. Low-rank and top-k: the all-gather of the round's messages
 (gather.py), decoded by the stage worker. Either way the round's `RoundResult` goes back to
 the worker. The averager (averager.py) mixes this in before hivemind's DecentralizedAverager,
 whose `_run_allreduce_inplace_` it replaces (hivemind_patches.py).
@@ -21,6 +24,7 @@ from hivemind.utils import MPFuture
 
 from .. import injection
 from ..average import AverageKind, Spans
+from ..compression.butterfly import cut_all, rides_butterfly
 from .allreduce import ExactAllReduceRunner
 from .held import HeldAverage
 
@@ -46,7 +50,8 @@ class RoundResult:
     offenders: dict[str, str] = field(default_factory=dict)
     """Members whose contribution (as sender) or average (as reducer) was refused here, and why."""
     messages: list[bytes | None] | None = None
-    """With compression: the group's phase-1 messages, in group order (None: never received)."""
+    """With compression: the group's phase-1 messages, in group order (None: never received); for the
+    compressed butterfly (compression/butterfly.py) the parts of this worker's span of them."""
     failures: list[str] = field(default_factory=list)
     grouped_at: float | None = None
     """Unix time the group formed (matchmaking ended, the all-reduce or gather began)."""
@@ -132,8 +137,12 @@ class GroupRound:
         # well inside hivemind's own timeout of the step, so that a member that never shows (its
         # matchmaking failed after the group formed) costs its message, not the whole round
         deadline = time.monotonic() + GATHER_SHARE * self._allreduce_timeout
-        assert self._payload is not None
-        gathered = await self._all_gather(group_id, 1, peers, self.peer_id.to_base58(), self._payload, deadline)
+        payload, me = self._payload, self.peer_id.to_base58()
+        assert payload is not None
+        if rides_butterfly(payload):  # each member reduces its span of the others' messages (butterfly.py)
+            gathered = await self._scatter(group_id, 1, peers, me, cut_all(payload, len(peers)), deadline)
+        else:
+            gathered = await self._all_gather(group_id, 1, peers, me, payload, deadline)
         self._last_result = RoundResult(
             round=round,
             group=peers,

@@ -10,8 +10,9 @@ A phase marked twice (a second look for a group) adds up. Each stage's exchange 
 applied is in `metrics.jsonl` as `exchange_phases` (README, "Metrics"): the fixed cost of an
 exchange, phase by phase, is what a lean exchange has to cut (issue 37).
 Phases: `wait` (the members start the round), `encode`, `matchmaking` (until the group formed),
-`transfer` (the all-reduce or gather of phase 1), `phase2` (low-rank's second encode and
-gather), `decode`, `mend`, `borrow`, `agree` (phase 5), `other` (what no mark claimed).
+`transfer` (the all-reduce or gather of phase 1; the compressed butterfly's parts), `phase2`
+(low-rank's second encode and gather; the compressed butterfly's reduce and the all-gather of
+the reduced parts), `decode`, `mend`, `borrow`, `agree` (phase 5), `other` (what no mark claimed).
 """
 
 from __future__ import annotations

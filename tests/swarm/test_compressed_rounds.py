@@ -87,3 +87,28 @@ def test_a_round_whose_every_message_is_left_out_moves_no_member_and_the_next_ro
         assert "messages of the group were left out" in peer.stage_log(0)
         assert [by_round[t]["kinds"] for t in (2, 3)] == [["averaged"], ["averaged"]], peer.output()
         assert all(r["val_loss"] == r["val_loss"] for r in by_round.values())  # never NaN
+
+
+def test_four_quantizing_peers_reduce_in_a_butterfly_at_two_thirds_of_a_message_each_way_per_member(swarm):
+    """int8 rides the compressed butterfly: each member sends each reducer its part, and each reducer the same
+    reduced part to every member, 2 (N - 1) / N of a message each way (the all-gather sent N - 1 messages)."""
+    n, rounds = 4, 4
+    args = ("--mode", "sync", "--rounds", str(rounds), "--min-peers", str(n), "--stages", "1", "--inner-steps", "5",
+            "--compression", "int8")  # fmt: skip
+    peers = [swarm.start_peer(*args) for _ in range(n)]
+    for peer in peers:
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    hashes = [_hashes(p) for p in peers]
+    for t in range(rounds):
+        assert len({tuple(h[t]) for h in hashes}) == 1, f"peers differ at round {t}"
+    for peer in peers:
+        records = peer.metrics()
+        full = [r for r in records if r["group_size"] == n and r["kinds"] == ["averaged"]]
+        assert len(full) >= rounds - 1, [(r["round"], r["kinds"], r["group_sizes"]) for r in records]
+        message = records[0]["params"] * (1 + 2 / 64)  # int8 codes and a bf16 scale per block of 64
+        flat = 2 * (n - 1) / n * message
+        for r in full:
+            assert 0.95 * flat <= r["bytes_sent"] <= 1.15 * flat, (r["round"], r["bytes_sent"] / message)
+            assert 0.95 * flat <= r["bytes_received"] <= 1.15 * flat, (r["round"], r["bytes_received"] / message)
+        assert any("phase2" in dict(r["exchange_phases"][0]) for r in full)  # the reduced parts' all-gather

@@ -1,0 +1,178 @@
+"""Phases 2-4 of a compressed round (a mixin of exchange.RoundExchange).
+
+Quantized kinds (fp16, int8, fp4) ride the compressed butterfly (compression/butterfly.py): the
+averager cuts this worker's message into one part per member and hands it the group's parts of
+its own span (gather.py's scatter); it reduces them, the reduced parts are all-gathered, and
+every member assembles the same average. A reduced part that never reached this worker leaves
+its span missing, mended from members that hold it, as in the fp32 butterfly. Low-rank and
+top-k all-gather the members' whole messages, which every member decodes alike (codec.py).
+
+Either way a refused contribution strikes its author: a part or message that came intact (behind
+its author's signed digest) and cannot be averaged, or a reduced part a reducer signed that does
+not decode. A member whose message or part never came is suspected gone (`gather_suspects`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..average import Average, AverageKind, applies_nothing
+from ..compression.butterfly import BUTTERFLY_KINDS, REDUCED, assemble, part_spans, reduce
+from ..compression.codec import NO_FAULT, NOT_RECEIVED, RoundCodec
+
+if TYPE_CHECKING:
+    from .group_round import RoundResult
+
+__all__ = ["CompressedRound", "gather_suspects"]
+
+logger = logging.getLogger(__name__)
+
+
+def gather_suspects(group: Sequence[str], rejected: Mapping[int, str], outsiders: Iterable[str], *, me: str) -> list[str]:
+    """The members of a compressed round's group whose message never came (`rejected`: index -> why it was left
+    out, codec.NOT_RECEIVED), except outsiders: a member that answered it is in no such group (a leader counted it
+    in after it had given up on the leader) is alive. Suspected, it was left out of the next rounds' targets,
+    whose groups then started without it round after round while it waited alone (CI run of 2026-11-27, a 3-peer
+    low-rank round 0). A message that came and was refused (not finite, outsized, malformed) is its author's
+    strike, not a sign that it is gone: suspected too, a pair that both sent NaN each went alone the next round
+    and their states split."""
+    outside = set(outsiders)
+    return [group[i] for i, why in rejected.items() if why == NOT_RECEIVED and group[i] != me and group[i] not in outside]
+
+
+class CompressedRound:
+    """Mixin for RoundExchange: a compressed round once matchmaking formed its group."""
+
+    stage: Any
+    round: int
+    tensors: list
+    sw: Any
+    averager: Any
+    membership: Any
+    clock: Any
+    _window_start: float
+    _all_reduce: Any
+    _borrow: Any
+    _agree: Any
+    _hold: Any
+    _mend: Any
+    _log: Any
+    abandoned: Any
+
+    def _compressed(self, expected: int) -> Average:
+        """Phases 2-4 with compression: gather the group's messages, decode, hold what was applied."""
+        codec = self.stage.codec_for(self.round)
+        assert codec is not None
+        round_codec = codec.begin(self.round, self.tensors)
+        message = round_codec.message(1)
+        self.clock.mark("encode")
+        result, failure = self._all_reduce(expected, payload=message)
+        if self.abandoned():
+            return applies_nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
+        if result is None or result.messages is None:
+            # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
+            # average rather than strand this worker (members that failed too answer at once that they lack it)
+            average = self._agree(self._borrow(failure, wait_s=self.sw.allreduce_timeout))
+            # its message leaves the error-feedback buffer only if the average it took counted it
+            round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
+            return average
+        if codec.cfg.kind in BUTTERFLY_KINDS:
+            return self._butterfly(round_codec, message, result, expected)
+        return self._gathered(round_codec, result, expected)
+
+    def _butterfly(self, round_codec: RoundCodec, message: bytes, result: RoundResult, expected: int) -> Average:
+        """Reduce this worker's span of the group's parts, all-gather the reduced parts, assemble the average;
+        mend the spans whose reduced part never came from members that hold them."""
+        group, me = result.group, self.stage.peer_id
+        own = group.index(me)
+        spans = part_spans(message, len(group))
+        reduced = reduce(round_codec, result.messages, span=spans[own])
+        self._left_out(group, reduced.rejected, what="part")
+        second = self.averager.gather_phase(
+            self.round, REDUCED, reduced.blob, group=group, group_id=result.group_id, timeout=self.sw.allreduce_timeout
+        )
+        for peer, reason in second.offenders.items():
+            self.stage.strike(peer, f"round {self.round} reduced parts: {reason}")
+        self.clock.mark("phase2")
+        assembled = assemble(round_codec, second.messages, spans=spans, own=own)
+        self.clock.mark("decode")
+        self._left_out(group, assembled.refused, what="reduced part")
+        for failure in [*result.failures, *second.failures]:
+            logger.info("round %d: %s", self.round, failure)
+        never = {**reduced.rejected, **assembled.refused}  # parts that never reached this reducer, reduced parts this member
+        self.membership.suspect(gather_suspects(group, never, {*result.outsiders, *second.outsiders}, me=me))
+        sent, received = result.bytes_sent + second.bytes_sent, result.bytes_received + second.bytes_received
+        if not assembled.used and not assembled.refused:  # every reducer's span averaged nobody, alike everywhere
+            return self._none_averaged(len(group), expected)
+        used = tuple(group[i] for i in assembled.used)
+        kind = AverageKind.PARTIAL if assembled.missing else AverageKind.AVERAGED
+        self._hold(assembled.tensors, kind, used, result.group_id, missing=assembled.missing)
+        if assembled.missing:  # mended from the others' copies, never from a member banned meanwhile (a forger)
+            banned = set(self.membership.banned())
+            holed = dataclasses.replace(
+                result, group=[p for p in group if p not in banned], missing=assembled.missing,
+                failed_reducers=[group[i] for i in assembled.refused], bytes_sent=sent, bytes_received=received,
+            )  # fmt: skip
+            average = dataclasses.replace(self._mend(holed, tensors=assembled.tensors), group=used)
+        else:
+            average = Average(kind=kind, tensors=assembled.tensors, group=used, bytes_sent=sent, bytes_received=received,
+                              window=(self._window_start, time.time()), group_id=result.group_id)  # fmt: skip
+        self._log(average, expected=expected)
+        return self._agree(average, voters=group)  # the whole group votes, also members left out
+
+    def _gathered(self, round_codec: RoundCodec, result: RoundResult, expected: int) -> Average:
+        """Decode the group's all-gathered messages (after low-rank's second phase) to the average."""
+        codec = round_codec.codec
+        assert result.messages is not None
+        messages, failures = result.messages, list(result.failures)
+        sent, received = result.bytes_sent, result.bytes_received
+        outsiders = set(result.outsiders)
+        if codec.phases == 2:
+            second = self.averager.gather_phase(
+                self.round, 2, round_codec.message(2, messages),
+                group=result.group, group_id=result.group_id, timeout=self.sw.allreduce_timeout,
+            )  # fmt: skip
+            messages = second.messages
+            sent, received = sent + second.bytes_sent, received + second.bytes_received
+            failures += second.failures
+            outsiders |= set(second.outsiders)
+            for peer, reason in second.offenders.items():
+                self.stage.strike(peer, f"round {self.round} phase 2: {reason}")
+            self.clock.mark("phase2")
+        decoded = round_codec.average(messages, own=result.group.index(self.stage.peer_id))
+        self.clock.mark("decode")
+        used = tuple(result.group[i] for i in decoded.used)
+        self._left_out(result.group, decoded.rejected, what="message")
+        for failure in failures:
+            logger.info("round %d: %s", self.round, failure)
+        self.membership.suspect(gather_suspects(result.group, decoded.rejected, outsiders, me=self.stage.peer_id))
+        if not used:
+            return self._none_averaged(len(result.group), expected)
+        self._hold(decoded.tensors, AverageKind.AVERAGED, used, result.group_id)
+        average = Average(
+            kind=AverageKind.AVERAGED, tensors=decoded.tensors, group=used, bytes_sent=sent, bytes_received=received,
+            window=(self._window_start, time.time()),
+            group_id=result.group_id,
+            note=f"{len(decoded.rejected)} of {len(result.group)} messages left out" if decoded.rejected else "",
+        )  # fmt: skip
+        self._log(average, expected=expected)
+        return self._agree(average, voters=result.group)  # the whole group votes, also members left out
+
+    def _left_out(self, group: Sequence[str], rejected: Mapping[int, str], *, what: str) -> None:
+        """Count what was left out; strike the authors of what came intact (signed) and cannot be averaged."""
+        for index, reason in rejected.items():
+            self.stage.faults.count("messages_left_out", "round %d: %s's %s left out: %s",
+                                    self.round, group[index], what, reason)  # fmt: skip
+            if reason not in NO_FAULT:
+                self.stage.strike(group[index], f"round {self.round}: its {what} {reason}")
+
+    def _none_averaged(self, members: int, expected: int) -> Average:
+        """Every message left out, on every member alike: no average (the mean of none is no zero step)."""
+        note = f"all {members} messages of the group were left out"
+        average = dataclasses.replace(applies_nothing(AverageKind.STRANDED, note, self._window_start), stranded_alike=True)
+        self._log(average, expected=expected)
+        return average
