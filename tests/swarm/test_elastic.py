@@ -39,8 +39,11 @@ def _wait_for(condition, timeout, message):
         time.sleep(0.2)
 
 
-def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm):
-    args = ("--mode", "delayed", "--rounds", "6", "--min-peers", "3")
+@pytest.mark.parametrize("compression", [(), ("--stages", "1", "--compression", "int8")], ids=["fp32", "int8"])
+def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm, compression):
+    # int8: the victim dies once its parts went out, before its reduced part did (the compressed butterfly);
+    # its span is missing alike on both survivors, or one of them mends it from the other
+    args = ("--mode", "delayed", "--rounds", "6", "--min-peers", "3", *compression)
     survivors = [swarm.start_peer(*args) for _ in range(2)]
     victim = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "kill_peer_in_allreduce:round=2:stage=0"})
     killed_at = _wait_until_dead(victim, timeout=180)
@@ -61,7 +64,7 @@ def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm):
     next_round = min((r for r in records.values() if r["time"] > killed_at), key=lambda r: r["round"])
     assert next_round["time"] - killed_at < ROUND_WAIT + ALLREDUCE_TIMEOUT + one_round + 5
     # from then on, the survivors average as a pair
-    assert records[5]["group_sizes"] == [2, 2]
+    assert records[5]["group_sizes"] == [2] * len(records[5]["stage_hashes"])
 
 
 def test_a_late_joiner_holds_the_same_theta_g_from_its_first_round(swarm):
