@@ -119,10 +119,10 @@ def table(rows: list[dict]) -> str:
     lines = ["| kind | N | message | counted sent / 2(N-1)/N | all-gather would send | wire per direction / 2(N-1)/N | "
              "wire not counted | wire vs fp32 ring | hashes equal |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
-        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        fmt = lambda v, f, unit="": "-" if v is None else format(v, f) + unit  # noqa: E731
         lines.append(f"| {r['kind']} | {r['peers']} | {r['message_bytes']:,} B | {fmt(r['counted_vs_butterfly'], '.3f')} | "
                      f"{r['all_gather_bytes'] / r['butterfly_bytes']:.2f}x | {fmt(r['wire_vs_butterfly'], '.2f')} | "
-                     f"{fmt(r['wire_not_counted'], ',.0f')} B | {fmt(r['wire_vs_fp32_ring'], '.4f')} | {r['hashes_equal']} |")  # fmt: skip
+                     f"{fmt(r['wire_not_counted'], ',.0f', ' B')} | {fmt(r['wire_vs_fp32_ring'], '.4f')} | {r['hashes_equal']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

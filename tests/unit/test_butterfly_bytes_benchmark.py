@@ -1,0 +1,28 @@
+"""benchmarks/butterfly_bytes.py's own arithmetic (the runs need root and namespaces: docs/benchmarks.md, section 5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.butterfly_bytes import message_bytes, stage_shapes, table
+
+pytestmark = pytest.mark.unit
+
+
+def test_message_sizes_are_the_codecs_own_int8_a_byte_and_fp4_half_a_byte_per_value_plus_block_scales():
+    shapes = [torch.Size((64, 128)), torch.Size((128,))]
+    values = 64 * 128 + 128
+    int8, fp4 = message_bytes("int8", shapes), message_bytes("fp4", shapes)
+    assert values * (1 + 2 / 64) < int8 < values * (1 + 2 / 64) + 200  # codes, bf16 scales, a header
+    assert values * (0.5 + 2 / 64) < fp4 < values * (0.5 + 2 / 64) + 200
+    assert message_bytes("lowrank", shapes) < fp4  # factors at a fixed rank
+    assert sum(s.numel() for s in stage_shapes("tiny")) == 241024
+
+
+def test_the_table_shows_each_runs_ratios_and_a_dash_where_a_run_measured_nothing():
+    row = {"kind": "int8", "peers": 4, "message_bytes": 1000, "all_gather_bytes": 3000, "butterfly_bytes": 1500,
+           "counted_vs_butterfly": 1.01, "wire_vs_butterfly": None, "wire_not_counted": None,
+           "wire_vs_fp32_ring": None, "hashes_equal": True}  # fmt: skip
+    line = table([row]).splitlines()[-1]
+    assert line.startswith("| int8 | 4 | 1,000 B | 1.010 | 2.00x | - | - | - | True |")
