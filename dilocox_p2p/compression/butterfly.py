@@ -1,9 +1,9 @@
 """The compressed butterfly: quantized messages reduce-scattered, then the reduced parts all-gathered.
 
-    spans = reducer_spans(numel, n, unit)             # member i of the group reduces values spans[i]
-    part = cut(message, lo, hi, parts=n)              # a member's message, values [lo, hi) only: bytes copied
-    reduced = codec.reduce(parts, round=r, span=(lo, hi), parts=n)   # on reducer i (codec.py)
-    average = round_codec.assemble(reduced_parts, own=j)             # on every member (codec.py)
+    spans = part_spans(message, n)                     # member i of the group reduces values spans[i]
+    parts = cut_all(message, n)                        # parts[i]: values spans[i] of the message, its own bytes
+    reduced = reduce(round_codec, parts_of_span_i, span=spans[i])      # on reducer i: the group's parts of spans[i]
+    average = assemble(round_codec, reduced_parts, spans=spans, own=j)  # on every member j: all reducers' parts
 
 For the quantizers (fp16, int8, fp4) a message's vector is cut at quantization blocks into one
 span per member of the group, as hivemind's butterfly cuts fp32 tensors. Each member sends
@@ -34,11 +34,12 @@ import torch
 
 from ..average import Spans, fixed_order_sum, screen
 from ..proto_gen import compression_pb2 as pb
-from .codec import NOT_RECEIVED, MessageRejected, RoundCodec, StageCodec
+from .codec import NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
+from .lowrank import basis_digest
 from .payload import FlatLayout, PayloadReader, encode_payload, encoding_of, frame, slice_step, streamed_mean, unframe
 
-__all__ = ["BUTTERFLY_KINDS", "REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "part_spans",
-           "receive_part", "reduce", "reducer_spans", "rides_butterfly", "span_unit", "unpadded"]  # fmt: skip
+__all__ = ["BUTTERFLY_KINDS", "REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "low_rank_average", "low_rank_second", "part_spans",
+           "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "span_unit", "unpadded"]  # fmt: skip
 
 BUTTERFLY_KINDS = frozenset({"fp16", "int8", "fp4"})
 """Compression kinds that ride the butterfly (low-rank and top-k are all-gathered: gather.py)."""
@@ -119,6 +120,8 @@ class Reduced:
     """Group indices of the members whose parts it averaged."""
     rejected: dict[int, str] = field(default_factory=dict)
     """Group index -> why that member's part was left out (codec.NOT_RECEIVED: it never came)."""
+    energies: list[tuple[list[float], list[float]]] = field(default_factory=list)
+    """Low-rank phase 2: the (energy_total, energy_kept) lists of the members averaged, as their parts said."""
 
 
 @dataclass
@@ -126,29 +129,48 @@ class Assembled:
     """The group's average put together from the reduced parts of every reducer."""
 
     tensors: list[torch.Tensor]
+    """The pieces of the phase's layout: the stage's tensors for the quantizers (codec.pieces)."""
     used: list[int]
     """Group indices of the members some reducer averaged."""
     missing: Spans = ()
-    """Coordinates (of the tensors laid end to end, no padding) whose reduced part never came or was refused:
-    zeros here, to be mended from members that hold them (exchange.py)."""
+    """Coordinates (of the pieces laid end to end, no padding) whose reduced part never came or was refused, or
+    averaged nobody: zeros here, to be mended from members that hold them (exchange.py)."""
     refused: dict[int, str] = field(default_factory=dict)
     """Reducer index -> why its reduced part was refused (codec.NOT_RECEIVED: it never came)."""
     empty: int = 0
     """Reducers whose span averaged no member's part (every part left out): their spans are missing too."""
+    digest: bytes = b""
+    """Names the reduced parts assembled (lowrank.basis_digest over them): low-rank's phase-2 basis."""
 
 
-def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, int]) -> Reduced:
-    """Reducer side: the group's parts of this reducer's `span` (in group order, None: never came) to the reduced
-    part every member applies. The rounding of the mean goes into this worker's error-feedback buffer."""
+def reduced_phase(phase: int) -> int:
+    """The phase of the reduced parts of a message's `phase`: REDUCED for phase 1, one more for low-rank's 2."""
+    return REDUCED + phase - 1
+
+
+def expected_ranks(rc: RoundCodec, phase: int) -> list[int]:
+    """The ranks every part of `phase` must carry: the group's agreed ranks (phase 1), the basis' (phase 2)."""
+    codec = rc.codec
+    return [codec.ranks[i] if phase == 1 else rc.bases[i].rank for i in codec.factored]
+
+
+def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, int], phase: int = 1) -> Reduced:
+    """Reducer side: the group's parts of this reducer's `span` of the `phase` messages (in group order, None:
+    never came) to the reduced part every member applies. The rounding of the mean goes into this worker's
+    error-feedback buffer (for low-rank's factors, as B times it)."""
     codec, (lo, hi), n = rc.codec, span, len(parts)
+    ranks = expected_ranks(rc, phase)
     readers: dict[int, PayloadReader] = {}
+    energies: dict[int, tuple[list[float], list[float]]] = {}
     rejected: dict[int, str] = {}
     for index, blob in enumerate(parts):
         if blob is None:
             rejected[index] = NOT_RECEIVED
             continue
         try:
-            readers[index] = receive_part(codec, blob, round=rc.round, phase=1, span=span, parts=n)[1]
+            message, readers[index] = receive_part(codec, blob, round=rc.round, phase=phase, span=span, parts=n,
+                                                   ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
+            energies[index] = (list(message.energy_total), list(message.energy_kept))
         except MessageRejected as e:
             rejected[index] = str(e)
     step = slice_step(codec.cfg, hi - lo)
@@ -157,24 +179,31 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
         del readers[index]
     used = sorted(readers)
     mean = streamed_mean([readers[i] for i in used], FlatLayout([torch.Size((hi - lo,))], 1), step)[0]
-    message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=REDUCED, span_lo=lo, span_hi=hi,
-                                   parts=n, used=used)  # fmt: skip
+    message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=reduced_phase(phase), span_lo=lo,
+                                   span_hi=hi, parts=n, used=used, ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
     sections, decoded = encode_payload(codec.cfg, [mean], pad=1, out=message.payload, keep=True)
     assert decoded is not None
     with codec.lock:
         if rc.from_buffer and used and rc.generation == codec.generation:
             # what the second rounding left out of the group's sum, sent again in this worker's later messages
             rounding = decoded[0].sub_(mean).mul_(len(used))  # -(mean - decoded) * members
-            FlatLayout(codec.shapes, codec.pad).subtract(codec.feedback.buffers, lo, hi, rounding)
-    return Reduced(frame(message, sections), used, rejected)
+            layout = FlatLayout(codec.pieces(phase, ranks), codec.pad)
+            if phase == 1:  # never into P's coordinates: P only steers the basis
+                layout.subtract([None if f else b for f, b in zip(codec.lowrank, codec.feedback.buffers)], lo, hi, rounding)
+            else:
+                rc.subtract_factors(layout, lo, hi, rounding)
+    return Reduced(frame(message, sections), used, rejected, [energies[i] for i in used])
 
 
-def assemble(rc: RoundCodec, reduced: Sequence[bytes | None], *, spans: Sequence[tuple[int, int]], own: int) -> Assembled:
-    """Member side: the reduced parts of every reducer (in group order, None: never came) to the average, and this
-    worker's message leaves its buffer on the spans whose reducer averaged it (`own`: its group index)."""
-    codec = rc.codec
-    layout = FlatLayout(codec.shapes, codec.pad)
-    out = [torch.zeros(s, dtype=torch.float32) for s in codec.shapes]
+def assemble(
+    rc: RoundCodec, reduced: Sequence[bytes | None], *, spans: Sequence[tuple[int, int]], own: int, phase: int = 1
+) -> Assembled:
+    """Member side: the reduced parts of every reducer of `phase` (in group order, None: never came) to the mean
+    of the phase's pieces, and this worker's message leaves its buffer on the spans whose reducer averaged it
+    (`own`: its group index)."""
+    codec, ranks = rc.codec, expected_ranks(rc, phase)
+    layout = FlatLayout(codec.pieces(phase, ranks), codec.pad)
+    out = [torch.zeros(s, dtype=torch.float32) for s in layout.shapes]
     used: set[int] = set()
     counted: list[tuple[int, int]] = []
     missing: list[tuple[int, int]] = []
@@ -186,7 +215,8 @@ def assemble(rc: RoundCodec, reduced: Sequence[bytes | None], *, spans: Sequence
         try:
             if blob is None:
                 raise MessageRejected(NOT_RECEIVED)
-            message, reader = receive_part(codec, blob, round=rc.round, phase=REDUCED, span=(lo, hi), parts=len(spans))
+            message, reader = receive_part(codec, blob, round=rc.round, phase=reduced_phase(phase), span=(lo, hi),
+                                           parts=len(spans), ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
         except MessageRejected as e:
             refused[index] = str(e)
             missing.append((lo, hi))
@@ -203,14 +233,37 @@ def assemble(rc: RoundCodec, reduced: Sequence[bytes | None], *, spans: Sequence
         for a in range(0, hi - lo, step):
             b = min(a + step, hi - lo)
             layout.write(out, lo + a, lo + b, reader.read(a, b))
-    rc.settle_spans(counted)
-    return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty)
+    if phase == 1:
+        rc.settle_spans(counted)
+    else:
+        rc.settle_factor_spans(counted)
+    digest = basis_digest(reduced, range(len(reduced))) if not missing and not refused else b""
+    return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty, digest)
+
+
+def low_rank_second(rc: RoundCodec, phase1: Assembled) -> bytes:
+    """Low-rank: this worker's phase-2 message from the group's assembled phase-1 mean (every reduced part in
+    hand: `phase1.digest` names them, and binds the message to the basis they give)."""
+    codec = rc.codec
+    assert phase1.digest, "a phase-1 mean with missing spans gives no basis"
+    tensors = [p.T.contiguous() if codec.lowrank[i] else p for i, p in enumerate(phase1.tensors)]  # P is (n, r)
+    with codec.lock:
+        return rc.second_from(Decoded(tensors, used=phase1.used), phase1.digest)
+
+
+def low_rank_average(rc: RoundCodec, phase2: Assembled, energies: Sequence[tuple[list[float], list[float]]]) -> list[torch.Tensor]:
+    """Low-rank: the average from the group's assembled mean Q'^T (phase 2) and the phase-1 mean; `energies`: the
+    members' (energy_total, energy_kept) lists this worker's reduce saw (Reduced.energies)."""
+    with rc.codec.lock:
+        return rc.finish_factors([qt.T.contiguous() for qt in phase2.tensors], energies)
 
 
 def receive_part(
-    codec: StageCodec, blob: bytes, *, round: int, phase: int, span: tuple[int, int], parts: int
-) -> tuple[pb.CompressedMessage, PayloadReader]:
-    """Parse and check a part (phase 1) or a reduced part (REDUCED) of `span`. Raises MessageRejected."""
+    codec: StageCodec, blob: bytes, *, round: int, phase: int, span: tuple[int, int], parts: int,
+    ranks: Sequence[int] = (), basis: bytes = b"",
+) -> tuple[pb.CompressedMessage, PayloadReader]:  # fmt: skip
+    """Parse and check a part of a `phase` message or a reduced part (`reduced_phase`) of `span`, cut for a group
+    of `parts`, at `ranks` and (low-rank phase 2) in `basis`. Raises MessageRejected."""
     lo, hi = span
     if len(blob) > codec.max_message_bytes:
         raise MessageRejected(f"{len(blob)} bytes, more than this stage's messages can take")
@@ -222,6 +275,15 @@ def receive_part(
     if said != (codec.cfg.kind, round, phase, lo, hi, parts):
         raise MessageRejected(f"a {message.codec} part of round {message.round} phase {message.phase}, values "
                               f"[{message.span_lo}, {message.span_hi}) of {message.parts} parts")  # fmt: skip
+    if list(message.ranks) != list(ranks):
+        raise MessageRejected(f"ranks {list(message.ranks)}, the group's are {list(ranks)}")
+    if message.basis != basis:  # its factors are in another basis: a loss on the way, not its author's fault
+        raise MessageRejected(OTHER_BASIS)
+    energies = [*message.energy_total, *message.energy_kept]
+    if phase == 2 and (len(message.energy_total) != len(ranks) or len(message.energy_kept) != len(ranks)):
+        raise MessageRejected("energies missing")
+    if not all(math.isfinite(e) and e >= 0 for e in energies):
+        raise MessageRejected("energies not finite")
     if list(message.used) != sorted(set(message.used)) or any(not 0 <= i < parts for i in message.used):
         raise MessageRejected(f"members {list(message.used)} are not indices of a group of {parts}")
     described, expected = pb.EncodedTensor(), encoding_of(codec.cfg, hi - lo)

@@ -76,6 +76,7 @@ from .payload import (
     streamed_mean,
     unframe,
 )
+from .settlement import Settlement
 
 __all__ = ["NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
 
@@ -296,7 +297,7 @@ class Received:
         return [flat[o : o + s.numel()].reshape(s) for o, s in zip(self.layout.offsets, self.layout.shapes)]
 
 
-class RoundCodec:
+class RoundCodec(Settlement):
     """One round's encoding and decoding at one stage worker."""
 
     def __init__(self, codec: StageCodec, round: int, target: list[torch.Tensor], *, from_buffer: bool = True):
@@ -309,6 +310,7 @@ class RoundCodec:
         self.sent_factors: list[tuple[torch.Tensor, torch.Tensor]] = []  # phase 2: (local basis B, decoded Q^T)
         self.generation = codec.generation
         self.settled = False
+        self.settled_factors = False  # the compressed butterfly settles phase 2 on its own (settle_factor_spans)
 
     def message(self, phase: int, gathered: Sequence[bytes | None] | None = None) -> bytes:
         """This worker's message of `phase` (phase 2: given the group's phase-1 messages, in group order)."""
@@ -333,51 +335,6 @@ class RoundCodec:
                 # the tensors sent whole count with phase 1, the factored matrices with phase 2
                 self.settle(own is not None and own in self.phase1.used, factors=own is not None and own in decoded.used)
             return decoded
-
-    def settle(self, counted: bool, *, factors: bool | None = None) -> None:
-        """Once per round: if the average this worker applies `counted` its message, what the message carried
-        leaves the error-feedback buffer (as decoded: the same bits as every member decoded); otherwise the
-        buffer keeps it whole, to be sent again. `factors`: whether the low-rank factors (phase 2) were
-        counted, where that differs. Nothing after a reset (this peer moved on: a new buffer)."""
-        codec = self.codec
-        with codec.lock:
-            if self.settled or self.generation != codec.generation:
-                return
-            self.settled = True
-            if not self.from_buffer:  # no error feedback, or a delta that never entered the buffer
-                return
-            if counted:
-                self._give_back(None)
-            if not (counted if factors is None else factors):
-                return
-            for i, (b, qt) in zip(codec.factored, self.sent_factors):  # this peer's part B B^T M_i of the average
-                buffer = codec.feedback.buffers[i]
-                for lo in range(0, buffer.shape[0], _rows(buffer)):
-                    buffer[lo : lo + _rows(buffer)].sub_(b[lo : lo + _rows(buffer)] @ qt)
-
-    def settle_spans(self, spans: Sequence[tuple[int, int]]) -> None:
-        """`settle` per span of the message's vector (the compressed butterfly, compression/butterfly.py: each
-        reducer averaged this worker's part of its span or left it out): the values of the spans counted leave
-        the error-feedback buffer, the rest stays whole, to be sent again."""
-        with self.codec.lock:
-            if self.settled or self.generation != self.codec.generation:
-                return
-            self.settled = True
-            if self.from_buffer:
-                self._give_back(spans)
-
-    def _give_back(self, spans: Sequence[tuple[int, int]] | None) -> None:
-        """buffer -= what this worker's phase-1 message decodes to, on `spans` (None: all of it); never P's."""
-        codec = self.codec
-        if self.sent is None:
-            return
-        mine = codec.receive(self.sent, round=self.round, phase=1)
-        buffers = [None if codec.lowrank[i] else b for i, b in enumerate(codec.feedback.buffers)]  # not P
-        step = slice_step(codec.cfg, mine.layout.numel)
-        for lo, hi in [(0, mine.layout.numel)] if spans is None else spans:
-            for a in range(lo, hi, step):  # lo on a span unit: a slice starts on a block
-                b = min(a + step, hi)
-                mine.layout.subtract(buffers, a, b, mine.reader.read(a, b))
 
     # ----- phase 1 -------------------------------------------------------------------------
     def _first(self) -> bytes:
@@ -419,9 +376,14 @@ class RoundCodec:
 
     # ----- phase 2 (low-rank) ----------------------------------------------------------------
     def _second(self, gathered: Sequence[bytes | None]) -> bytes:
-        codec = self.codec
         self.phase1 = self._mean_of_first(gathered)
-        self.basis = basis_digest(gathered, self.phase1.used)
+        return self.second_from(self.phase1, basis_digest(gathered, self.phase1.used))
+
+    def second_from(self, phase1: Decoded, digest: bytes) -> bytes:
+        """This worker's phase-2 message, given the group's phase-1 mean (P per factored matrix, the tensors sent
+        whole) and the digest that names what it came from."""
+        codec = self.codec
+        self.phase1, self.basis = phase1, digest
         bs, energy_total = [], []
         for i in codec.factored:
             self.bases[i] = basis(self.phase1.tensors[i])
@@ -438,23 +400,34 @@ class RoundCodec:
         return frame(message, sections)
 
     def _low_rank_average(self, gathered: Sequence[bytes | None]) -> Decoded:
-        codec, cfg = self.codec, self.codec.cfg
+        codec = self.codec
         assert self.phase1 is not None, "phase 2 needs the phase-1 messages first"
         received, rejected = self._receive_all(gathered, phase=2)
         decoded = {index: r.pieces() for index, r in received.items()}
-        out = list(self.phase1.tensors)
+        q_means = []
         for j, i in enumerate(codec.factored):
             rank, cols = self.bases[i].rank, codec.shapes[i][1]
-            q_mean = ordered_mean([fit_rank(d[j].T, rank) for d in decoded.values()], torch.Size((cols, rank)))
-            out[i] = reconstruct(self.bases[i], q_mean)
-            codec.qs[i] = q_mean
-            energies = [(m.energy_total[j], m.energy_kept[j]) for m in received.values()]
-            codec.last_energy[i] = energy = group_energy(energies)
+            q_means.append(ordered_mean([fit_rank(d[j].T, rank) for d in decoded.values()], torch.Size((cols, rank))))
+        energies = [(list(m.energy_total), list(m.energy_kept)) for m in received.values()]
+        out = self.finish_factors(q_means, energies)
+        return Decoded(out, used=sorted(decoded), rejected={**self.phase1.rejected, **rejected})
+
+    def finish_factors(self, q_means: Sequence[torch.Tensor], energies: Sequence[tuple[list[float], list[float]]]) -> list[torch.Tensor]:
+        """The average: M~ = B Q'^T per factored matrix from the group's mean Q' (m, r), the tensors sent whole as
+        phase 1 averaged them; Q' is the next round's Q, and each rank follows the group's captured energy
+        (`energies`: each averaged member's (energy_total, energy_kept) lists, as its phase-2 message said)."""
+        codec, cfg = self.codec, self.codec.cfg
+        assert self.phase1 is not None, "phase 2 needs the phase-1 mean first"
+        out = list(self.phase1.tensors)
+        for j, i in enumerate(codec.factored):
+            out[i] = reconstruct(self.bases[i], q_means[j])
+            codec.qs[i] = q_means[j]
+            codec.last_energy[i] = energy = group_energy([(total[j], kept[j]) for total, kept in energies])
             if cfg.energy_target > 0:
                 high = codec.rank_cap(i)
                 low = min(cfg.rank_min, high)
-                codec.ranks[i] = adapt_rank(rank, energy, target=cfg.energy_target, low=low, high=high)
-        return Decoded(out, used=sorted(decoded), rejected={**self.phase1.rejected, **rejected})
+                codec.ranks[i] = adapt_rank(self.bases[i].rank, energy, target=cfg.energy_target, low=low, high=high)
+        return out
 
     # ----- helpers -------------------------------------------------------------------------
     def _receive_all(self, gathered: Sequence[bytes | None], *, phase: int) -> tuple[dict[int, Received], dict[int, str]]:

@@ -171,3 +171,102 @@ def test_a_reduced_part_that_never_came_is_missing_on_that_member_only_in_unpadd
     (lo, hi), = holed.missing
     assert hi == flat_whole.numel() and torch.equal(flat_holed[:lo], flat_whole[:lo])
     assert not flat_holed[lo:].any() and flat_whole[lo:].any()
+
+
+# ----- low-rank through the butterfly: P, then Q', each reduce-scattered with re-quantized means ---------------
+def _low_rank_deltas(seed: int) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape in SHAPES:
+        if len(shape) == 2:
+            a, b = rng.standard_normal((shape[0], 1)), rng.standard_normal((shape[1], 1))
+            out.append(torch.from_numpy((a @ b.T * 1e-3).astype(np.float32)))
+        else:
+            out.append(torch.from_numpy((rng.standard_normal(tuple(shape)) * 1e-3).astype(np.float32)))
+    return out
+
+
+def _low_rank_butterfly(codecs, deltas, *, round=0, tamper2=None):
+    from dilocox_p2p.compression.butterfly import low_rank_average, low_rank_second
+
+    n = len(codecs)
+    rounds = [c.begin(round, d) for c, d in zip(codecs, deltas)]
+    first = [r.message(1) for r in rounds]
+    spans1 = part_spans(first[0], n)
+    parts1 = [cut_all(m, n) for m in first]
+    reduced1 = [reduce(rounds[k], [p[k] for p in parts1], span=spans1[k]).blob for k in range(n)]
+    p_means = [assemble(r, reduced1, spans=spans1, own=i) for i, r in enumerate(rounds)]
+    second = [low_rank_second(r, a) for r, a in zip(rounds, p_means)]
+    spans2 = part_spans(second[0], n)
+    parts2 = [cut_all(m, n) for m in second]
+    if tamper2 is not None:
+        parts2 = tamper2(parts2)
+    reduced2 = [reduce(rounds[k], [p[k] for p in parts2], span=spans2[k], phase=2) for k in range(n)]
+    q_means = [assemble(r, [x.blob for x in reduced2], spans=spans2, own=i, phase=2) for i, r in enumerate(rounds)]
+    averages = [low_rank_average(r, q, reduced2[i].energies) for i, (r, q) in enumerate(zip(rounds, q_means))]
+    return averages, reduced2
+
+
+def test_low_rank_rides_the_butterfly_to_the_same_bits_on_every_member_close_to_the_true_mean():
+    cfg = CompressionConfig(kind="lowrank", rank=4, rank_min=1, rank_max=8, energy_target=0.5, factor_bits=8)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+    deltas = [_low_rank_deltas(seed) for seed in range(3)]  # the mean has rank <= 3 < 4
+    averages, reduced2 = _low_rank_butterfly(codecs, deltas)
+    for other in averages[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(averages[0], other))
+    assert all(r.used == [0, 1, 2] for r in reduced2)
+    for i, shape in enumerate(SHAPES):
+        want = sum(d[i] for d in deltas) / 3
+        err = float(torch.linalg.norm(averages[0][i] - want) / torch.linalg.norm(want))
+        assert err < (0.05 if len(shape) == 2 and codecs[0].lowrank[i] else 0.03), (NAMES[i], err)
+    assert all(c.ranks == codecs[0].ranks and c.qs.keys() == codecs[0].qs.keys() for c in codecs)
+    assert codecs[0].metrics()["energy"]["a.weight"] > 0.95
+
+
+def test_a_low_rank_phase_2_part_in_another_basis_is_left_out_by_its_reducer_at_no_fault():
+    from dilocox_p2p.compression.codec import NO_FAULT, OTHER_BASIS
+
+    cfg = CompressionConfig(kind="lowrank", rank=4, rank_max=8, energy_target=0.0)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+
+    def other_basis(parts2):  # member 2's part for reducer 0 names another phase-1 set
+        message, sections = unframe(parts2[2][0])
+        message.basis = b"\x00" * 32
+        parts2[2][0] = frame(message, [[bytes(s)] for s in sections])
+        return parts2
+
+    _, reduced2 = _low_rank_butterfly(codecs, [_low_rank_deltas(s) for s in range(3)], tamper2=other_basis)
+    assert reduced2[0].used == [0, 1] and reduced2[0].rejected == {2: OTHER_BASIS} and OTHER_BASIS in NO_FAULT
+    assert reduced2[1].used == reduced2[2].used == [0, 1, 2]
+
+
+def test_a_low_rank_part_at_other_ranks_than_the_groups_is_refused():
+    cfg = CompressionConfig(kind="lowrank", rank=4, rank_max=8, energy_target=0.0)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+    codecs[2].ranks = {i: 2 for i in codecs[2].ranks}  # a member that did not take the group's ranks
+    rounds = [c.begin(0, _low_rank_deltas(s)) for s, c in enumerate(codecs)]
+    first = [r.message(1) for r in rounds]
+    spans = part_spans(first[0], 3)
+    parts = [cut_all(m, 3)[0] if i < 2 else cut(first[2], *spans[0], parts=3) for i, m in enumerate(first)]
+    out = reduce(rounds[0], parts, span=spans[0])
+    assert out.used == [0, 1] and "ranks" in out.rejected[2]
+
+
+def test_low_rank_error_feedback_telescopes_through_the_butterfly_both_roundings_included():
+    """N * the applied average + the members' buffers = the sum of their pseudo-gradients (to the rounding of the
+    members' own float bases), round after round: nothing the factors or the reducers' re-encoding left out is
+    lost, it waits in a buffer."""
+    n = 3
+    cfg = CompressionConfig(kind="lowrank", rank=2, rank_max=4, energy_target=0.0)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(n)]
+    sent = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    applied = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for round in range(3):
+        deltas = [_deltas(100 * round + seed) for seed in range(n)]  # full rank: most of it waits in the buffers
+        averages, _ = _low_rank_butterfly(codecs, deltas, round=round)
+        for i in range(len(SHAPES)):
+            sent[i] += sum(d[i].double() for d in deltas)
+            applied[i] += n * averages[0][i].double()
+    for i in range(len(SHAPES)):
+        buffers = sum(c.feedback.buffers[i].double() for c in codecs)
+        assert float((applied[i] + buffers - sent[i]).abs().max()) < 1e-3 * float(sent[i].abs().max()), NAMES[i]

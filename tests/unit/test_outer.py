@@ -468,6 +468,7 @@ def test_streaming_averages_one_fragment_per_round_against_theta_g_and_merges_it
     loop.load_into_model()
     hand = [HandNesterov(_flat(THETA0[0]), LR, MU), HandNesterov(_flat(THETA0[1]), LR, MU)]
     local = [_flat(THETA0[0]), _flat(THETA0[1])]
+    sent: dict[int, list] = {}  # fragment -> the pseudo-gradient it sent in the round before (read from round 1)
     for s in range(len(DELTAS)):
         fragment = (s + 1) % 2
         for step, delta in enumerate((DELTAS[s], DELTAS[(s + 1) % len(DELTAS)])):  # two inner steps per sync round
