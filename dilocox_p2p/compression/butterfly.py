@@ -18,6 +18,11 @@ Bytes per member and round: (N - 1)/N of a message out to the reducers and (N - 
 them, the same again for the reduced parts: 2 (N - 1)/N of a message each way, flat in N, against
 N - 1 messages for the all-gather (gather.py).
 
+Low-rank (lowrank.py) is linear in both phases, so each rides the butterfly in turn: P = M Q at
+the group's ranks (`low_rank_second` takes the assembled mean of P to the basis B and this
+worker's Q' = M^T B), then Q'; every part of phase 2 names the reduced phase-1 parts its basis
+came from (`Assembled.digest`), and a part in another basis is left out at no fault.
+
 Nothing is lost to the second quantization: the reducer keeps the rounding of its mean in its own
 error-feedback buffer on its span, times the number of members averaged (the mean's rounding,
 spread over the next group, adds back what this one missed), so that what every member applied
@@ -42,7 +47,8 @@ __all__ = ["BUTTERFLY_KINDS", "REDUCED", "Assembled", "Reduced", "assemble", "cu
            "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "span_unit", "unpadded"]  # fmt: skip
 
 BUTTERFLY_KINDS = frozenset({"fp16", "int8", "fp4"})
-"""Compression kinds that ride the butterfly (low-rank and top-k are all-gathered: gather.py)."""
+"""Compression kinds whose one message rides the butterfly as the round's first step (low-rank rides it for both
+its phases once the group agreed its ranks: swarm/compressed_round.py; top-k is all-gathered: gather.py)."""
 REDUCED = 3
 """The phase of a reduced part (phases 1 and 2 are a message's own: codec.py)."""
 
@@ -140,7 +146,8 @@ class Assembled:
     empty: int = 0
     """Reducers whose span averaged no member's part (every part left out): their spans are missing too."""
     digest: bytes = b""
-    """Names the reduced parts assembled (lowrank.basis_digest over them): low-rank's phase-2 basis."""
+    """Names the reduced parts assembled (lowrank.basis_digest over those present): low-rank's phase-2 basis. A
+    reduced part no member could get (its reducer died before serving it) is zeros alike on every member."""
 
 
 def reduced_phase(phase: int) -> int:
@@ -237,15 +244,15 @@ def assemble(
         rc.settle_spans(counted)
     else:
         rc.settle_factor_spans(counted)
-    digest = basis_digest(reduced, range(len(reduced))) if not missing and not refused else b""
+    present = [i for i, blob in enumerate(reduced) if blob is not None and i not in refused]
+    digest = basis_digest(reduced, present)  # what a basis of this mean came from: members that hold the same agree
     return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty, digest)
 
 
 def low_rank_second(rc: RoundCodec, phase1: Assembled) -> bytes:
-    """Low-rank: this worker's phase-2 message from the group's assembled phase-1 mean (every reduced part in
-    hand: `phase1.digest` names them, and binds the message to the basis they give)."""
+    """Low-rank: this worker's phase-2 message from the group's assembled phase-1 mean (`phase1.digest` names the
+    reduced parts it holds, and binds the message to the basis they give)."""
     codec = rc.codec
-    assert phase1.digest, "a phase-1 mean with missing spans gives no basis"
     tensors = [p.T.contiguous() if codec.lowrank[i] else p for i, p in enumerate(phase1.tensors)]  # P is (n, r)
     with codec.lock:
         return rc.second_from(Decoded(tensors, used=phase1.used), phase1.digest)

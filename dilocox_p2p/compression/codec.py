@@ -312,6 +312,16 @@ class RoundCodec(Settlement):
         self.settled = False
         self.settled_factors = False  # the compressed butterfly settles phase 2 on its own (settle_factor_spans)
 
+    def use_ranks(self, ranks: Sequence[int]) -> None:
+        """Encode at the group's `ranks` (one per factored matrix, agreed before phase 1: the compressed butterfly
+        cuts every member's messages alike); each held within [1, the matrix's smaller side]. Other lengths:
+        this worker's own ranks (a group of another fragment's tickets cannot be)."""
+        codec = self.codec
+        with codec.lock:
+            if len(ranks) == len(codec.factored):
+                for i, r in zip(codec.factored, ranks):
+                    codec.ranks[i] = max(1, min(int(r), min(codec.shapes[i])))
+
     def message(self, phase: int, gathered: Sequence[bytes | None] | None = None) -> bytes:
         """This worker's message of `phase` (phase 2: given the group's phase-1 messages, in group order)."""
         with self.codec.lock:

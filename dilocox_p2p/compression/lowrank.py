@@ -50,7 +50,7 @@ import torch
 from ..model import portable_normal
 
 __all__ = [
-    "Basis", "adapt_rank", "basis", "basis_digest", "fit_rank", "group_energy", "group_rank", "initial_q", "local_basis",
+    "Basis", "adapt_rank", "agreed_ranks", "basis", "basis_digest", "fit_rank", "group_energy", "group_rank", "initial_q", "local_basis",
     "reconstruct",
 ]  # fmt: skip
 
@@ -206,6 +206,17 @@ def group_rank(ranks: Sequence[int]) -> int | None:
     if not counts:
         return None
     return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+
+
+def agreed_ranks(tickets: Sequence[Sequence[int]]) -> list[int]:
+    """The group's rank of each factored matrix from its members' tickets (each a list of ranks, empty: none): per
+    matrix the rank most tickets name, ties to the larger, among the tickets of the length most have. Every member
+    reads the same tickets, so every member agrees (the compressed butterfly needs one layout)."""
+    lengths = collections.Counter(len(t) for t in tickets if t)
+    if not lengths:
+        return []
+    width = max(lengths.items(), key=lambda kv: (kv[1], kv[0]))[0]
+    return [group_rank([t[j] for t in tickets if len(t) == width]) or 1 for j in range(width)]
 
 
 def fit_rank(factor: torch.Tensor, rank: int) -> torch.Tensor:

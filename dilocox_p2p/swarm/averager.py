@@ -39,6 +39,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 
 from ..average import AverageKind, Spans
+from ..compression.lowrank import agreed_ranks
 from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..fragments import as_fragments, of_round
@@ -132,7 +133,8 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         self._held: dict[int, HeldAverage] = {}
         self._dropped_up_to = -1  # the latest round whose average was held here and dropped (KEEP_AVERAGES)
         self._last_result: RoundResult | None = None
-        self._payload: bytes | None = None  # this round's compressed message (phase 1), if compressed
+        self._payload: bytes | None = None  # this round's compressed message (phase 1), if compressed; b"": later
+        self._group_ranks: list[int] = []  # low-rank: the ranks most tickets of the group formed now name
         # messages go to the averager process through shared memory: hivemind's command pipe is
         # non-blocking on the averager's side and breaks on anything larger than its buffer
         self._outbox = torch.zeros(max_message_bytes, dtype=torch.uint8).share_memory_()
@@ -228,17 +230,20 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         admitted: Sequence[str] = (),
         banned: Sequence[str] = (),
         expected: Sequence[str] | None = None,
+        ranks: Sequence[int] = (),
     ) -> bytes:
         """Set up the next step: its round, target group size, the workers it may group with (`admitted`,
         besides this one) and those banned, and with compression this worker's phase-1 message (the step
-        then all-gathers messages instead of running the butterfly). `expected`: the other workers the target
-        counts; a follower outside them raises the target by one as it joins (matchmaking.count_extra_followers).
+        then exchanges messages instead of running the butterfly; b"": the step only forms the group, and the
+        worker sends its messages once it knows the group's ranks: low-rank, `scatter_phase`). `expected`: the
+        other workers the target counts; a follower outside them raises the target by one as it joins
+        (matchmaking.count_extra_followers). `ranks`: low-rank's ranks this worker would use, in its ticket.
         Returns the signed GroupTicket to pass to `step(gather=...)`."""
         size = self._stage(payload) if payload is not None else -1
         kwargs = dict(round=round, target=target_group_size, payload_size=size, admitted=list(admitted), banned=list(banned),
                       expected=None if expected is None else list(expected))  # fmt: skip
         self._call("_prepare_round", 30.0, **kwargs)
-        return self.signer.seal(envelope_pb2.GroupTicket(schema=self.schema_hash), round=round)
+        return self.signer.seal(envelope_pb2.GroupTicket(schema=self.schema_hash, ranks=list(ranks)), round=round)
 
     def lower_target(self, round: int, target_group_size: int) -> bool:
         """Lower round `round`'s target group size (members left the round after it began); a leader holding
@@ -251,6 +256,15 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         """All-gather a later phase's messages within the group that gathered phase 1."""
         size = self._stage(payload)
         kwargs = dict(phase=phase, payload_size=size, group=list(group), group_id=group_id, timeout=timeout)
+        return self._call("_gather_phase", timeout + 30.0, **kwargs)
+
+    def scatter_phase(
+        self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float
+    ) -> GatherResult:
+        """The compressed butterfly's first step for a message sent after the group formed: `payload` cut into one
+        part per member of `group`; returns the parts of this worker's span, in group order (gather._scatter)."""
+        size = self._stage(payload)
+        kwargs = dict(phase=phase, payload_size=size, group=list(group), group_id=group_id, timeout=timeout, scatter=True)
         return self._call("_gather_phase", timeout + 30.0, **kwargs)
 
     def _stage(self, payload: bytes) -> int:
@@ -345,6 +359,16 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
             return False
 
     # ----- averager process: who may group with whom -----------------------------------------
+    def _ticket_ranks(self, peer: str, gathered: bytes) -> list[int]:
+        """The ranks in `peer`'s group ticket (checked before: _ticket_refusal), or none if it names none."""
+        try:
+            _, _, user = self.serializer.loads(gathered)
+            opened = self.gate.open(self.serializer.loads(user), envelope_pb2.GroupTicket, sender=peer,
+                                    round=self._current_round, even_banned=True)  # fmt: skip
+            return list(opened.message.ranks)
+        except Exception:  # noqa: BLE001 - our own ticket under a check that reads it as a stranger's, or none
+            return []
+
     def _ticket_refusal(self, peer: str, gathered: bytes, *, joining: bool) -> str:
         """Why `peer`'s JoinRequest.gather (hivemind's (bandwidth, mode, user data)) does not admit it to this
         round's group ("" if it does). A peer `joining` this worker's group must also be a live member that
@@ -423,6 +447,8 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
             if refusal:  # a leader let in a member this worker does not admit: leave the group
                 self._refused(f"a group of round {self._current_round} holding {peer}", refusal)
                 raise AllreduceException(f"the group holds {peer}, which this worker does not admit: {refusal}")
+        tickets = [self._ticket_ranks(p.to_base58(), g) for p, g in zip(group_info.peer_ids, group_info.gathered)]
+        self._group_ranks = agreed_ranks(tickets)
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return self._last_result
 

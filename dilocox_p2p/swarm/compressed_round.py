@@ -4,8 +4,10 @@ Quantized kinds (fp16, int8, fp4) ride the compressed butterfly (compression/but
 averager cuts this worker's message into one part per member and hands it the group's parts of
 its own span (gather.py's scatter); it reduces them, the reduced parts are all-gathered, and
 every member assembles the same average. A reduced part that never reached this worker leaves
-its span missing, mended from members that hold it, as in the fp32 butterfly. Low-rank and
-top-k all-gather the members' whole messages, which every member decodes alike (codec.py).
+its span missing, mended from members that hold it, as in the fp32 butterfly. Low-rank rides
+it twice once the group formed: P at the ranks most members' group tickets named, then Q' in
+the basis of the assembled P. Top-k all-gathers the members' whole messages, which every
+member decodes alike (codec.py).
 
 Either way a refused contribution strikes its author: a part or message that came intact (behind
 its author's signed digest) and cannot be averaged, or a reduced part a reducer signed that does
@@ -21,7 +23,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..average import Average, AverageKind, applies_nothing
-from ..compression.butterfly import BUTTERFLY_KINDS, REDUCED, assemble, part_spans, reduce
+from ..compression.butterfly import (
+    BUTTERFLY_KINDS,
+    REDUCED,
+    assemble,
+    low_rank_average,
+    low_rank_second,
+    part_spans,
+    reduce,
+    reduced_phase,
+)
 from ..compression.codec import NO_FAULT, NOT_RECEIVED, RoundCodec
 
 if TYPE_CHECKING:
@@ -68,11 +79,18 @@ class CompressedRound:
         codec = self.stage.codec_for(self.round)
         assert codec is not None
         round_codec = codec.begin(self.round, self.tensors)
-        message = round_codec.message(1)
+        low_rank = codec.cfg.kind == "lowrank"  # encoded once the group formed, at the ranks most members named
+        message = b"" if low_rank else round_codec.message(1)
         self.clock.mark("encode")
-        result, failure = self._all_reduce(expected, payload=message)
+        result, failure = self._all_reduce(expected, payload=message, ranks=[codec.ranks[i] for i in codec.factored])
         if self.abandoned():
             return applies_nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
+        if result is not None and result.deferred:
+            try:
+                return self._low_rank_butterfly(round_codec, result, expected)
+            except Exception as e:  # an averager call that failed (its process gone, a timeout): the others' average
+                failure = f"{type(e).__name__}: {str(e)[:200]}"
+                result = None
         if result is None or result.messages is None:
             # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
             # average rather than strand this worker (members that failed too answer at once that they lack it)
@@ -123,6 +141,51 @@ class CompressedRound:
                               window=(self._window_start, time.time()), group_id=result.group_id)  # fmt: skip
         self._log(average, expected=expected)
         return self._agree(average, voters=group)  # the whole group votes, also members left out
+
+    def _low_rank_butterfly(self, round_codec: RoundCodec, result: RoundResult, expected: int) -> Average:
+        """Low-rank through the butterfly: P at the group's ranks, reduced and assembled, then Q' in the basis of
+        that mean, reduced and assembled; the average is B Q'^T. A reduced part nobody could get is zeros alike
+        on every member; a member whose mean differs from most of the group's takes theirs in phase 5."""
+        group, me = result.group, self.stage.peer_id
+        own = group.index(me)
+        round_codec.use_ranks(result.ranks)
+        sent, received, outsiders = result.bytes_sent, result.bytes_received, set(result.outsiders)
+        step: list[Any] = []
+        for phase in (1, 2):
+            message = round_codec.message(1) if phase == 1 else low_rank_second(round_codec, step[-1])
+            self.clock.mark("encode" if phase == 1 else "phase2")
+            scattered = self.averager.scatter_phase(self.round, phase, message, group=group, group_id=result.group_id,
+                                                    timeout=self.sw.allreduce_timeout)  # fmt: skip
+            spans = part_spans(message, len(group))
+            reduced = reduce(round_codec, scattered.messages, span=spans[own], phase=phase)
+            gathered = self.averager.gather_phase(self.round, reduced_phase(phase), reduced.blob, group=group,
+                                                  group_id=result.group_id, timeout=self.sw.allreduce_timeout)  # fmt: skip
+            assembled = assemble(round_codec, gathered.messages, spans=spans, own=own, phase=phase)
+            self.clock.mark("transfer" if phase == 1 else "phase2")
+            for peer, reason in {**scattered.offenders, **gathered.offenders}.items():
+                self.stage.strike(peer, f"round {self.round} phase {phase}: {reason}")
+            self._left_out(group, reduced.rejected, what=f"phase-{phase} part")
+            self._left_out(group, assembled.refused, what=f"phase-{phase} reduced part")
+            for failure in [*scattered.failures, *gathered.failures]:
+                logger.info("round %d: %s", self.round, failure)
+            outsiders |= {*scattered.outsiders, *gathered.outsiders}
+            never = {**reduced.rejected, **assembled.refused}
+            self.membership.suspect(gather_suspects(group, never, outsiders, me=me))
+            sent += scattered.bytes_sent + gathered.bytes_sent
+            received += scattered.bytes_received + gathered.bytes_received
+            step.append(assembled)
+        tensors = low_rank_average(round_codec, step[-1], reduced.energies)
+        self.clock.mark("decode")
+        used = tuple(group[i] for i in sorted(set(step[0].used) & set(step[1].used)))
+        if not used:
+            return self._none_averaged(len(group), expected)
+        holes = sum(len(s.refused) + s.empty for s in step)
+        self._hold(tensors, AverageKind.AVERAGED, used, result.group_id)
+        average = Average(kind=AverageKind.AVERAGED, tensors=tensors, group=used, bytes_sent=sent, bytes_received=received,
+                          window=(self._window_start, time.time()), group_id=result.group_id,
+                          note=f"{holes} reduced part(s) missing (zeros)" if holes else "")  # fmt: skip
+        self._log(average, expected=expected)
+        return self._agree(average, voters=group)
 
     def _gathered(self, round_codec: RoundCodec, result: RoundResult, expected: int) -> Average:
         """Decode the group's all-gathered messages (after low-rank's second phase) to the average."""

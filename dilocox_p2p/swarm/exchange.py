@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, TimeoutError
 from typing import TYPE_CHECKING, Any
 
@@ -188,7 +188,9 @@ class RoundExchange(CompressedRound, GroupVote):
         # stranded); a look that finds nobody gives up as soon as a member did finish (_wait_for_step), and borrows
         return not self.abandoned() and time.time() - self._window_start < self.sw.round_wait
 
-    def _all_reduce(self, expected: int, payload: bytes | None = None) -> tuple[RoundResult | None, str]:
+    def _all_reduce(
+        self, expected: int, payload: bytes | None = None, ranks: Sequence[int] = ()
+    ) -> tuple[RoundResult | None, str]:
         if payload is None:
             with self.averager.get_tensors() as buffers:
                 for buf, t in zip(self._buffers(buffers), self.tensors, strict=True):
@@ -196,6 +198,7 @@ class RoundExchange(CompressedRound, GroupVote):
         ticket = self.averager.prepare_round(
             self.round, expected, payload=payload,
             admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()), expected=self._expected,
+            ranks=ranks,
         )  # fmt: skip
         started = time.monotonic()
         self._control = self.averager.step(

@@ -4,8 +4,9 @@ fp32: the exact butterfly (allreduce.py), whose average this worker then holds a
 members that mend or borrow it (held.py). Quantized (fp16, int8, fp4): the first step of the
 compressed butterfly, each member's message cut into parts for the group's reducers
 (compression/butterfly.py, gather.py's scatter); the stage worker reduces its span and the
-reduced parts are all-gathered. Low-rank and top-k: the all-gather of the round's messages
-(gather.py), decoded by the stage worker. Either way the round's `RoundResult` goes back to
+reduced parts are all-gathered. Low-rank: only the group, and the ranks most members' tickets
+name; the worker then encodes and sends both phases through the butterfly (`scatter_phase`).
+Top-k: the all-gather of the round's messages (gather.py), decoded by the stage worker. Either way the round's `RoundResult` goes back to
 the worker. The averager (averager.py) mixes this in before hivemind's DecentralizedAverager,
 whose `_run_allreduce_inplace_` it replaces (hivemind_patches.py).
 """
@@ -55,6 +56,10 @@ class RoundResult:
     failures: list[str] = field(default_factory=list)
     grouped_at: float | None = None
     """Unix time the group formed (matchmaking ended, the all-reduce or gather began)."""
+    deferred: bool = False
+    """Low-rank: the step only formed the group; the worker sends its messages at `ranks` (scatter_phase)."""
+    ranks: list[int] = field(default_factory=list)
+    """Low-rank: the group's rank of each factored matrix, the one most members' tickets named."""
 
     def alone_with_outsiders(self, me: str) -> bool:
         """Whether every other member of `me`'s group was counted in after it had given up on the leader: those
@@ -71,6 +76,7 @@ class GroupRound:
     _running_groups: dict[bytes, Any]
     _grouped_at: float | None
     _last_result: RoundResult | None
+    _group_ranks: list[int]
     _allreduce_timeout: float
     max_norm_ratio: float
     stage: int
@@ -84,8 +90,13 @@ class GroupRound:
         group_id = group_info.group_id if group_id is None else group_id
         round = self._current_round
         tensors = self._of_round(round, tensors)
-        if self._payload is not None:  # compressed: all-gather the messages instead of the butterfly
+        if self._payload is not None:  # compressed: the messages' own exchange instead of the fp32 butterfly
             self._running_groups[group_id].set_result(None)  # no butterfly parts will arrive for this group
+            if not self._payload:  # low-rank: the worker encodes at the group's ranks, then scatters (scatter_phase)
+                peers = [p.to_base58() for p in group_info.peer_ids]
+                self._last_result = RoundResult(round=round, group=peers, group_id=group_id, missing=(), deferred=True,
+                                                ranks=list(self._group_ranks), grouped_at=self._grouped_at)  # fmt: skip
+                return
             await self._gather_first_phase(round, group_info, group_id)
             return
         runner = ExactAllReduceRunner(
@@ -158,12 +169,16 @@ class GroupRound:
         )
 
     async def _gather_phase(
-        self, phase: int, payload_size: int, group: list[str], group_id: bytes, timeout: float, future: MPFuture
-    ) -> None:
+        self, phase: int, payload_size: int, group: list[str], group_id: bytes, timeout: float, future: MPFuture,
+        scatter: bool = False,
+    ) -> None:  # fmt: skip
         try:
-            payload = self._unstage(payload_size)
+            payload, me = self._unstage(payload_size), self.peer_id.to_base58()
             deadline = time.monotonic() + timeout
-            gathered = await self._all_gather(group_id, phase, group, self.peer_id.to_base58(), payload, deadline)
+            if scatter:
+                gathered = await self._scatter(group_id, phase, group, me, cut_all(payload, len(group)), deadline)
+            else:
+                gathered = await self._all_gather(group_id, phase, group, me, payload, deadline)
             future.set_result(gathered)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)

@@ -6,6 +6,9 @@ hundredth of the bytes of an fp32 ring all-reduce.
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 pytestmark = pytest.mark.swarm
@@ -112,3 +115,30 @@ def test_four_quantizing_peers_reduce_in_a_butterfly_at_two_thirds_of_a_message_
             assert 0.95 * flat <= r["bytes_sent"] <= 1.15 * flat, (r["round"], r["bytes_sent"] / message)
             assert 0.95 * flat <= r["bytes_received"] <= 1.15 * flat, (r["round"], r["bytes_received"] / message)
         assert any("phase2" in dict(r["exchange_phases"][0]) for r in full)  # the reduced parts' all-gather
+
+
+def test_a_low_rank_joiner_at_its_initial_ranks_takes_the_ranks_most_of_its_group_named(swarm):
+    """Low-rank adapts each matrix's rank to the energy its group captured: after a few rounds the first peers' ranks
+    have moved away from the initial ones, which a joiner's fresh codec still holds. Both phases ride the compressed
+    butterfly, which cuts every member's messages alike, so the group agrees its ranks first (its tickets)."""
+    args = ("--mode", "sync", "--rounds", "60", "--stages", "1", "--compression", "lowrank", "--inner-steps", "5")
+    first = [swarm.start_peer(*args, "--min-peers", "2") for _ in range(2)]
+    first[0].wait_for_round(3, timeout=180)
+    joiner = swarm.start_peer(*args)
+    deadline = time.monotonic() + 300
+    while sum(r["group_sizes"] == [3] for r in joiner.metrics()) < 2:
+        assert time.monotonic() < deadline, f"the joiner never averaged with the others twice:\n{joiner.output()}"
+        time.sleep(0.2)
+    for peer in [*first, joiner]:
+        peer.signal(signal.SIGTERM)
+    for peer in [*first, joiner]:
+        assert peer.wait(timeout=120) == 128 + signal.SIGTERM, peer.output()
+
+    records = [{r["round"]: r for r in p.metrics()} for p in [*first, joiner]]
+    adapted = records[0][3]["compression"][0]["ranks"]
+    assert any(r != 4 for r in adapted.values()), adapted  # away from the initial rank 4 the joiner starts from
+    together = [t for t, r in records[2].items() if r["group_sizes"] == [3] and all(t in o for o in records[:2])]
+    assert together, [(t, r["group_sizes"]) for t, r in records[2].items()]
+    for t in together:
+        assert records[0][t]["stage_hashes"] == records[1][t]["stage_hashes"] == records[2][t]["stage_hashes"], t
+        assert records[2][t]["compression"][0]["ranks"] == records[0][t]["compression"][0]["ranks"], t

@@ -270,3 +270,12 @@ def test_low_rank_error_feedback_telescopes_through_the_butterfly_both_roundings
     for i in range(len(SHAPES)):
         buffers = sum(c.feedback.buffers[i].double() for c in codecs)
         assert float((applied[i] + buffers - sent[i]).abs().max()) < 1e-3 * float(sent[i].abs().max()), NAMES[i]
+
+
+def test_the_groups_ranks_are_per_matrix_the_ones_most_tickets_name_ties_to_the_larger():
+    from dilocox_p2p.compression.lowrank import agreed_ranks
+
+    assert agreed_ranks([[4, 8], [4, 6], [2, 6]]) == [4, 6]
+    assert agreed_ranks([[4, 8], [5, 6]]) == [5, 8]  # one each: the larger
+    assert agreed_ranks([[4, 8], [4, 8], [3]]) == [4, 8]  # a ticket of another length (another fragment) is left out
+    assert agreed_ranks([[], []]) == [] and agreed_ranks([]) == []  # quantizers: no ranks
