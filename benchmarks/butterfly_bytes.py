@@ -18,7 +18,7 @@ Per run, over the steady rounds (1 .. R-2, every member averaged in one group of
   that is not the counted exchange (DHT, matchmaking, signed requests, phase 5, framing, TCP/IP headers);
 - the ratio of the wire bytes to an fp32 ring all-reduce of the stage.
 Writes benchmarks/results/<name>.json, .md and .png. Quantized kinds ride the compressed butterfly
-(compression/butterfly.py); low-rank is still all-gathered (swarm/gather.py).
+(compression/butterfly.py), low-rank both its phases.
 """
 
 from __future__ import annotations

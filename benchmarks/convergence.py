@@ -5,12 +5,13 @@
     python benchmarks/convergence.py --rounds 10 --name convergence_smoke --configs "sync fp32"
     python benchmarks/convergence.py --jobs 15 --threads 1           # every run of the sweep at once
 
-Three peers train the same model in one process, with the project's own parts: the model,
+Three peers (--peers) train the same model in one process, with the project's own parts: the model,
 data sampler and inner trainer (inner.py), the outer loop and its Nesterov step (outer.py)
 and each peer's compression codec (compression/codec.py) with its error feedback. Only the
 network is left out: the group's messages are handed from codec to codec in memory, in
-group order, exactly as the swarm's gather delivers them (its bytes are the messages'
-bytes, N-1 out per member). Every configuration sees the same tokens (rounds x H x batch x
+group order, exactly as the swarm delivers them: fp16, int8 and fp4 through the compressed
+butterfly (compression/butterfly.py: 2 (N-1)/N of a message out per member), or all-gathered
+(N-1 messages out; low-rank and top-k, and the "all-gather" configurations). Every configuration sees the same tokens (rounds x H x batch x
 seq per peer) and the same data order per peer; each is swept over a few outer learning
 rates (outer lr and momentum must be tuned per mode and compression: notes/outer-loop-
 variants.md) and reported at its best. With --jobs, the sweep's runs go to that many worker
@@ -32,6 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
+
+EXCHANGE = "exchange"
+"""A setting of this benchmark, not of the config: "all-gather" decodes every member's whole message, as the swarm
+did for every compression before the compressed butterfly (the quantizers ride it by default, as in the swarm)."""
 
 # configuration -> (settings, (outer lr, outer momentum) pairs swept). The grids start where
 # notes/outer-loop-variants.md found each mode best and reach past where earlier 50-round runs of
@@ -59,8 +64,17 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     "streaming P1 tau 1": ({"outer.mode": "streaming", "outer.overlap_steps": 1}, [(0.7, 0.9)]),
     "streaming P2 fp4": ({"outer.mode": "streaming", "outer.fragments": 2, "outer.overlap_steps": 5,
                           "compression.kind": "fp4"}, [(0.7, 0.7), (1.0, 0.7)]),
+    # the quantizers through the compressed butterfly (as the swarm runs them: a reducer re-encodes each span's
+    # mean once and keeps that rounding in its error feedback) against the all-gather they replaced
+    # (at sync fp32's best pair: the question is what the butterfly changes, not where each kind is best)
+    "sync int8": ({"outer.mode": "sync", "compression.kind": "int8"}, [(0.7, 0.7)]),
+    "sync int8 all-gather": ({"outer.mode": "sync", "compression.kind": "int8", EXCHANGE: "all-gather"}, [(0.7, 0.7)]),
+    "sync fp4": ({"outer.mode": "sync", "compression.kind": "fp4"}, [(0.7, 0.7)]),
+    "sync fp4 all-gather": ({"outer.mode": "sync", "compression.kind": "fp4", EXCHANGE: "all-gather"}, [(0.7, 0.7)]),
+    "sync lowrank": ({"outer.mode": "sync", "compression.kind": "lowrank"}, [(0.7, 0.7)]),
+    "sync lowrank all-gather": ({"outer.mode": "sync", "compression.kind": "lowrank", EXCHANGE: "all-gather"},
+                                [(0.7, 0.7)]),
 }  # fmt: skip
-PEERS = 3
 
 
 class GroupAverager:
@@ -68,9 +82,10 @@ class GroupAverager:
     pseudo-gradient of the round, with what the swarm would deliver (the exact fp32 mean, or the
     decoded mean of the members' compressed messages, in group order)."""
 
-    def __init__(self, codecs: list, fragments: int = 1):
+    def __init__(self, codecs: list, fragments: int = 1, *, butterfly: bool = True):
         self.codecs = codecs  # per member: one codec per fragment (None: fp32)
         self.fragments = fragments
+        self.butterfly = butterfly  # the quantizers through the compressed butterfly (the others are all-gathered)
         self.lock = threading.Lock()
         self.pending: dict[int, dict[int, tuple[list, Future]]] = {}
         self.bytes_sent = [0] * len(codecs)
@@ -90,26 +105,60 @@ class GroupAverager:
                 return future
             del self.pending[round]
         members = [box[i] for i in range(len(self.codecs))]
+        n = len(members)
         codecs = [c[fragment_of(round, self.fragments)] if c is not None else None for c in self.codecs]
         if codecs[0] is None:
             shapes = [t.shape for t in members[0][0]]
             mean = [ordered_mean([m[0][j] for m in members], s) for j, s in enumerate(shapes)]
             results = [mean] * len(members)
-            sizes = [4 * sum(t.numel() for t in members[0][0]) * 2 / len(members)] * len(members)  # ring share
+            sent = [4 * sum(t.numel() for t in members[0][0]) * 2 * (n - 1) / n] * n  # ring share
         else:
             rounds = [c.begin(round, m[0]) for c, m in zip(codecs, members)]
-            gathered = [r.message(1) for r in rounds]
-            sizes = [len(g) for g in gathered]
-            if codecs[0].phases == 2:
-                gathered = [r.message(2, gathered) for r in rounds]
-                sizes = [a + len(g) for a, g in zip(sizes, gathered)]
-            results = [r.average(gathered, own=i).tensors for i, r in enumerate(rounds)]
+            results, sent = self._exchange(rounds)
             assert all(all(a.equal(b) for a, b in zip(results[0], r)) for r in results[1:]), "members differ"
         for i, ((_, fut), tensors) in enumerate(zip(members, results)):
-            self.bytes_sent[i] += int(sizes[i] * (len(members) - 1))
+            self.bytes_sent[i] += int(sent[i])
             fut.set_result(Average(kind=AverageKind.AVERAGED, tensors=[t.clone() for t in tensors],
                                    group=tuple(map(str, range(len(members))))))  # fmt: skip
         return future
+
+
+    def _exchange(self, rounds: list) -> tuple[list, list[float]]:
+        """Each member's decoded average and the bytes it sent: through the compressed butterfly (its parts and
+        its reduced part, 2 (N-1)/N of a message), or all-gathered (its message N-1 times)."""
+        from dilocox_p2p.compression.butterfly import BUTTERFLY_KINDS, low_rank_average, low_rank_second
+
+        n, kind = len(rounds), rounds[0].codec.cfg.kind
+        if self.butterfly and kind == "lowrank":  # the group's ranks: every member's here (one shared history)
+            for r in rounds:
+                r.use_ranks([rounds[0].codec.ranks[i] for i in rounds[0].codec.factored])
+            first, _, sent = _butterfly_phase(rounds, [r.message(1) for r in rounds], phase=1)
+            second, reduced, more = _butterfly_phase(rounds, [low_rank_second(r, a) for r, a in zip(rounds, first)], phase=2)
+            averages = [low_rank_average(r, a, reduced[i].energies) for i, (r, a) in enumerate(zip(rounds, second))]
+            return averages, [a + b for a, b in zip(sent, more)]
+        messages = [r.message(1) for r in rounds]
+        if self.butterfly and kind in BUTTERFLY_KINDS:
+            assembled, _, sent = _butterfly_phase(rounds, messages, phase=1)
+            return [a.tensors for a in assembled], sent
+        sizes = [len(m) for m in messages]
+        if rounds[0].codec.phases == 2:
+            messages = [r.message(2, messages) for r in rounds]
+            sizes = [a + len(m) for a, m in zip(sizes, messages)]
+        return [r.average(messages, own=i).tensors for i, r in enumerate(rounds)], [s * (n - 1) for s in sizes]
+
+
+def _butterfly_phase(rounds: list, messages: list[bytes], *, phase: int) -> tuple[list, list, list[float]]:
+    """One compressed-butterfly step in memory: each member's assembly of the reduced parts, each reducer's Reduced,
+    and the bytes each member sent (its parts to the others, its reduced part to them)."""
+    from dilocox_p2p.compression.butterfly import assemble, cut_all, part_spans, reduce
+
+    n = len(rounds)
+    parts, spans = [cut_all(m, n) for m in messages], part_spans(messages[0], n)
+    reduced = [reduce(rounds[k], [p[k] for p in parts], span=spans[k], phase=phase) for k in range(n)]
+    blobs = [r.blob for r in reduced]
+    assembled = [assemble(r, blobs, spans=spans, own=i, phase=phase) for i, r in enumerate(rounds)]
+    sent = [sum(len(p) for j, p in enumerate(parts[i]) if j != i) + len(blobs[i]) * (n - 1) for i in range(n)]
+    return assembled, reduced, sent
 
 
 class Member:
@@ -133,6 +182,8 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     from dilocox_p2p.inner import InnerTrainer
     from dilocox_p2p.outer import OuterLoop
 
+    settings = dict(settings)
+    butterfly = settings.pop(EXCHANGE, "butterfly") == "butterfly"
     overrides = {
         "model.preset": args.preset, "model.stages": 1, "run.rounds": args.rounds, "inner.steps": args.inner_steps,
         "inner.batch_size": args.batch_size, "inner.microbatches": 1, "inner.warmup_steps": args.warmup,
@@ -142,7 +193,7 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     shape = cfg.model.shape
     corpus = load_corpus(cfg.data, shape.seq_len)
     val = val_batches(corpus, shape.seq_len, cfg.inner.batch_size, args.val_batches)
-    trainers = [InnerTrainer(cfg, stage=0, device=torch.device("cpu")) for _ in range(PEERS)]
+    trainers = [InnerTrainer(cfg, stage=0, device=torch.device("cpu")) for _ in range(args.peers)]
     names = [n for n, _ in trainers[0].module.named_parameters()]
     # streaming: P sync rounds of H/P steps per outer round, each syncing one fragment (as worker.py runs them)
     syncs = cfg.outer.syncs_per_round
@@ -153,9 +204,9 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
         if cfg.compression.kind != "none" else None
         for t in trainers
     ]  # fmt: skip
-    group = GroupAverager(codecs, fragments=syncs)
+    group = GroupAverager(codecs, fragments=syncs, butterfly=butterfly)
     outers = [OuterLoop(t.params, cfg.outer, group.member(i), fragments=fragments) for i, t in enumerate(trainers)]
-    samplers = [BatchSampler(corpus.train, shape.seq_len, cfg.inner.batch_size, seed) for seed in range(PEERS)]
+    samplers = [BatchSampler(corpus.train, shape.seq_len, cfg.inner.batch_size, seed) for seed in range(args.peers)]
     curve, started = [], time.perf_counter()
     for t in range(n_syncs):
         for trainer, outer, sampler in zip(trainers, outers, samplers):
@@ -178,7 +229,7 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
             curve.append(trainers[0].evaluate(val))
         print(f"  {label} lr {lr} momentum {momentum}: round {len(curve) - 1} val {curve[-1]:.4f}", flush=True)
     params = trainers[0].n_params()
-    ring = 2 * (PEERS - 1) / PEERS * 4 * params * cfg.run.rounds
+    ring = 2 * (args.peers - 1) / args.peers * 4 * params * cfg.run.rounds
     return {
         "outer_lr": lr,
         "outer_momentum": cfg.outer.effective_momentum,
@@ -238,7 +289,7 @@ def sweep(args: argparse.Namespace) -> dict[str, list[dict]]:
     return out
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, peers: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,7 +301,7 @@ def plot(results: dict, path: Path) -> None:
         ax.plot(best["val_curve"], label=f"{label} (lr {best['outer_lr']}, m {best['outer_momentum']}, {best['ratio_vs_fp32_ring']:.0f}x)")
     ax.set_xlabel("round")
     ax.set_ylabel("val loss of theta_g")
-    ax.set_title(f"{PEERS} peers, equal tokens")
+    ax.set_title(f"{peers} peers, equal tokens")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -259,6 +310,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--peers", type=int, default=3, help="peers of the group (in one process)")
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -292,9 +344,9 @@ def main() -> int:
         }
     png = RESULTS / f"{args.name}.png"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(results, png)
+    plot(results, png, args.peers)
     payload = {
-        "peers": PEERS, "preset": args.preset, "rounds": args.rounds, "inner_steps": args.inner_steps,
+        "peers": args.peers, "preset": args.preset, "rounds": args.rounds, "inner_steps": args.inner_steps,
         "batch_size": args.batch_size,
         "tokens_per_peer": args.rounds * args.inner_steps * args.batch_size * PRESETS[args.preset].seq_len,
         "jobs": args.jobs, "threads_per_run": args.threads, "seconds": time.perf_counter() - started,
