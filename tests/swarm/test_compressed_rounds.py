@@ -92,10 +92,11 @@ def test_a_round_whose_every_message_is_left_out_moves_no_member_and_the_next_ro
         assert all(r["val_loss"] == r["val_loss"] for r in by_round.values())  # never NaN
 
 
-def test_four_quantizing_peers_reduce_in_a_butterfly_at_two_thirds_of_a_message_each_way_per_member(swarm):
+def test_quantizing_peers_reduce_in_a_butterfly_at_2_n_minus_1_over_n_of_a_message_each_way_per_member(swarm):
     """int8 rides the compressed butterfly: each member sends each reducer its part, and each reducer the same
-    reduced part to every member, 2 (N - 1) / N of a message each way (the all-gather sent N - 1 messages)."""
-    n, rounds = 4, 4
+    reduced part to every member, 2 (N - 1) / N of a message each way (the all-gather sent N - 1 messages; N = 3
+    to 8 in network namespaces: benchmarks/butterfly_bytes.py)."""
+    n, rounds = 3, 4
     args = ("--mode", "sync", "--rounds", str(rounds), "--min-peers", str(n), "--stages", "1", "--inner-steps", "5",
             "--compression", "int8")  # fmt: skip
     peers = [swarm.start_peer(*args) for _ in range(n)]
