@@ -121,19 +121,7 @@ class MessageGather:
         box[(me, 0)] = (payload, self._sealed_digest(group_id, phase, 0, payload))
         result = GatherResult(messages=[])
         others = [p for p in peers if p != me]
-        pulls = [self._pull_whole(p, group_id, phase, p, deadline) for p in others]
-        answered, outsiders = [], set()
-        for peer, (got, reason, size) in zip(others, await asyncio.gather(*pulls)):
-            result.bytes_received += size
-            if got is None:
-                result.failures.append(f"{peer}: {reason}")
-                if reason.startswith("refused"):
-                    result.offenders[peer] = reason
-                elif reason.endswith(OUTSIDE):  # it never learnt of the group: nobody holds its message
-                    outsiders.add(peer)
-            else:
-                box[(peer, 0)] = got
-                answered.append(peer)
+        answered, outsiders = await self._pull_from_each(others, group_id, phase, 0, deadline, result)
         for sender in [p for p in others if (p, 0) not in box and p not in outsiders]:  # relay what missed this worker
             for holder in answered:
                 until = min(deadline, time.monotonic() + RELAY_WAIT_S)
@@ -162,9 +150,22 @@ class MessageGather:
             box[(me, part)] = (payload, self._sealed_digest(group_id, phase, part, payload))
         result = GatherResult(messages=[])
         others = [p for p in peers if p != me]
-        pulls = [self._pull_whole(p, group_id, phase, p, deadline, part=mine) for p in others]
+        answered, outsiders = await self._pull_from_each(others, group_id, phase, mine, deadline, result)
+        result.messages = [box[(p, mine)][0] if (p, mine) in box else None for p in peers]
+        result.outsiders = sorted(outsiders)
+        result.bytes_sent = await self._delivered_to(answered, group_id, phase, deadline)
+        return result
+
+    async def _pull_from_each(
+        self, authors: Sequence[str], group_id: bytes, phase: int, part: int, deadline: float, result: GatherResult
+    ) -> tuple[list[str], set[str]]:
+        """Pull each author's `part` of (group, phase) from the author itself, at once, into this worker's box;
+        count bytes, failures and offenders into `result`. Returns (the authors that answered, those in no such
+        group: they never learnt of it, so nobody holds their message)."""
+        box = self._box(group_id, phase)
+        pulls = [self._pull_whole(p, group_id, phase, p, deadline, part=part) for p in authors]
         answered, outsiders = [], set()
-        for peer, (got, reason, size) in zip(others, await asyncio.gather(*pulls)):
+        for peer, (got, reason, size) in zip(authors, await asyncio.gather(*pulls)):
             result.bytes_received += size
             if got is None:
                 result.failures.append(f"{peer}: {reason}")
@@ -173,12 +174,9 @@ class MessageGather:
                 elif reason.endswith(OUTSIDE):
                     outsiders.add(peer)
             else:
-                box[(peer, mine)] = got
+                box[(peer, part)] = got
                 answered.append(peer)
-        result.messages = [box[(p, mine)][0] if (p, mine) in box else None for p in peers]
-        result.outsiders = sorted(outsiders)
-        result.bytes_sent = await self._delivered_to(answered, group_id, phase, deadline)
-        return result
+        return answered, outsiders
 
     def _sealed_digest(self, group_id: bytes, phase: int, part: int, payload: bytes) -> bytes:
         digest = envelope_pb2.MessageDigest(
