@@ -86,3 +86,25 @@ def pytest_collection_modifyitems(config, items):
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:10])}")
+    items[:] = spread_swarm_tests(items)
+
+
+LONGEST_FIRST = ("test_soak.py",)  # a test this long must not be the last one a worker starts
+
+
+def spread_swarm_tests(items: list) -> list:
+    """The swarm tests spread evenly among the others, the longest first. pytest-xdist's `load` scheduler hands each
+    worker a run of consecutive tests to start with (a quarter of its share): in collection order that put all 65
+    swarm tests on one worker, which ran them one after the other (about 650 s) while the other finished the unit
+    tests in 3 minutes and sat idle. Spread out, both workers run swarm tests, and each swarm test mostly shares the
+    machine with unit tests. The same order on every worker (xdist requires it) and without xdist."""
+    swarm = [i for i in items if i.get_closest_marker("swarm")]
+    rest = [i for i in items if not i.get_closest_marker("swarm")]
+    if not swarm or not rest:
+        return items
+    swarm.sort(key=lambda i: not any(name in i.nodeid for name in LONGEST_FIRST))  # stable: otherwise as collected
+    out, step = [], len(rest) / len(swarm)
+    for k, test in enumerate(swarm):
+        out.append(test)
+        out.extend(rest[round(k * step) : round((k + 1) * step)])
+    return out
