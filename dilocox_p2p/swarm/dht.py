@@ -268,6 +268,7 @@ class RunRecords:
         assert self.peer_id == signer.worker_id, "the DHT runs under another key than the signer's"
         self.members_key = f"{run_id}:members:s{stage}"
         self._member_expires = 0.0  # DHT time the member record last stored expires (a later one must outlive it)
+        self._member_lock = threading.Lock()  # the heartbeat thread and the worker's updates publish one at a time
         # workers whose member records speak another protocol version -> (that version, when they joined, whether
         # they train), read from the unverified record (its schema may differ): said to a joiner, never trusted
         self.foreign: dict[str, tuple[int, float, bool]] = {}
@@ -331,13 +332,16 @@ class RunRecords:
         A DHT node keeps a subkey's value with the latest expiration, so the last record expires just after
         the one before it, not `ttl` from now: a record that expired sooner was refused by every node, and the
         others took a worker that had left for a training member until its last heartbeat expired (dialing
-        it in vain for seconds when they borrowed an average)."""
-        if leaving:
+        it in vain for seconds when they borrowed an average). Publishes never overlap, and each expires after
+        the one before: the heartbeat thread's record and a worker's update, stored at once, could reach the
+        nodes in the other order, and the one that expired sooner was refused ("no DHT node accepted it", a
+        publish counted as failed: CI run of 5d164a1)."""
+        with self._member_lock:
             expires = max(get_dht_time() + ttl, self._member_expires + 0.001)
-            return self._store(self.members_key, record, ttl, best_effort=True, expires=expires)
-        expires = get_dht_time() + ttl
-        self._member_expires = max(self._member_expires, expires)  # also if only some nodes took it
-        return self._store(self.members_key, record, ttl, expires=expires)
+            if leaving:
+                return self._store(self.members_key, record, ttl, best_effort=True, expires=expires)
+            self._member_expires = expires  # also if only some nodes took it
+            return self._store(self.members_key, record, ttl, expires=expires)
 
     def members(self) -> list[Member]:
         now = get_dht_time()
