@@ -9,9 +9,9 @@ Three peers (--peers) train the same model in one process, with the project's ow
 data sampler and inner trainer (inner.py), the outer loop and its Nesterov step (outer.py)
 and each peer's compression codec (compression/codec.py) with its error feedback. Only the
 network is left out: the group's messages are handed from codec to codec in memory, in
-group order, exactly as the swarm delivers them: fp16, int8 and fp4 through the compressed
-butterfly (compression/butterfly.py: 2 (N-1)/N of a message out per member), or all-gathered
-(N-1 messages out; low-rank and top-k, and the "all-gather" configurations). Every configuration sees the same tokens (rounds x H x batch x
+group order, exactly as the swarm delivers them: fp16, int8, fp4 and low-rank through the
+compressed butterfly (compression/butterfly.py: 2 (N-1)/N of a message out per member), top-k
+and the "all-gather" configurations all-gathered (N-1 messages out). Every configuration sees the same tokens (rounds x H x batch x
 seq per peer) and the same data order per peer; each is swept over a few outer learning
 rates (outer lr and momentum must be tuned per mode and compression: notes/outer-loop-
 variants.md) and reported at its best. With --jobs, the sweep's runs go to that many worker
@@ -36,7 +36,8 @@ from benchmarks.common import RESULTS, write_result  # noqa: E402
 
 EXCHANGE = "exchange"
 """A setting of this benchmark, not of the config: "all-gather" decodes every member's whole message, as the swarm
-did for every compression before the compressed butterfly (the quantizers ride it by default, as in the swarm)."""
+did for every compression before the compressed butterfly (quantizers and low-rank ride it by default, as in the
+swarm)."""
 
 # configuration -> (settings, (outer lr, outer momentum) pairs swept). The grids start where
 # notes/outer-loop-variants.md found each mode best and reach past where earlier 50-round runs of
@@ -87,7 +88,7 @@ class GroupAverager:
     def __init__(self, codecs: list, fragments: int = 1, *, butterfly: bool = True):
         self.codecs = codecs  # per member: one codec per fragment (None: fp32)
         self.fragments = fragments
-        self.butterfly = butterfly  # the quantizers through the compressed butterfly (the others are all-gathered)
+        self.butterfly = butterfly  # quantizers and low-rank through the compressed butterfly (top-k is all-gathered)
         self.lock = threading.Lock()
         self.pending: dict[int, dict[int, tuple[list, Future]]] = {}
         self.bytes_sent = [0] * len(codecs)

@@ -31,17 +31,16 @@ plus every buffer adds up to what was sent, to rounding (`test_butterfly.py`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..average import Spans, fixed_order_sum, screen
+from ..average import Spans, screen
 from ..proto_gen import compression_pb2 as pb
 from .codec import NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
 from .lowrank import basis_digest
-from .payload import FlatLayout, PayloadReader, encode_payload, encoding_of, frame, slice_step, streamed_mean, unframe
+from .payload import FlatLayout, PayloadReader, encode_payload, frame, slice_step, streamed_mean, unframe
 
 __all__ = ["BUTTERFLY_KINDS", "REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "low_rank_average", "low_rank_second", "part_spans",
            "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "span_unit", "unpadded"]  # fmt: skip
@@ -181,7 +180,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
         except MessageRejected as e:
             rejected[index] = str(e)
     step = slice_step(codec.cfg, hi - lo)
-    for index, reason in screen({i: _norm(r, step) for i, r in readers.items()}, codec.max_norm_ratio).items():
+    for index, reason in screen({i: r.norm(step) for i, r in readers.items()}, codec.max_norm_ratio).items():
         rejected[index] = reason
         del readers[index]
     used = sorted(readers)
@@ -272,12 +271,7 @@ def receive_part(
     """Parse and check a part of a `phase` message or a reduced part (`reduced_phase`) of `span`, cut for a group
     of `parts`, at `ranks` and (low-rank phase 2) in `basis`. Raises MessageRejected."""
     lo, hi = span
-    if len(blob) > codec.max_message_bytes:
-        raise MessageRejected(f"{len(blob)} bytes, more than this stage's messages can take")
-    try:
-        message, sections = unframe(blob)
-    except ValueError as e:
-        raise MessageRejected(f"malformed ({e})") from None
+    message, sections = codec.parse(blob)
     said = (message.codec, message.round, message.phase, message.span_lo, message.span_hi, message.parts)
     if said != (codec.cfg.kind, round, phase, lo, hi, parts):
         raise MessageRejected(f"a {message.codec} part of round {message.round} phase {message.phase}, values "
@@ -286,22 +280,9 @@ def receive_part(
         raise MessageRejected(f"ranks {list(message.ranks)}, the group's are {list(ranks)}")
     if message.basis != basis:  # its factors are in another basis: a loss on the way, not its author's fault
         raise MessageRejected(OTHER_BASIS)
-    energies = [*message.energy_total, *message.energy_kept]
-    if phase == 2 and (len(message.energy_total) != len(ranks) or len(message.energy_kept) != len(ranks)):
-        raise MessageRejected("energies missing")
-    if not all(math.isfinite(e) and e >= 0 for e in energies):
-        raise MessageRejected("energies not finite")
     if list(message.used) != sorted(set(message.used)) or any(not 0 <= i < parts for i in message.used):
         raise MessageRejected(f"members {list(message.used)} are not indices of a group of {parts}")
-    described, expected = pb.EncodedTensor(), encoding_of(codec.cfg, hi - lo)
-    described.CopyFrom(message.payload)
-    del described.sections[:]
-    if described != expected:
-        raise MessageRejected(f"encoded otherwise than this run's {codec.cfg.kind} ({described.WhichOneof('encoding')})")
-    try:
-        return message, PayloadReader.of(message.payload, sections, hi - lo)
-    except (ValueError, RuntimeError) as e:
-        raise MessageRejected(str(e)) from None
+    return message, codec.payload_reader(message, sections, hi - lo, factors=len(ranks) if phase == 2 else None)
 
 
 def unpadded(layout: FlatLayout, spans: Sequence[tuple[int, int]]) -> Spans:
@@ -319,11 +300,3 @@ def unpadded(layout: FlatLayout, spans: Sequence[tuple[int, int]]) -> Spans:
             else:
                 out.append(span)
     return tuple(out)
-
-
-def _norm(reader: PayloadReader, step: int) -> float:
-    """A part's L2 norm in float64 (inf or nan if it holds them): the reducer's alone, any rounding will do."""
-    total = 0.0
-    for lo in range(0, reader.numel, step):
-        total += fixed_order_sum(reader.read(lo, min(lo + step, reader.numel)).double().square())
-    return math.sqrt(total) if math.isfinite(total) else total

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..average import fixed_order_sum, ordered_mean, screen
+from ..average import ordered_mean, screen
 from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
@@ -65,13 +65,13 @@ from .lowrank import (
     reconstruct,
 )
 from .payload import (
-    SLICE,
     FlatLayout,
     PayloadReader,
     Section,
     encode_payload,
     encoding_of,
     frame,
+    rows_per_slice,
     slice_step,
     streamed_mean,
     unframe,
@@ -231,14 +231,41 @@ class StageCodec:
         return q[:, :rank]
 
     # ----- decoding ------------------------------------------------------------------------
-    def receive(self, blob: bytes, *, round: int, phase: int) -> Received:
-        """Parse and check one member's message (its payload whole). Raises MessageRejected."""
+    def parse(self, blob: bytes) -> tuple[pb.CompressedMessage, list[memoryview]]:
+        """A message's header and raw sections (a whole message or a butterfly part), within the size this
+        stage's messages can take. Raises MessageRejected."""
         if len(blob) > self.max_message_bytes:
             raise MessageRejected(f"{len(blob)} bytes, more than this stage's messages can take")
         try:
-            message, sections = unframe(blob)
+            return unframe(blob)
         except Exception as e:
             raise MessageRejected(f"malformed ({e})") from None
+
+    def payload_reader(
+        self, message: pb.CompressedMessage, sections: Sequence[memoryview], numel: int, *, factors: int | None = None
+    ) -> PayloadReader:
+        """The reader of a parsed message's payload of `numel` values, once it is encoded as this run encodes them
+        and its energies are finite (`factors`: a low-rank phase-2 message, one energy pair per factored matrix).
+        Raises MessageRejected."""
+        described, expected = pb.EncodedTensor(), encoding_of(self.cfg, numel)
+        described.CopyFrom(message.payload)
+        del described.sections[:]
+        if described != expected:  # e.g. fp16 values labelled int8: decodable, but not what this run sends
+            raise MessageRejected(f"encoded otherwise: as {_said(described)}, this run's {self.cfg.kind} is "
+                                  f"{_said(expected)}")  # fmt: skip
+        energy_total, energy_kept = list(message.energy_total), list(message.energy_kept)
+        if factors is not None and (len(energy_total) != factors or len(energy_kept) != factors):
+            raise MessageRejected("energies missing")
+        if not all(math.isfinite(e) and e >= 0 for e in [*energy_total, *energy_kept]):
+            raise MessageRejected("energies not finite")
+        try:
+            return PayloadReader.of(message.payload, sections, numel)
+        except (ValueError, RuntimeError) as e:
+            raise MessageRejected(str(e)) from None
+
+    def receive(self, blob: bytes, *, round: int, phase: int) -> Received:
+        """Parse and check one member's message (its payload whole). Raises MessageRejected."""
+        message, sections = self.parse(blob)
         if (message.codec, message.round, message.phase) != (self.cfg.kind, round, phase):
             raise MessageRejected(f"a {message.codec} message of round {message.round} phase {message.phase}")
         ranks = list(message.ranks)
@@ -249,22 +276,10 @@ class StageCodec:
         layout = FlatLayout(self.pieces(phase, ranks), self.pad)
         if list(message.payload.shape) != [layout.numel]:
             raise MessageRejected(f"payload of shape {list(message.payload.shape)}, expected [{layout.numel}]")
-        described, expected = pb.EncodedTensor(), encoding_of(self.cfg, layout.numel)
-        described.CopyFrom(message.payload)
-        del described.sections[:]
-        if described != expected:  # e.g. fp16 values labelled int8: decodable, but not what this run sends
-            raise MessageRejected(f"encoded as {_said(described)}, this run's {self.cfg.kind} is {_said(expected)}")
-        energy_total, energy_kept = list(message.energy_total), list(message.energy_kept)
-        if phase == 2 and (len(energy_total) != len(ranks) or len(energy_kept) != len(ranks)):
-            raise MessageRejected("energies missing")
-        if not all(math.isfinite(e) and e >= 0 for e in [*energy_total, *energy_kept]):
-            raise MessageRejected("energies not finite")
-        try:
-            reader = PayloadReader.of(message.payload, sections, layout.numel)
-        except (ValueError, RuntimeError) as e:
-            raise MessageRejected(str(e)) from None
+        reader = self.payload_reader(message, sections, layout.numel, factors=len(ranks) if phase == 2 else None)
         step = slice_step(self.cfg, layout.numel)
-        return Received(layout, reader, ranks, energy_total, energy_kept, bytes(message.basis), step)
+        return Received(layout, reader, ranks, list(message.energy_total), list(message.energy_kept),
+                        bytes(message.basis), step)  # fmt: skip
 
 
 @dataclass
@@ -283,13 +298,8 @@ class Received:
     """Values decoded at a time (payload.slice_step of this message's own length)."""
 
     def norm(self) -> float:
-        """The payload's L2 norm (float64), decoded a slice at a time; inf or nan if it holds them. Its bits depend
-        on the message alone (its own slices, summed in a fixed order: average.fixed_order_sum), so every member
-        screens it alike on any CPU and thread count."""
-        total = 0.0
-        for lo in range(0, self.layout.numel, self.step):
-            total += fixed_order_sum(self.reader.read(lo, min(lo + self.step, self.layout.numel)).double().square())
-        return math.sqrt(total) if math.isfinite(total) else total
+        """The payload's L2 norm (PayloadReader.norm): the same bits on every member that screens it."""
+        return self.reader.norm(self.step)
 
     def pieces(self) -> list[torch.Tensor]:
         """The payload decoded whole, as the pieces it concatenates (low-rank's small messages)."""
@@ -472,12 +482,7 @@ def _said(encoded: pb.EncodedTensor) -> str:
 
 def _energy(matrix: torch.Tensor) -> float:
     """Sum of squares in float64, a slice of rows at a time (this peer's own number: any rounding will do)."""
-    return math.fsum(float(torch.sum(rows.double() ** 2)) for rows in matrix.split(_rows(matrix)))
-
-
-def _rows(matrix: torch.Tensor) -> int:
-    """Rows of `matrix` worth a slice of values (payload.SLICE): the unit of work on whole matrices."""
-    return max(1, SLICE // max(matrix.shape[1], 1))
+    return math.fsum(float(torch.sum(rows.double() ** 2)) for rows in matrix.split(rows_per_slice(matrix)))
 
 
 def _factorable(shape: torch.Size, cfg: CompressionConfig) -> bool:

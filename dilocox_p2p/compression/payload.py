@@ -26,22 +26,22 @@ whole vector at once, and decoding a slice is one block's or one chunk's busines
 
 from __future__ import annotations
 
+import math
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-
-import struct
 
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from ..average import ordered_mean
+from ..average import fixed_order_sum, ordered_mean
 from ..config import TOPK_MAX_CHUNK, CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .quantize import Quantized, dequantize, dequantize_fp4, quantize, quantize_fp4
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, select_topk, unpack_topk
 
-__all__ = ["FlatLayout", "PayloadReader", "encode_payload", "encoding_of", "frame", "streamed_mean", "unframe"]
+__all__ = ["FlatLayout", "PayloadReader", "encode_payload", "encoding_of", "frame", "rows_per_slice", "streamed_mean", "unframe"]
 
 SLICE = 1 << 20
 """Values encoded or decoded at a time (4 MB of fp32): temporaries stay a few slices big."""
@@ -97,6 +97,12 @@ class FlatLayout:
             piece = pieces[index]
             if piece is not None:
                 piece.view(-1)[a:b].sub_(values[at : at + b - a])
+
+
+def rows_per_slice(matrix: torch.Tensor, values: int = SLICE) -> int:
+    """Rows of `matrix` worth a slice of `values` (SLICE as this module was loaded): the unit of work on whole
+    matrices, a memory bound apart from the encoding (a low-rank energy's last bit follows it)."""
+    return max(1, values // max(matrix.shape[1], 1))
 
 
 def slice_step(cfg: CompressionConfig, numel: int) -> int:
@@ -262,6 +268,15 @@ class PayloadReader(ABC):
 
     def read_all(self) -> torch.Tensor:
         return self.read(0, self.numel)
+
+    def norm(self, step: int) -> float:
+        """The payload's L2 norm (float64), decoded `step` values at a time (lo on a slice boundary); inf or nan if
+        it holds them. Its bits depend on the payload alone (its own slices, summed in a fixed order:
+        average.fixed_order_sum), so every member that screens it screens it alike on any CPU and thread count."""
+        total = 0.0
+        for lo in range(0, self.numel, step):
+            total += fixed_order_sum(self.read(lo, min(lo + step, self.numel)).double().square())
+        return math.sqrt(total) if math.isfinite(total) else total
 
 
 class _Fp16Reader(PayloadReader):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .payload import SLICE, FlatLayout, slice_step
+from .payload import FlatLayout, rows_per_slice, slice_step
 
 if TYPE_CHECKING:
     from .codec import StageCodec
@@ -53,9 +53,9 @@ class Settlement:
             if not (counted if factors is None else factors):
                 return
             for i, (b, qt) in zip(codec.factored, self.sent_factors):  # this peer's part B B^T M_i of the average
-                buffer = codec.feedback.buffers[i]
-                for lo in range(0, buffer.shape[0], _rows(buffer)):
-                    buffer[lo : lo + _rows(buffer)].sub_(b[lo : lo + _rows(buffer)] @ qt)
+                buffer, rows = codec.feedback.buffers[i], rows_per_slice(codec.feedback.buffers[i])
+                for lo in range(0, buffer.shape[0], rows):
+                    buffer[lo : lo + rows].sub_(b[lo : lo + rows] @ qt)
 
     def settle_spans(self, spans: Sequence[tuple[int, int]]) -> None:
         """`settle` per span of the message's vector (the compressed butterfly, compression/butterfly.py: each
@@ -104,8 +104,3 @@ class Settlement:
             for a in range(lo, hi, step):  # lo on a span unit: a slice starts on a block
                 b = min(a + step, hi)
                 mine.layout.subtract(buffers, a, b, mine.reader.read(a, b))
-
-
-def _rows(matrix: torch.Tensor) -> int:
-    """Rows of `matrix` worth a slice of values (payload.SLICE): the unit of work on whole matrices."""
-    return max(1, SLICE // max(matrix.shape[1], 1))

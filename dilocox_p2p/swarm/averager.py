@@ -359,16 +359,6 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
             return False
 
     # ----- averager process: who may group with whom -----------------------------------------
-    def _ticket_ranks(self, peer: str, gathered: bytes) -> list[int]:
-        """The ranks in `peer`'s group ticket (checked before: _ticket_refusal), or none if it names none."""
-        try:
-            _, _, user = self.serializer.loads(gathered)
-            opened = self.gate.open(self.serializer.loads(user), envelope_pb2.GroupTicket, sender=peer,
-                                    round=self._current_round, even_banned=True)  # fmt: skip
-            return list(opened.message.ranks)
-        except Exception:  # noqa: BLE001 - our own ticket under a check that reads it as a stranger's, or none
-            return []
-
     def _ticket_refusal(self, peer: str, gathered: bytes, *, joining: bool) -> str:
         """Why `peer`'s JoinRequest.gather (hivemind's (bandwidth, mode, user data)) does not admit it to this
         round's group ("" if it does). A peer `joining` this worker's group must also be a live member that
@@ -376,15 +366,20 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         worker's own: the content checks decide there, alike on every member)."""
         if joining and peer not in self._admitted:
             return "not a live, admitted, unbanned member of this stage"
+        return self._read_ticket(peer, gathered, even_banned=not joining)[1]
+
+    def _read_ticket(self, peer: str, gathered: bytes, *, even_banned: bool) -> tuple[envelope_pb2.GroupTicket | None, str]:
+        """`peer`'s group ticket from its JoinRequest.gather, opened (signed by `peer`, for this round), or why not."""
         try:
             _, _, user = self.serializer.loads(gathered)
             ticket = self.serializer.loads(user)
-            self.gate.open(ticket, envelope_pb2.GroupTicket, sender=peer, round=self._current_round, even_banned=not joining)
+            opened = self.gate.open(ticket, envelope_pb2.GroupTicket, sender=peer, round=self._current_round,
+                                    even_banned=even_banned)  # fmt: skip
         except WireRejected as e:
-            return str(e)
+            return None, str(e)
         except Exception as e:
-            return f"unreadable group ticket ({type(e).__name__})"
-        return ""
+            return None, f"unreadable group ticket ({type(e).__name__})"
+        return opened.message, ""
 
     def _refused(self, what: str, reason: str) -> None:
         """Log a refusal at its 1st, 10th, 100th... time (a flood of bad requests is not a flood of logs)."""
@@ -441,14 +436,15 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         self._grouped_at = time.time()
         me = self.peer_id.to_base58()
+        ranks = []  # each member's low-rank ranks, as its ticket names them
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
             peer = peer_id.to_base58()
-            refusal = "" if peer == me else self._ticket_refusal(peer, gathered, joining=False)
-            if refusal:  # a leader let in a member this worker does not admit: leave the group
+            ticket, refusal = self._read_ticket(peer, gathered, even_banned=True)
+            if refusal and peer != me:  # a leader let in a member this worker does not admit: leave the group
                 self._refused(f"a group of round {self._current_round} holding {peer}", refusal)
                 raise AllreduceException(f"the group holds {peer}, which this worker does not admit: {refusal}")
-        tickets = [self._ticket_ranks(p.to_base58(), g) for p, g in zip(group_info.peer_ids, group_info.gathered)]
-        self._group_ranks = agreed_ranks(tickets)
+            ranks.append(list(ticket.ranks) if ticket is not None else [])
+        self._group_ranks = agreed_ranks(ranks)
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return self._last_result
 

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from ..average import Average, AverageKind, applies_nothing
 from ..compression.butterfly import (
     BUTTERFLY_KINDS,
-    REDUCED,
+    Assembled,
+    Reduced,
     assemble,
     low_rank_average,
     low_rank_second,
@@ -103,27 +104,11 @@ class CompressedRound:
         return self._gathered(round_codec, result, expected)
 
     def _butterfly(self, round_codec: RoundCodec, message: bytes, result: RoundResult, expected: int) -> Average:
-        """Reduce this worker's span of the group's parts, all-gather the reduced parts, assemble the average;
-        mend the spans whose reduced part never came from members that hold them."""
-        group, me = result.group, self.stage.peer_id
-        own = group.index(me)
-        spans = part_spans(message, len(group))
-        reduced = reduce(round_codec, result.messages, span=spans[own])
-        self._left_out(group, reduced.rejected, what="part")
-        second = self.averager.gather_phase(
-            self.round, REDUCED, reduced.blob, group=group, group_id=result.group_id, timeout=self.sw.allreduce_timeout
-        )
-        for peer, reason in second.offenders.items():
-            self.stage.strike(peer, f"round {self.round} reduced parts: {reason}")
-        self.clock.mark("phase2")
-        assembled = assemble(round_codec, second.messages, spans=spans, own=own)
-        self.clock.mark("decode")
-        self._left_out(group, assembled.refused, what="reduced part")
-        for failure in [*result.failures, *second.failures]:
-            logger.info("round %d: %s", self.round, failure)
-        never = {**reduced.rejected, **assembled.refused}  # parts that never reached this reducer, reduced parts this member
-        self.membership.suspect(gather_suspects(group, never, {*result.outsiders, *second.outsiders}, me=me))
-        sent, received = result.bytes_sent + second.bytes_sent, result.bytes_received + second.bytes_received
+        """Reduce this worker's span of the group's parts (the step gathered them), all-gather the reduced parts,
+        assemble the average; mend the spans whose reduced part never came from members that hold them."""
+        group = result.group
+        assembled, _, sent, received = self._reduce_step(round_codec, message, result, group=group,
+                                                         group_id=result.group_id, phase=1, marks=("phase2", "decode"))  # fmt: skip
         if not assembled.used and not assembled.refused:  # every reducer's span averaged nobody, alike everywhere
             return self._none_averaged(len(group), expected)
         used = tuple(group[i] for i in assembled.used)
@@ -146,33 +131,21 @@ class CompressedRound:
         """Low-rank through the butterfly: P at the group's ranks, reduced and assembled, then Q' in the basis of
         that mean, reduced and assembled; the average is B Q'^T. A reduced part nobody could get is zeros alike
         on every member; a member whose mean differs from most of the group's takes theirs in phase 5."""
-        group, me = result.group, self.stage.peer_id
-        own = group.index(me)
+        group = result.group
         round_codec.use_ranks(result.ranks)
-        sent, received, outsiders = result.bytes_sent, result.bytes_received, set(result.outsiders)
-        step: list[Any] = []
-        for phase in (1, 2):
+        sent, received = result.bytes_sent, result.bytes_received
+        step: list[Assembled] = []
+        for phase, mark in ((1, "transfer"), (2, "phase2")):
             message = round_codec.message(1) if phase == 1 else low_rank_second(round_codec, step[-1])
             self.clock.mark("encode" if phase == 1 else "phase2")
             scattered = self.averager.scatter_phase(self.round, phase, message, group=group, group_id=result.group_id,
                                                     timeout=self.sw.allreduce_timeout)  # fmt: skip
-            spans = part_spans(message, len(group))
-            reduced = reduce(round_codec, scattered.messages, span=spans[own], phase=phase)
-            gathered = self.averager.gather_phase(self.round, reduced_phase(phase), reduced.blob, group=group,
-                                                  group_id=result.group_id, timeout=self.sw.allreduce_timeout)  # fmt: skip
-            assembled = assemble(round_codec, gathered.messages, spans=spans, own=own, phase=phase)
-            self.clock.mark("transfer" if phase == 1 else "phase2")
-            for peer, reason in {**scattered.offenders, **gathered.offenders}.items():
+            for peer, reason in scattered.offenders.items():
                 self.stage.strike(peer, f"round {self.round} phase {phase}: {reason}")
-            self._left_out(group, reduced.rejected, what=f"phase-{phase} part")
-            self._left_out(group, assembled.refused, what=f"phase-{phase} reduced part")
-            for failure in [*scattered.failures, *gathered.failures]:
-                logger.info("round %d: %s", self.round, failure)
-            outsiders |= {*scattered.outsiders, *gathered.outsiders}
-            never = {**reduced.rejected, **assembled.refused}
-            self.membership.suspect(gather_suspects(group, never, outsiders, me=me))
-            sent += scattered.bytes_sent + gathered.bytes_sent
-            received += scattered.bytes_received + gathered.bytes_received
+            assembled, reduced, more_sent, more_received = self._reduce_step(
+                round_codec, message, scattered, group=group, group_id=result.group_id, phase=phase, marks=(mark, mark)
+            )
+            sent, received = sent + more_sent, received + more_received
             step.append(assembled)
         tensors = low_rank_average(round_codec, step[-1], reduced.energies)
         self.clock.mark("decode")
@@ -186,6 +159,36 @@ class CompressedRound:
                           note=f"{holes} reduced part(s) missing (zeros)" if holes else "")  # fmt: skip
         self._log(average, expected=expected)
         return self._agree(average, voters=group)
+
+    def _reduce_step(
+        self, round_codec: RoundCodec, message: bytes, scattered: Any, *, group: list[str], group_id: bytes, phase: int,
+        marks: tuple[str, str],
+    ) -> tuple[Assembled, Reduced, int, int]:  # fmt: skip
+        """One step of the compressed butterfly once this worker holds the group's parts of its span of the `phase`
+        messages (`scattered`: the step's RoundResult or a scatter_phase's GatherResult, whose offenders were struck):
+        reduce them, all-gather the reduced parts, assemble; count what was left out, strike who served an altered
+        reduced part, suspect members whose part never came. `marks`: the phase clock's names for the all-gather and
+        for the assembly. Returns the assembly, this worker's reduce, and the bytes sent and received (the
+        scatter's included)."""
+        me = self.stage.peer_id
+        own = group.index(me)
+        spans = part_spans(message, len(group))
+        reduced = reduce(round_codec, scattered.messages, span=spans[own], phase=phase)
+        self._left_out(group, reduced.rejected, what=f"phase-{phase} part")
+        gathered = self.averager.gather_phase(self.round, reduced_phase(phase), reduced.blob, group=group,
+                                              group_id=group_id, timeout=self.sw.allreduce_timeout)  # fmt: skip
+        for peer, reason in gathered.offenders.items():
+            self.stage.strike(peer, f"round {self.round} phase {phase} reduced parts: {reason}")
+        self.clock.mark(marks[0])
+        assembled = assemble(round_codec, gathered.messages, spans=spans, own=own, phase=phase)
+        self.clock.mark(marks[1])
+        self._left_out(group, assembled.refused, what=f"phase-{phase} reduced part")
+        for failure in [*scattered.failures, *gathered.failures]:
+            logger.info("round %d: %s", self.round, failure)
+        never = {**reduced.rejected, **assembled.refused}  # parts that never reached this reducer, reduced parts this member
+        self.membership.suspect(gather_suspects(group, never, {*scattered.outsiders, *gathered.outsiders}, me=me))
+        return (assembled, reduced, scattered.bytes_sent + gathered.bytes_sent,
+                scattered.bytes_received + gathered.bytes_received)  # fmt: skip
 
     def _gathered(self, round_codec: RoundCodec, result: RoundResult, expected: int) -> Average:
         """Decode the group's all-gathered messages (after low-rank's second phase) to the average."""

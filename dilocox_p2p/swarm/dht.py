@@ -335,7 +335,7 @@ class RunRecords:
         it in vain for seconds when they borrowed an average). Publishes never overlap, and each expires after
         the one before: the heartbeat thread's record and a worker's update, stored at once, could reach the
         nodes in the other order, and the one that expired sooner was refused ("no DHT node accepted it", a
-        publish counted as failed: CI run of 5d164a1)."""
+        publish counted as failed: fresh-clone CI of 21e8edf)."""
         with self._member_lock:
             expires = max(get_dht_time() + ttl, self._member_expires + 0.001)
             if leaving:

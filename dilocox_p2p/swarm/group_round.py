@@ -6,9 +6,10 @@ compressed butterfly, each member's message cut into parts for the group's reduc
 (compression/butterfly.py, gather.py's scatter); the stage worker reduces its span and the
 reduced parts are all-gathered. Low-rank: only the group, and the ranks most members' tickets
 name; the worker then encodes and sends both phases through the butterfly (`scatter_phase`).
-Top-k: the all-gather of the round's messages (gather.py), decoded by the stage worker. Either way the round's `RoundResult` goes back to
-the worker. The averager (averager.py) mixes this in before hivemind's DecentralizedAverager,
-whose `_run_allreduce_inplace_` it replaces (hivemind_patches.py).
+Top-k: the all-gather of the round's messages (gather.py), decoded by the stage worker. Either
+way the round's `RoundResult` goes back to the worker. The averager (averager.py) mixes this in
+before hivemind's DecentralizedAverager, whose `_run_allreduce_inplace_` it replaces
+(hivemind_patches.py).
 """
 
 from __future__ import annotations
