@@ -357,17 +357,25 @@ class OuterLoop:
             average = self.pending.future.result()
             return True, PendingAverage(self.pending.round, average) if average.kind.applies else None
 
-    def state(self) -> StageState | None:
+    def state(self, *, now: bool = False) -> StageState | None:
         """A consistent copy of what a joiner needs to continue exactly as this worker will;
-        None while the pending average is still in flight (or was lost with a checkpoint)."""
+        None while the pending average is still in flight (or was lost with a checkpoint). `now`:
+        theta_g and momentum even while that average is in flight, which the copy then names
+        (`follows`) instead of holding it."""
         with self.lock:
             known, pending = self.known_pending()
-            if not known:
+            if known:
+                return StageState(self.boundary, self.theta_g, self.optimizer.buffers, pending).clone()
+            if not now or self.pending is None or self.pending_lost is not None:
                 return None
-            return StageState(self.boundary, self.theta_g, self.optimizer.buffers, pending).clone()
+            return StageState(self.boundary, self.theta_g, self.optimizer.buffers, follows=self.pending.round).clone()
 
     @torch.no_grad()
-    def load_state(self, state: StageState) -> None:
+    def load_state(self, state: StageState, follows: Future[Average] | None = None) -> None:
+        """Continue from `state`; `follows`: the average of round `state.follows` left out of it, as it
+        arrives (the next boundary waits for it, as for an all-reduce of this worker's own)."""
+        if (state.follows >= 0) != (follows is not None):
+            raise ValueError(f"a state that leaves out round {state.follows}'s average needs it to follow, and only then")
         with self.lock:
             for dst, src in zip(self.theta_g, state.theta_g):
                 dst.copy_(src)
@@ -380,6 +388,8 @@ class OuterLoop:
                 future: Future[Average] = Future()
                 future.set_result(state.pending.average)
                 self.pending = _Pending(state.pending.round, future)
+            elif follows is not None:
+                self.pending = _Pending(state.follows, follows)
 
     def forget_lost_pending(self) -> tuple[int | None, bool]:
         """Nobody could serve the average lost with a checkpoint: apply this worker's own pseudo-gradient of that

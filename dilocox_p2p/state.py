@@ -5,6 +5,8 @@ holds bit-identically, what a joiner downloads, what checkpoints keep and what h
       theta_g     the global parameters theta_g(b)
       momentum    the outer Nesterov buffers at b
       pending     delayed mode: the average of round b-1, applied at the end of round b
+      follows     a copy taken while that average was still in flight leaves it out: the
+                  round whose average the taker gets apart (STATE_PENDING), else -1
 
 `state_hash` covers theta_g and momentum (published at every boundary as `stage_hashes`);
 `pending_hash` covers the pending average, published once it is known. A downloaded
@@ -47,6 +49,7 @@ class StageState:
     theta_g: list[torch.Tensor]
     momentum: list[torch.Tensor]
     pending: PendingAverage | None = None
+    follows: int = -1
 
     def hash(self) -> str:
         return state_hash([*self.theta_g, *self.momentum])
@@ -73,5 +76,6 @@ class StageState:
             theta_g=[t.clone() for t in self.theta_g],
             momentum=[t.clone() for t in self.momentum],
             pending=pending,
+            follows=self.follows,
         )
 

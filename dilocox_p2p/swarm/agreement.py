@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..average import Average, AverageKind, applies_nothing
 from ..config import SwarmConfig
 from ..state import StageState
 from ..wire import swarm_pb2
@@ -312,9 +313,12 @@ class Agreement:
     # ----- verified state downloads ---------------------------------------------------------------
     def fetch_state(self, boundary: int, donors: Sequence[str]) -> StateDownload | None:
         """Download the state at `boundary` from the first donor whose state matches the stage group's
-        majority hashes; None if none did (each failure counted)."""
+        majority hashes; None if none did (each failure counted). A donor whose pending average is still
+        in flight serves theta_g and momentum at once and names that average (`state.follows`): the
+        taker gets it with `fetch_pending` while it trains."""
         for donor in donors:
-            got = self.averager.download_round(donor, boundary, wait_s=self.sw.allreduce_timeout, timeout=self.sw.state_timeout)
+            got = self.averager.download_round(donor, boundary, wait_s=self.sw.allreduce_timeout,
+                                               timeout=self.sw.state_timeout, part=swarm_pb2.STATE_NOW)  # fmt: skip
             if got.status != swarm_pb2.STATE_OK or got.state is None:
                 status = swarm_pb2.StateStatus.Name(got.status) if got.status >= 0 else "error"
                 self.faults.count("downloads_failed", "state of round %d not taken from %s: %s (donor at %d) %s",
@@ -326,6 +330,58 @@ class Agreement:
                 continue
             return got
         return None
+
+    def fetch_pending(self, taken: StateDownload, donors: Sequence[str], give_up: Callable[[], bool]) -> Average:
+        """The average of round `taken.state.follows` that the state taken left out (it was in flight): from
+        the donor of that state first, then the other `donors`, each serving it once it is in, checked
+        against the hash most of the stage group announced for it. STRANDED (counted) if none could serve
+        it in time: this worker then applies nothing where its group applies that average, and the hash
+        check of its next boundary repairs it."""
+        state = taken.state
+        assert state is not None and state.follows >= 0
+        deadline = time.monotonic() + self.sw.allreduce_timeout + self.sw.round_wait
+        for donor in [taken.donor, *(d for d in donors if d != taken.donor)]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or give_up():
+                break
+            got = self.averager.download_round(donor, state.boundary, wait_s=remaining, timeout=self.sw.state_timeout,
+                                               part=swarm_pb2.STATE_PENDING)  # fmt: skip
+            problem = self._pending_problem(got, state)
+            if not problem:
+                assert got.state is not None
+                pending = got.state.pending
+                return pending.average if pending is not None else applies_nothing(
+                    AverageKind.STRANDED, f"the stage group applies no average of round {state.follows}", 0.0
+                )  # fmt: skip
+            self.faults.count("downloads_failed", "the average of round %d not taken from %s: %s",
+                              state.follows, donor, problem)  # fmt: skip
+        note = f"the average of round {state.follows}, left out of the state of round {state.boundary}, could not be had"
+        if not give_up():
+            self.faults.count("pending_dropped", "%s; the next hash check repairs this worker", note)
+        return applies_nothing(AverageKind.STRANDED, note, 0.0)
+
+    def _pending_problem(self, got: StateDownload, state: StageState) -> str:
+        """Why `got` (a STATE_PENDING reply) is not the average the stage group applies after `state` ("" if it is)."""
+        if got.status != swarm_pb2.STATE_OK or got.state is None:
+            status = swarm_pb2.StateStatus.Name(got.status) if got.status >= 0 else "error"
+            return f"{status} (donor at {got.boundary}) {got.reason}".strip()
+        if got.state_hash != state.hash() or got.boundary != state.boundary:
+            return f"the donor's state of round {got.boundary} is not the one taken ({got.state_hash[:12]})"
+        pending = got.state.pending
+        if pending is not None and pending.round != state.follows:
+            return f"it served the average of round {pending.round}, not of round {state.follows}"
+        try:
+            records = self.records.round_records(state.boundary)
+        except Exception as e:
+            return f"the stage group's round records could not be read: {e!r}"
+        voters = self.membership.voters()
+        want = majority_hash({p: r.pending_hash for p, r in records.items() if p in voters}, self.records.rank)
+        if pending is None:
+            return "" if want is None else f"it served no average where the stage group announced {want[:12]}"
+        if want is None:
+            return f"no worker announced the average of round {state.follows}"
+        ours = got.state.pending_hash()
+        return "" if ours == want else f"its average {ours[:12]} is not the majority's {want[:12]}"
 
     def verify(self, state: StageState) -> str:
         """Why `state` is not what most of the stage group announced for its boundary ("" if it is)."""

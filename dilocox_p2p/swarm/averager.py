@@ -44,6 +44,7 @@ from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..fragments import as_fragments, of_round
 from ..proto_gen import envelope_pb2
+from ..wire import swarm_pb2
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
 from .group_round import GroupRound, RoundResult
@@ -123,6 +124,7 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         self._kept_boundary = mp.Value(ctypes.c_int64, -1)  # a complete earlier state kept for a joiner
         self._state_wanted = mp.Value(ctypes.c_int64, 0)  # state downloads waiting in the averager process
         self._state_asked = mp.Value(ctypes.c_int64, -1)  # the boundary a state fetch from the host is for
+        self._state_now = mp.Value(ctypes.c_bool, False)  # ... and whether it may leave out an average in flight
         self._state_fetch: asyncio.Lock | None = None  # one fetch at a time (averager process): _state_asked is shared
         self._failed_round = mp.Value(ctypes.c_int64, -1)  # the latest round whose exchange failed here
         self._life_start = mp.Value(ctypes.c_int64, -1)  # the boundary this process started from (set_life_start)
@@ -186,11 +188,13 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         """Runs in the host process when a peer downloads state: a consistent copy of the complete state of
         the boundary asked for (`_fetch_state`), or {"boundary": -1} if this worker holds none."""
-        asked = self._state_asked.value
-        state = self._state_provider(asked) if self._state_provider is not None else None
+        asked, now = self._state_asked.value, self._state_now.value
+        state = self._state_provider(asked, now) if self._state_provider is not None else None
         if state is None:
             return {"boundary": -1}, [], None
-        metadata: dict[str, Any] = {"boundary": state.boundary, "state_hash": state.hash(), "pending": None}
+        metadata: dict[str, Any] = {
+            "boundary": state.boundary, "state_hash": state.hash(), "pending": None, "follows": state.follows
+        }  # fmt: skip
         if state.pending is not None:
             average = state.pending.average
             metadata["pending"] = {
@@ -299,9 +303,12 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         kwargs = dict(round=round, peers=list(peers), start=start, wait_s=wait_s, deadline_s=deadline_s)
         return self._call("_collect", deadline_s + wait_s + 30.0, **kwargs)
 
-    def download_round(self, peer_id: str, boundary: int, *, wait_s: float, timeout: float) -> StateDownload:
-        """Download `peer_id`'s state at exactly `boundary`, waiting up to `wait_s` for it to be complete."""
-        kwargs = dict(peer_id=peer_id, boundary=boundary, wait_s=wait_s, timeout=timeout)
+    def download_round(
+        self, peer_id: str, boundary: int, *, wait_s: float, timeout: float, part: int = swarm_pb2.STATE_WHOLE
+    ) -> StateDownload:
+        """Download `peer_id`'s state at exactly `boundary` (or the `part` of it a StatePart names), waiting up to
+        `wait_s` for it to be complete (STATE_NOW: for the donor to reach it)."""
+        kwargs = dict(peer_id=peer_id, boundary=boundary, wait_s=wait_s, timeout=timeout, part=part)
         return self._call("_download_round", timeout + wait_s + 30.0, **kwargs)
 
     # ----- averager process: the all-reduce -------------------------------------------------

@@ -176,7 +176,9 @@ class Membership:
         takes part in this round's all-reduce has started it; return those members.
 
         A member takes part if it started the round before (it trains this round or waits for that exchange:
-        its record's averaging_round) or holds this round's boundary (it took the swarm's state there). One
+        its record's averaging_round) or holds this round's boundary (it took the swarm's state there), and
+        trained the round at all: one that took a later state (its first_round) trains on while the others
+        still exchange this round, and never comes (they waited round_wait for it). One
         still training an earlier round (a joiner a round behind, a peer catching up) would come a round late
         or never: waiting for it cost the others round_wait at every round it stayed behind. One that jumped
         past the round (took a later state) never comes.
@@ -195,7 +197,7 @@ class Membership:
                 said_sitting = True
                 logger.info("round %d: %s sit(s) it out (nothing to send): not waited for", round,
                             ", ".join(p[-8:] for p in sitting))  # fmt: skip
-            coming = [m for m in training if m.peer_id not in sitting
+            coming = [m for m in training if m.peer_id not in sitting and m.record.first_round <= round
                       and (m.record.averaging_round >= round - 1 or m.record.boundary == round)]  # fmt: skip
             late = [m.peer_id for m in coming if m.record.averaging_round < round]
             if not late or time.monotonic() >= deadline or give_up():

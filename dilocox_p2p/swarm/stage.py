@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 from hivemind.utils import get_dht_time
@@ -190,11 +191,15 @@ class SwarmStage:
         logger.log(logging.INFO if total > 2 else logging.DEBUG, "left the swarm in %.1f s: %s", total,
                    ", ".join(f"{name} {s:.1f}" for name, s in steps))
 
-    def set_state(self, boundary: int, *, ready: bool, training: bool | None = None) -> None:
+    def set_state(self, boundary: int, *, ready: bool, training: bool | None = None, taken: bool = False) -> None:
         """Tell joiners (averager) and members (heartbeat) where this worker's state is, and (if given)
-        whether it trains: members wait for workers that train, not for one that resyncs."""
+        whether it trains: members wait for workers that train, not for one that resyncs. `taken`: this worker
+        starts training at `boundary` (it started there or took the swarm's state of it), so no member waits
+        for it in the all-reduce of an earlier round (MemberRecord.first_round)."""
         self.averager.set_state_boundary(boundary, ready)
-        fields = {} if training is None else {"training": training}
+        fields: dict[str, Any] = {} if training is None else {"training": training}
+        if taken:
+            fields["first_round"] = boundary
         self.heartbeat.update(boundary=boundary, state_ready=ready, wait=False, **fields)
 
     def take_faults(self) -> dict[str, int]:

@@ -3,6 +3,9 @@
 `rpc_download_round` streams this worker's complete state at a boundary (theta_g, outer momentum and
 the average still pending, read from the host process), waiting up to the request's `wait_s` for it
 to be complete; a worker that moved on keeps the boundary a request waits for (`_kept_boundary`).
+A request may ask for part of it (StatePart): theta_g and momentum at once, naming the average still
+in flight instead of waiting for it (STATE_NOW), and later that average alone (STATE_PENDING), so
+that a joiner trains its first round while the average it applies at the round's end arrives.
 `_download_round` asks a donor for it and checks the reply (shapes, signed SHA-256) before anything
 is used. Runs in the averager process (DilocoxAverager, averager.py); signed as transfer.py says.
 """
@@ -41,7 +44,8 @@ class StateDownload:
     reason: str = ""
 
 
-StateProvider = Callable[[int], StageState | None]  # the complete state of a boundary, if held
+StateProvider = Callable[[int, bool], StageState | None]  # the state of a boundary, if held (complete, unless
+# the flag allows one whose pending average is still in flight: StageState.follows)
 
 
 class StateService:
@@ -61,6 +65,8 @@ class StateService:
             self._state_wanted.value += 1
         try:
             metadata, tensors, status = await self._wait_for_state(request, deadline)
+            if status == swarm_pb2.STATE_OK and request.part == swarm_pb2.STATE_PENDING:
+                tensors = tensors[2 * len(self._averaged_tensors) :]
         finally:
             with self._state_wanted.get_lock():
                 self._state_wanted.value -= 1
@@ -76,7 +82,10 @@ class StateService:
             n_tensors=len(tensors),
             has_pending=metadata["pending"] is not None,
             sha256=digest,
+            pending_follows=metadata.get("follows", -1) >= 0,
         )
+        if header.pending_follows:
+            header.pending.CopyFrom(swarm_pb2.AverageInfo(round=metadata["follows"]))
         if metadata["pending"] is not None:
             p = metadata["pending"]
             header.pending.CopyFrom(
@@ -94,31 +103,35 @@ class StateService:
     async def _wait_for_state(self, request: swarm_pb2.StateRequest, deadline: float) -> tuple[Any, Any, int]:
         """This worker's complete state at `request.boundary`: the current one once its pending average is
         in, or, if the worker moved on before the request was served (its all-reduce is slower than
-        training, or the request came late), the one it kept because a request was waiting."""
+        training, or the request came late), the one it kept because a request was waiting. STATE_NOW:
+        the current one at once, its pending average left out while in flight."""
+        now = request.part == swarm_pb2.STATE_NOW
         while True:
             boundary, ready, kept = self._boundary.value, self._state_ready.value, self._kept_boundary.value
             if boundary > request.boundary and kept != request.boundary:
                 return None, None, swarm_pb2.STATE_GONE
-            if (boundary == request.boundary and ready) or kept == request.boundary:
-                metadata, tensors = await self._fetch_state(request.boundary)
+            if (boundary == request.boundary and (ready or now)) or kept == request.boundary:
+                metadata, tensors = await self._fetch_state(request.boundary, now=now)
                 if metadata.get("boundary", -1) == request.boundary:
                     return metadata, tensors, swarm_pb2.STATE_OK
             if time.monotonic() >= deadline:
                 return None, None, swarm_pb2.STATE_NOT_READY
             await asyncio.sleep(0.2)
 
-    async def _fetch_state(self, boundary: int) -> tuple[dict[str, Any], Sequence[torch.Tensor]]:
+    async def _fetch_state(self, boundary: int, *, now: bool = False) -> tuple[dict[str, Any], Sequence[torch.Tensor]]:
         """The host's copy of its complete state of `boundary` (metadata {"boundary": -1} if it holds none).
         Asking for the boundary, not for "the current state", matters once the worker moved on: its newer
         state may be complete too, and a copy of it would not do for a request waiting for the kept one."""
         if self._state_fetch is None:
             self._state_fetch = asyncio.Lock()
         async with self._state_fetch:
-            self._state_asked.value = boundary
+            self._state_asked.value, self._state_now.value = boundary, now
             blob, tensors, _ = await self._get_current_state_from_host_process()
         return self.serializer.loads(blob), tensors
 
-    async def _download_round(self, peer_id: str, boundary: int, wait_s: float, timeout: float, future: MPFuture) -> None:
+    async def _download_round(
+        self, peer_id: str, boundary: int, wait_s: float, timeout: float, part: int, future: MPFuture
+    ) -> None:
         try:
             request = swarm_pb2.StateRequest(
                 run_id=self.run_id,
@@ -126,6 +139,7 @@ class StateService:
                 stage=self.stage,
                 boundary=boundary,
                 wait_s=wait_s,
+                part=part,
             )
             sealed = self.signer.seal_message(request, topic=peer_id, round=boundary)
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
@@ -133,7 +147,7 @@ class StateService:
             limits = self._reply_limits(wait_s, timeout + wait_s)
             reply = await read_stream(stream, max_bytes=self._tensor_bytes(3), **limits)
             header = self._open_head(reply, swarm_pb2.StateHeader, peer_id, sealed)
-            future.set_result(self._state_from(header, reply, peer_id))
+            future.set_result(self._state_from(header, reply, peer_id, part))
         except (WireRejected, Oversized) as e:
             if not future.done():
                 future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=f"refused: {e}"))
@@ -141,15 +155,19 @@ class StateService:
             if not future.done():
                 future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=repr(e)[:200]))
 
-    def _state_from(self, header: swarm_pb2.StateHeader, reply: Reply, donor: str) -> StateDownload:
+    def _state_from(self, header: swarm_pb2.StateHeader, reply: Reply, donor: str, part: int) -> StateDownload:
+        """The state a reply holds (STATE_PENDING: only its pending average, theta_g and momentum empty)."""
         tensors = reply.tensors
         if header.status != swarm_pb2.STATE_OK:
             return StateDownload(status=header.status, boundary=header.boundary, donor=donor, reason=header.reason)
-        n = len(self._averaged_tensors)
+        if header.pending_follows and (part != swarm_pb2.STATE_NOW or header.has_pending):
+            return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="refused: a pending average "
+                                 "left out of a reply that had to hold it")  # fmt: skip
+        n = 0 if part == swarm_pb2.STATE_PENDING else len(self._averaged_tensors)
         pending_like = self._of_round(header.pending.round, self._averaged_tensors) if header.has_pending else []
         if len(tensors) != header.n_tensors or len(tensors) != 2 * n + len(pending_like):
             return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="truncated or malformed reply")
-        like = [*self._averaged_tensors, *self._averaged_tensors, *pending_like]
+        like = [*self._averaged_tensors[:n], *self._averaged_tensors[:n], *pending_like]
         if not same_shapes(tensors, like):  # before the hash: a reply cut short is a failure, not a fault
             return StateDownload(status=-1, boundary=header.boundary, donor=donor, reason="the tensors do not fit this stage")
         if reply.sha256 != header.sha256:
@@ -165,7 +183,8 @@ class StateService:
                 group=tuple(p.group),
             )
             pending = PendingAverage(p.round, average)
-        state = StageState(header.boundary, tensors[:n], tensors[n : 2 * n], pending)
+        follows = header.pending.round if header.pending_follows else -1
+        state = StageState(header.boundary, tensors[:n], tensors[n : 2 * n], pending, follows=follows)
         return StateDownload(
             status=swarm_pb2.STATE_OK, boundary=header.boundary, donor=donor, state=state, state_hash=header.state_hash
         )

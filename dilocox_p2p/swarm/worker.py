@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import injection, startup
-from ..average import Average, Averager, AverageKind, average_hash
+from ..average import Average, Averager, AverageKind, applies_nothing, average_hash
 from ..round_outcome import RoundOutcome
 from ..logs import set_log_context
 from ..state import StageState
@@ -73,7 +73,8 @@ class SwarmStageWorker(StageWorker):
                 self.swarm = start(lead_maddrs[0])
         set_log_context(peer=self.swarm.peer_id)
         startup.mark("dht")
-        self._offered = -1  # the boundary whose state joiners may download (its round record is out)
+        self._offered = -1  # the boundary whose complete state joiners may download (its round record is out)
+        self._announced = -1  # the boundary whose round record is out (STATE_NOW: its state, pending average apart)
         self._leave_by: float | None = None  # time.monotonic() by which it leaves after the last round
         self._final_probed = False  # whether the members silent at the final round were probed (_all_hold)
         self._last_boundary = time.monotonic()  # when this worker last reached a boundary (or started)
@@ -85,16 +86,17 @@ class SwarmStageWorker(StageWorker):
         lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
         return self.swarm
 
-    def offered_state(self, boundary: int) -> StageState | None:
+    def offered_state(self, boundary: int, now: bool = False) -> StageState | None:
         """The complete state of `boundary` a joiner may download, if this worker holds one: the one kept
         past its boundary for a waiting joiner, or the current one once offered (announced, so that a
-        joiner always finds the round record to check it against)."""
+        joiner always finds the round record to check it against). `now`: the current one once announced,
+        its pending average left out while in flight (StageState.follows)."""
         kept = self._kept
         if kept is not None and kept.boundary == boundary:
             return kept
-        if boundary != self._offered:
+        if boundary != (self._announced if now else self._offered):
             return None
-        state = self.outer.state()
+        state = self.outer.state(now=now)
         return state if state is not None and state.boundary == boundary else None
 
     def _keep_for_joiner(self) -> None:
@@ -166,7 +168,7 @@ class SwarmStageWorker(StageWorker):
             if self.lead:
                 logger.info("%d peers in the run (waited for %d)", min(counts), self.cfg.swarm.min_peers)
         joined = self._join(start)
-        self.swarm.set_state(joined, ready=False, training=True)  # members wait for this worker from now on
+        self.swarm.set_state(joined, ready=False, training=True, taken=True)  # members wait for it from now on
         self._publish(joined)
         if quorum and joined == start:  # ... then every one of them trains, and they start round `start` together
             swarm.membership.wait_until_training(quorum, timeout=self.cfg.swarm.round_wait, give_up=self._stop.is_set)
@@ -288,13 +290,30 @@ class SwarmStageWorker(StageWorker):
         self.swarm.exchanges.abandon_before(download.boundary)
         self.swarm.agreement.forget()
         self.swarm.membership.forgive()  # its own failures, not the others' (a frozen peer suspects everyone)
-        self.outer.load_state(download.state)
+        follows: Future[Average] | None = None
+        if download.state.follows >= 0:  # it trains while the average in flight at the donor arrives
+            follows = Future()
+            donors = [m.peer_id for m in self.swarm.membership.donors()]
+            threading.Thread(target=self._take_pending, args=(download, donors, follows), name="pending",
+                             daemon=True).start()  # fmt: skip
+        self.outer.load_state(download.state, follows)
         for codec in self.swarm.codecs:
             codec.reset()  # its error feedback was measured against a state it left
-        self.swarm.set_state(download.boundary, ready=False, training=True)
-        self.swarm.faults.count(reason, "took the state of round %d from %s (hash %s; this worker was at round %d)",
-                                download.boundary, download.donor, download.state_hash[:12], was)
+        self.swarm.set_state(download.boundary, ready=False, training=True, taken=True)
+        apart = f"; the average of round {download.state.follows} follows" if follows is not None else ""
+        self.swarm.faults.count(reason, "took the state of round %d from %s (hash %s; this worker was at round %d%s)",
+                                download.boundary, download.donor, download.state_hash[:12], was, apart)  # fmt: skip
         self._publish(download.boundary)
+
+    def _take_pending(self, taken: StateDownload, donors: list[str], follows: Future[Average]) -> None:
+        """Resolve `follows` with the average the state taken left out (Agreement.fetch_pending), whatever happens."""
+        try:
+            average = self.swarm.agreement.fetch_pending(taken, donors, self._stop.is_set)
+        except Exception as e:  # the averager stopped with the worker, or a bug: never leave the boundary waiting
+            note = f"the average of round {taken.state.follows if taken.state else -1} could not be taken: {e!r}"
+            logger.warning("%s", note)
+            average = applies_nothing(AverageKind.STRANDED, note, 0.0)
+        follows.set_result(average)
 
     # ----- boundaries ---------------------------------------------------------------------------------
     def on_boundary(self, boundary: int, outcome: RoundOutcome) -> tuple[int, bool]:
@@ -419,6 +438,7 @@ class SwarmStageWorker(StageWorker):
             coverage=outcome.coverage if outcome is not None else 1.0,
             kind=average.kind.value if average is not None else "",
         )
+        self._announced = boundary
         future = self.outer.pending_future()
         if future is not None and not future.done():
             self.swarm.set_state(boundary, ready=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -432,6 +433,36 @@ def test_a_peer_that_takes_the_swarms_state_starts_from_theta_g_without_a_correc
     assert _start(loop) != pytest.approx(_theta(loop))
     loop.load_state(loop.state())
     assert _start(loop) == _theta(loop)
+
+
+def test_a_joiner_takes_theta_g_while_the_average_is_in_flight_and_applies_it_when_it_follows():
+    """STATE_NOW: the donor's state at its boundary, the average of the round before left out while in
+    flight; the joiner trains on it and its next boundary waits for that average as for its own."""
+    donor = _make_loop("delayed", RecordingAverager(scale=0.5))
+    for t in range(2):
+        _train_inner(donor, t)
+        donor.end_round(t)
+    assert donor.state() is None  # round 1's average is in flight: no complete state to serve
+    now = donor.state(now=True)
+    assert now.boundary == 2 and now.follows == 1 and now.pending is None and now.hash() == donor.hash()
+    joiner = _make_loop("delayed", RecordingAverager(scale=0.5))
+    with pytest.raises(ValueError, match="needs it to follow"):
+        joiner.load_state(now)
+    follows = Future()
+    joiner.load_state(now, follows)
+    assert joiner.state() is None and joiner.state(now=True).follows == 1
+    for loop in (donor, joiner):
+        _train_inner(loop, 2)
+    applied = donor.end_round(2).applied[0]
+    assert applied.round == 1
+    ended = threading.Thread(target=joiner.end_round, args=(2,))
+    ended.start()
+    ended.join(timeout=0.3)
+    assert ended.is_alive()  # the boundary waits for the average that follows
+    follows.set_result(applied.average)
+    ended.join(timeout=10)
+    assert not ended.is_alive() and joiner.boundary == donor.boundary == 3
+    assert joiner.hash() == donor.hash()
 
 
 def test_the_mode_defaults_follow_the_measurements():

@@ -1,0 +1,95 @@
+"""A state download between two real averager processes on loopback: a joiner takes theta_g and the
+momentum at once while the donor's pending average is in flight (STATE_NOW), then that average alone
+once the donor has it (STATE_PENDING); a request for the whole state still waits for it.
+
+    pytest tests/swarm/test_state_download.py -q
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from dilocox_p2p.average import Average, AverageKind
+from dilocox_p2p.state import PendingAverage, StageState
+from dilocox_p2p.swarm.averager import DilocoxAverager
+from dilocox_p2p.wire import swarm_pb2
+from tests.helpers.signed import signed_node
+
+pytestmark = pytest.mark.swarm
+
+SHAPES = [(300, 200), (5000,), (7,)]
+BOUNDARY = 6
+
+
+class Donor:
+    """The host side of a worker at BOUNDARY whose average of round BOUNDARY - 1 is still in flight."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(3)
+        self.theta = [torch.randn(s, generator=gen) for s in SHAPES]
+        self.momentum = [torch.randn(s, generator=gen) for s in SHAPES]
+        self.average = Average(AverageKind.AVERAGED, [torch.randn(s, generator=gen) for s in SHAPES], group=("a", "b"))
+        self.ready = False
+
+    def offered_state(self, boundary: int, now: bool = False) -> StageState | None:
+        if boundary != BOUNDARY:
+            return None
+        if self.ready:
+            return StageState(BOUNDARY, self.theta, self.momentum, PendingAverage(BOUNDARY - 1, self.average))
+        return StageState(BOUNDARY, self.theta, self.momentum, follows=BOUNDARY - 1) if now else None
+
+
+@pytest.fixture
+def pair():
+    first = signed_node("sd")
+    nodes = [first, signed_node("sd", initial_peers=first[0].get_visible_maddrs())]
+    averagers = [
+        DilocoxAverager(
+            [torch.zeros(s) for s in SHAPES], dht, run_id="sd", config_hash="0" * 64, stage=0, prefix="sd_s0",
+            start=True, min_group_size=2, min_matchmaking_time=5.0, request_timeout=5.0, allreduce_timeout=30.0,
+            next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
+        )  # fmt: skip
+        for dht, signer, gate in nodes
+    ]
+    yield averagers, [dht.peer_id.to_base58() for dht, _, _ in nodes]
+    for averager in averagers:
+        averager.shutdown()
+    for dht, _, _ in nodes:
+        dht.shutdown()
+
+
+def test_a_joiner_takes_the_state_at_once_and_the_pending_average_once_the_donor_has_it(pair):
+    (joiner, donor_averager), (_, donor_id) = pair
+    donor = Donor()
+    donor_averager.set_state_provider(donor.offered_state)
+    donor_averager.set_state_boundary(BOUNDARY, ready=False)
+
+    whole = joiner.download_round(donor_id, BOUNDARY, wait_s=0.5, timeout=10.0)
+    assert whole.status == swarm_pb2.STATE_NOT_READY, whole  # the whole state waits for the average
+
+    started = time.monotonic()
+    now = joiner.download_round(donor_id, BOUNDARY, wait_s=10.0, timeout=10.0, part=swarm_pb2.STATE_NOW)
+    assert now.status == swarm_pb2.STATE_OK and time.monotonic() - started < 5.0, now
+    assert now.state.follows == BOUNDARY - 1 and now.state.pending is None
+    assert all(torch.equal(a, b) for a, b in zip(now.state.theta_g, donor.theta))
+    assert all(torch.equal(a, b) for a, b in zip(now.state.momentum, donor.momentum))
+    assert now.state_hash == now.state.hash()
+
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(joiner.download_round, donor_id, BOUNDARY, wait_s=30.0, timeout=10.0,
+                            part=swarm_pb2.STATE_PENDING)  # fmt: skip
+        while not donor_averager.state_wanted():  # the request waits in the donor's averager process
+            assert not asked.done(), asked.result()
+            time.sleep(0.05)
+        donor.ready = True
+        donor_averager.set_state_boundary(BOUNDARY, ready=True)
+        pending = asked.result(timeout=60)
+    assert pending.status == swarm_pb2.STATE_OK, pending
+    assert pending.state.theta_g == [] and pending.state.momentum == []  # the average alone
+    assert pending.state_hash == now.state_hash and pending.state.pending.round == BOUNDARY - 1
+    assert pending.state.pending.average.kind is AverageKind.AVERAGED
+    assert all(torch.equal(a, b) for a, b in zip(pending.state.pending.average.tensors, donor.average.tensors))
