@@ -29,6 +29,9 @@ Hostile peers (docs/security.md), which skip this peer's own checks:
 - `send_nan_average:round=R:stage=S` makes stage S's reducer hand NaN averages to the others.
 - `flip_served_bit:stage=S` flips one bit of every compressed message and average stage S
   serves to another member (after signing it, as a faulty relay or link would).
+- `equivocate_reduced:stage=S` makes stage S's reducer serve each member that asks for one of its
+  reduced parts of the compressed butterfly other bytes (a bit flipped, another one for each)
+  behind a digest it signs for them, and keep the true part itself (a reducer lying to its group).
 - `cut_served_message:stage=S:serve=K` ends the K-th compressed message stage S serves halfway
   through (as a connection reset mid-reply reads in hivemind: a clean end of the stream); without
   `serve`, every one.
@@ -52,6 +55,7 @@ KNOWN = (
     "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "skip_adopting",
     "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "flip_served_bit", "cut_served_message",
+    "equivocate_reduced",
     "speak_other_protocol", "ignore_admission",
 )  # fmt: skip
 
@@ -80,6 +84,13 @@ def armed(name: str, *, quiet: bool = False, **context: object) -> bool:
 def flip_last_bit(blob: bytes) -> bytes:
     """`flip_served_bit`: the bytes with the lowest bit of the last one flipped."""
     return blob[:-1] + bytes([blob[-1] ^ 1])
+
+
+def flip_middle_bit(blob: bytes, offset: int = 0) -> bytes:
+    """`equivocate_reduced`: the bytes with the lowest bit of the one `offset` past the middle flipped (a value,
+    not the framing)."""
+    i = min(len(blob) // 2 + offset, len(blob) - 1)
+    return blob[:i] + bytes([blob[i] ^ 1]) + blob[i + 1 :]
 
 
 def kill_peer(reason: str) -> None:

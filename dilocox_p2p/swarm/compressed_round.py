@@ -80,6 +80,7 @@ class CompressedRound:
         codec = self.stage.codec_for(self.round)
         assert codec is not None
         round_codec = codec.begin(self.round, self.tensors)
+        self._digests: list[bytes] = []  # the reducers' signed digests of the reduced parts assembled (phase 5)
         low_rank = codec.cfg.kind == "lowrank"  # encoded once the group formed, at the ranks most members named
         message = b"" if low_rank else round_codec.message(1)
         self.clock.mark("encode")
@@ -120,10 +121,12 @@ class CompressedRound:
                 result, group=[p for p in group if p not in banned], missing=assembled.missing,
                 failed_reducers=[group[i] for i in assembled.refused], bytes_sent=sent, bytes_received=received,
             )  # fmt: skip
-            average = dataclasses.replace(self._mend(holed, tensors=assembled.tensors), group=used)
+            average = dataclasses.replace(self._mend(holed, tensors=assembled.tensors), group=used,
+                                          digests=tuple(self._digests))  # fmt: skip
         else:
             average = Average(kind=kind, tensors=assembled.tensors, group=used, bytes_sent=sent, bytes_received=received,
-                              window=(self._window_start, time.time()), group_id=result.group_id)  # fmt: skip
+                              window=(self._window_start, time.time()), group_id=result.group_id,
+                              digests=tuple(self._digests))  # fmt: skip
         self._log(average, expected=expected)
         return self._agree(average, voters=group)  # the whole group votes, also members left out
 
@@ -156,7 +159,8 @@ class CompressedRound:
         self._hold(tensors, AverageKind.AVERAGED, used, result.group_id)
         average = Average(kind=AverageKind.AVERAGED, tensors=tensors, group=used, bytes_sent=sent, bytes_received=received,
                           window=(self._window_start, time.time()), group_id=result.group_id,
-                          note=f"{holes} reduced part(s) missing (zeros)" if holes else "")  # fmt: skip
+                          note=f"{holes} reduced part(s) missing (zeros)" if holes else "",
+                          digests=tuple(self._digests))  # fmt: skip
         self._log(average, expected=expected)
         return self._agree(average, voters=group)
 
@@ -179,6 +183,7 @@ class CompressedRound:
                                               group_id=group_id, timeout=self.sw.allreduce_timeout)  # fmt: skip
         for peer, reason in gathered.offenders.items():
             self.stage.strike(peer, f"round {self.round} phase {phase} reduced parts: {reason}")
+        self._digests.extend(d for d in gathered.digests if d is not None)
         self.clock.mark(marks[0])
         assembled = assemble(round_codec, gathered.messages, spans=spans, own=own, phase=phase)
         self.clock.mark(marks[1])

@@ -43,6 +43,7 @@ from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' 
 from hivemind.p2p import P2PContext, PeerID
 
 from .. import injection
+from ..compression.butterfly import REDUCED
 from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
@@ -73,6 +74,8 @@ class GatherResult:
     """Members that served a message that failed its author's digest, and why."""
     outsiders: list[str] = field(default_factory=list)
     """Members that answered they are in no such group (OUTSIDE): alive, their message never existed."""
+    digests: list[bytes | None] = field(default_factory=list)
+    """All-gathers: each message's author's signed digest, in group order (None: never received)."""
 
 
 class MessageGather:
@@ -88,6 +91,7 @@ class MessageGather:
 
     def _init_gather(self, max_message_bytes: int) -> None:
         self._my_id = ""  # this worker's peer id, known once the averager process runs
+        self._equivocated: dict[tuple[bytes, int], int] = {}  # fault injection (equivocate_reduced): parts served
         # (group, phase) -> (sender, part) -> (message, the author's signed MessageDigest); part 0 is a whole
         # message, part i + 1 the part of it for the group's reducer i (the compressed butterfly)
         self._inbox: collections.OrderedDict[tuple[bytes, int], dict[tuple[str, int], tuple[bytes, bytes]]] = (
@@ -134,6 +138,7 @@ class MessageGather:
                 if reason.startswith("refused"):
                     result.offenders[holder] = reason
         result.messages = [box[(p, 0)][0] if (p, 0) in box else None for p in peers]
+        result.digests = [box[(p, 0)][1] if (p, 0) in box else None for p in peers]
         result.outsiders = sorted(outsiders)
         result.bytes_sent = await self._delivered_to(answered, group_id, phase, deadline)
         return result
@@ -290,6 +295,11 @@ class MessageGather:
         blob, digest = held
         if injection.armed("flip_served_bit", stage=self.stage):
             blob = injection.flip_last_bit(blob)
+        if request.sender == self._my_id and request.phase >= REDUCED and \
+                injection.armed("equivocate_reduced", stage=self.stage):  # fmt: skip
+            served = self._equivocated[key] = self._equivocated.get(key, -1) + 1
+            blob = injection.flip_middle_bit(blob, served)  # other bytes for each, behind a digest signed for them
+            digest = self._sealed_digest(request.group_id, request.phase, request.part, blob)
         self._messages_served += 1
         if injection.armed("cut_served_message", stage=self.stage, serve=self._messages_served):
             blob = blob[: len(blob) // 2]  # then the stream ends, as a connection reset mid-reply reads

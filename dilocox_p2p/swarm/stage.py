@@ -225,6 +225,18 @@ class SwarmStage:
             self.gate.ban([peer_id])
             self.membership.ban([peer_id])
 
+    def convict(self, peer_id: str, reason: str) -> None:
+        """`peer_id` is proven to have lied (two different messages it signed for one purpose): struck and banned
+        for the rest of the run at once, logged with the proof."""
+        if peer_id == self.peer_id or peer_id in self.membership.banned():
+            return
+        self.strikes[peer_id] += 1
+        self.faults.count("contributions_refused", "%s proven to lie (strike %d, banned at once): %s",
+                          peer_id, self.strikes[peer_id], reason)  # fmt: skip
+        self.faults.count("peers_banned", "banned %s for the rest of the run: %s", peer_id, reason, level=logging.ERROR)
+        self.gate.ban([peer_id])
+        self.membership.ban([peer_id])
+
     # ----- the Averager protocol ---------------------------------------------------------------------
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:
         if injection.armed("nan_pseudo_gradient", round=round, stage=self.stage):

@@ -17,6 +17,7 @@ from .. import injection
 from ..average import Average, AverageKind, average_hash, intersect_spans, spans_by_tensor
 from ..wire import swarm_pb2
 from .agreement import held_by_most, majority_hash
+from .equivocation import equivocators
 
 __all__ = ["AGREE_POLL_S", "GroupVote"]
 
@@ -60,7 +61,8 @@ class GroupVote:
         if me in voters:
             self._announce(average, mine)
         records = self._group_records(average.group_id, voters, mine if me in voters else None)
-        hashes = {p: r.average_hash for p, r in records.items()}
+        convicted = self._convict_equivocators(average, records)
+        hashes = {p: r.average_hash for p, r in records.items() if p not in convicted}  # a liar votes no more
         if me in voters:
             hashes[me] = mine
         winner = majority_hash(hashes, self.stage.records.rank)
@@ -81,16 +83,27 @@ class GroupVote:
             "majority (%d of %d hold %s): took theirs (%s, %.1f%%)", self.round, average.kind.value,
             100 * average.coverage, len(holders), len(hashes), winner[:12], adopted.kind.value, 100 * adopted.coverage,
         )  # fmt: skip
-        if me in voters:
-            self._announce(adopted, winner)  # members still deciding count this worker in the majority now
+        if me in voters:  # members still deciding count this worker in the majority now; the digests it got stay
+            self._announce(dataclasses.replace(adopted, digests=average.digests), winner)
         return adopted
 
     def _announce(self, average: Average, average_hash_: str) -> None:
+        """Publish this worker's copy's hash (AverageRecord), with the reducers' digests of what it was sent."""
         record = swarm_pb2.AverageRecord(
             round=self.round, group_id=average.group_id, average_hash=average_hash_, kind=average.kind.value,
-            missing=[swarm_pb2.Span(start=a, end=b) for a, b in average.missing],
+            missing=[swarm_pb2.Span(start=a, end=b) for a, b in average.missing], reduced_digests=average.digests,
         )  # fmt: skip
         self.stage.records.publish_average(record)
+
+    def _convict_equivocators(self, average: Average, records: dict[str, swarm_pb2.AverageRecord]) -> set[str]:
+        """A reducer whose signed digests of one reduced part differ between this worker's copy and another
+        member's announced one sent them different bytes: proven, it is banned (equivocation.py) and its own
+        copy does not vote; phase 5 then gives the others one copy as it does for any split. Returns who was."""
+        digests = [*average.digests, *(d for r in records.values() for d in r.reduced_digests)]
+        proven = equivocators(self.stage.gate, average.group_id, digests)
+        for reducer, proof in proven.items():
+            self.stage.convict(reducer, f"round {self.round}: {proof}")
+        return set(proven)
 
     def _group_records(self, group_id: bytes, voters: set[str], mine: str | None) -> dict[str, swarm_pb2.AverageRecord]:
         """The other voters' AverageRecords for `group_id`, read until the majority is settled (this worker's

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from dilocox_p2p.cli.__main__ import main as cli
+from dilocox_p2p.identity import peer_id_of, worker_identity
 from dilocox_p2p.wire import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.swarm
@@ -125,6 +126,26 @@ def test_a_bit_flipped_message_is_refused_and_a_peer_speaking_another_protocol_i
         assert f"protocol version {theirs}" in log, "the other protocol's records were not refused with the reason"
         assert _faults(peer, "contributions_refused") >= 1 and _faults(peer, "peers_banned") == 1
     assert all(r["group_size"] <= 2 for r in honest[0].metrics()), "a tampered message was averaged"
+
+
+def test_a_reducer_that_sends_members_different_bytes_is_proven_by_its_own_digests_and_banned(swarm):
+    # The liar serves each member its reduced part with another bit flipped, behind a digest it signs for those
+    # very bytes: nothing was altered on the way, so no single copy shows it. Side by side in phase 5 (each
+    # member announces the digests its copy was assembled from), two digests it signed for one part prove it.
+    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "6", "--min-peers", "3", "--compression", "int8")
+    honest = [swarm.start_peer(*args), swarm.start_peer(*args)]
+    liar = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "equivocate_reduced:stage=0"})
+    for peer in honest:
+        assert peer.wait(timeout=300) == 0, peer.output()
+    liar.kill()
+
+    _agree(*honest)  # phase 5 gave both members one copy, whatever each was sent
+    liar_id = peer_id_of(worker_identity(liar.run_dir / "identity" / "stage0.ed25519"))
+    for peer in honest:
+        log = peer.stage_log(0)
+        assert f"{liar_id} proven to lie" in log and "it signed two different reduced parts" in log, log[-3000:]
+        assert _faults(peer, "peers_banned") == 1
+    assert all(r["group_size"] <= 2 for r in honest[0].metrics()[1:]), "the proven liar was averaged with again"
 
 
 def test_a_message_cut_short_on_the_way_is_asked_again_and_never_costs_its_author_a_strike(swarm):
