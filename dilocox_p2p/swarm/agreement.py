@@ -116,6 +116,7 @@ class Agreement:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run_checks, name="hash-checks", daemon=True)
+        self.donors_at = -1  # the newest boundary a donor said it was at when it no longer held the one asked for
 
     def start(self) -> None:
         self._thread.start()
@@ -319,6 +320,8 @@ class Agreement:
         for donor in donors:
             got = self.averager.download_round(donor, boundary, wait_s=self.sw.allreduce_timeout,
                                                timeout=self.sw.state_timeout, part=swarm_pb2.STATE_NOW)  # fmt: skip
+            if got.status == swarm_pb2.STATE_GONE:  # its signed answer says where it is: ask for that next
+                self.donors_at = max(self.donors_at, got.boundary)
             if got.status != swarm_pb2.STATE_OK or got.state is None:
                 status = swarm_pb2.StateStatus.Name(got.status) if got.status >= 0 else "error"
                 self.faults.count("downloads_failed", "state of round %d not taken from %s: %s (donor at %d) %s",

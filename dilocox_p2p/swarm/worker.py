@@ -229,10 +229,11 @@ class SwarmStageWorker(StageWorker):
 
         The stages first agree on the target: the newest boundary any of their donors announced. Each
         then asks its donors (holders of the majority hash first) for the state of exactly that
-        boundary: a donor serves it once its pending average is in, or, if it moved on meanwhile, the
-        copy it kept because the request was waiting. After a stage missed the target (its donors had
-        moved past it), the stages aim one boundary beyond the newest announced, which donors serve on
-        reaching it. Asking each for "a state no older than" let the stages chase donors that moved on
+        boundary: a donor at it serves theta_g and momentum at once (the pending average follows,
+        `_install`), or, if it moved on meanwhile, the copy it kept because a request was waiting.
+        After a stage missed the target (its donors had moved past it), the stages aim at the newest
+        boundary a donor said it had reached (its signed STATE_GONE), or one beyond the newest
+        announced, which donors serve on reaching it. Asking each for "a state no older than" let the stages chase donors that moved on
         while they downloaded (one stage took a newer state than the other, round after round, until the
         run ended). If a stage could not get the target, all ask again. Returns the boundary the peer
         continues from, or None if nobody could serve a state. `reason` is the fault counter it counts
@@ -246,7 +247,12 @@ class SwarmStageWorker(StageWorker):
                 time.sleep(0.5 * attempt)
             self.swarm.membership.refresh()
             donors = [m for m in self.swarm.membership.donors() if m.record.boundary >= boundary]
+            # the newest boundary the donors' records announce, or one a donor said it had reached (records lag
+            # behind on a loaded DHT): a donor serves its current state at once, so that one is asked for as is
+            told = max(self._all_gather(self.swarm.agreement.donors_at))
             newest = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
+            if told > newest:
+                newest, ahead = told, 0
             if newest < boundary:
                 continue  # the others' records may not show this boundary yet
             target = min(newest + ahead, self.rounds)
