@@ -22,7 +22,9 @@ p2p daemon), corpus, joined (admission, start barrier, state download), first_st
 (the first round trained), first_group (matchmaking and the all-reduce of the first exchange in a
 group). Each scenario repeats --repeats times; the report holds every run and the median per phase.
 Targets (issue 41, 2 cores): lone_warm to the first inner step <= 3 s; joiner in a group <= 8 s;
-resume_busy back in a group <= 20 s. Writes benchmarks/results/startup.json and startup.png.
+resume_busy back in a group <= 20 s. Writes benchmarks/results/startup.json and startup.png, with
+`import_floor`: the stages' imports alone in a fresh interpreter, the part of every start no change of
+the peer's own removes, measured in the same run.
 """
 
 from __future__ import annotations
@@ -106,6 +108,19 @@ class Peer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
         self.log.close()
+
+
+FLOOR_MODULES = ("dilocox_p2p.stage_process", "torch.distributed.pipelining", "dilocox_p2p.swarm.worker")
+
+
+def import_floor(repeats: int, env: dict[str, str]) -> dict[str, Any]:
+    """The fork server's imports alone (launch._stage_modules of a 2-stage swarm peer), each in a fresh
+    interpreter: the part of `stage_process` no change to the peer's own start-up removes, on this machine."""
+    code = f"import time; t = time.perf_counter(); import {', '.join(FLOOR_MODULES)}; print(time.perf_counter() - t)"
+    seconds = [float(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
+                                    text=True).stdout) for _ in range(repeats)]  # fmt: skip
+    return {"modules": list(FLOOR_MODULES), "seconds": [round(x, 3) for x in seconds],
+            "median": round(statistics.median(seconds), 3)}  # fmt: skip
 
 
 def path_of(marks: list[dict[str, Any]], until: str) -> dict[str, float]:
@@ -284,9 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally-blocks stop every peer
     root = Path(tempfile.mkdtemp(prefix="dilocox-startup-"))
+    floor = import_floor(args.repeats, {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    print(f"[startup] the stages' imports alone (fresh interpreter): {floor['median']:.2f} s", flush=True)
     report = run(args, root)
     settings = {"repeats": args.repeats, "busy": args.busy, "peer_flags": PEER_FLAGS, "baselines": args.baseline}
-    path = write_result(args.name, {"scenarios": report, "settings": settings}, directory=args.out)
+    path = write_result(args.name, {"scenarios": report, "import_floor": floor, "settings": settings}, directory=args.out)
     plot(report, args.out / f"{args.name}.png")
     for name, result in report.items():
         target = result.get("target")
