@@ -21,6 +21,7 @@ neither write under a member's name nor add votes of its own.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -353,9 +354,14 @@ class Agreement:
             if not problem:
                 assert got.state is not None
                 pending = got.state.pending
-                return pending.average if pending is not None else applies_nothing(
-                    AverageKind.STRANDED, f"the stage group applies no average of round {state.follows}", 0.0
-                )  # fmt: skip
+                if pending is not None:
+                    return pending.average
+                # the donor's exchange of that round found no average (the stage group applies none): nobody is
+                # ahead, so this worker, applying none alike, must not resync for it (it would abandon its own
+                # exchange of the next round, and the donor, waiting for it there, would strand that one too)
+                nothing = applies_nothing(AverageKind.STRANDED, f"the stage group applies no average of round "
+                                          f"{state.follows}", 0.0)  # fmt: skip
+                return dataclasses.replace(nothing, stranded_alike=True)
             self.faults.count("downloads_failed", "the average of round %d not taken from %s: %s",
                               state.follows, donor, problem)  # fmt: skip
         note = f"the average of round {state.follows}, left out of the state of round {state.boundary}, could not be had"
