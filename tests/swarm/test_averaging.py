@@ -117,8 +117,13 @@ def test_streaming_peers_sync_one_fragment_at_a_time_and_hold_identical_theta_g_
             after = records[0]["fragment_hashes"][0]
             moved = [p for p in range(2) if before[p] != after[p]]
             assert moved == [t % 2], f"sync {t}: fragments {moved} moved"
-    full = [r for records in rounds.values() for r in records if r["kinds"] == ["averaged"] and r["group_size"] == 3]
-    assert len(full) >= 3 * last - 3, [(t, r["kinds"], r["group_sizes"]) for t, rs in rounds.items() for r in rs]
+    # every sync but at most one averaged all three members' whole pseudo-gradients: directly, or with parts that
+    # missed a member mended from the others to 100% (a busy-core run of the swarm tier: one member's parts mended
+    # in one sync, and in the next its matchmaking gave up while the others counted it in, which that one allows)
+    full = [r for records in rounds.values() for r in records
+            if r["kinds"][0] in ("averaged", "mended") and r["coverage"] == 1.0 and r["group_size"] == 3]  # fmt: skip
+    assert len(full) >= 3 * last - 3, [(t, r["kinds"], r["group_sizes"], r["coverage"]) for t, rs in rounds.items()
+                                       for r in rs]  # fmt: skip
     # each sync carries one fragment (about half the stage): a member sends 2 (N - 1) / N of it in the
     # butterfly (fp32: 1.33x the whole stage's bytes would be sent without fragments), or N - 1 fp4 messages
     # of about 4.25 bits per value (0.27x the whole stage's fp32 bytes without fragments)
