@@ -233,9 +233,9 @@ class SwarmStageWorker(StageWorker):
         `_install`), or, if it moved on meanwhile, the copy it kept because a request was waiting.
         After a stage missed the target (its donors had moved past it), the stages aim at the newest
         boundary a donor said it had reached (its signed STATE_GONE), or one beyond the newest
-        announced, which donors serve on reaching it. Asking each for "a state no older than" let the stages chase donors that moved on
-        while they downloaded (one stage took a newer state than the other, round after round, until the
-        run ended). If a stage could not get the target, all ask again. Returns the boundary the peer
+        announced, which donors serve on reaching it. Asking each for "a state no older than" let the
+        stages chase donors that moved on while they downloaded (one stage took a newer state than the
+        other, round after round, until the run ended). If a stage could not get the target, all ask again. Returns the boundary the peer
         continues from, or None if nobody could serve a state. `reason` is the fault counter it counts
         as: "repairs" or "catch_ups".
         """
