@@ -380,37 +380,43 @@ class Agreement:
         if pending is not None and pending.round != state.follows:
             return f"it served the average of round {pending.round}, not of round {state.follows}"
         try:
-            records = self.records.round_records(state.boundary)
+            records = self._voters_records(state.boundary)
         except Exception as e:
             return f"the stage group's round records could not be read: {e!r}"
-        voters = self.membership.voters()
-        want = majority_hash({p: r.pending_hash for p, r in records.items() if p in voters}, self.records.rank)
         if pending is None:
+            want = self._majority_pending(records)
             return "" if want is None else f"it served no average where the stage group announced {want[:12]}"
-        if want is None:
-            return f"no worker announced the average of round {state.follows}"
-        ours = got.state.pending_hash()
-        return "" if ours == want else f"its average {ours[:12]} is not the majority's {want[:12]}"
+        return self._pending_mismatch(records, got.state)
 
     def verify(self, state: StageState) -> str:
         """Why `state` is not what most of the stage group announced for its boundary ("" if it is)."""
         try:
-            records = self.records.round_records(state.boundary)
+            records = self._voters_records(state.boundary)
         except Exception as e:
             self.faults.count("lookups_failed", "round records of %d could not be read: %r", state.boundary, e)
             return "the stage group's round records could not be read"
-        voters = self.membership.voters()
-        records = {p: r for p, r in records.items() if p in voters}
         ours = state.hash()
         winner = majority_hash({p: r.state_hash for p, r in records.items()}, self.records.rank)
         if winner is None:
             return f"no worker announced a state for round {state.boundary}"
         if ours != winner:
             return f"its state hash {ours[:12]} is not the majority's {winner[:12]}"
-        if state.pending is not None:
-            pending = majority_hash({p: r.pending_hash for p, r in records.items()}, self.records.rank)
-            if pending is None:
-                return f"no worker announced the average of round {state.pending.round}"
-            if state.pending_hash() != pending:
-                return f"its pending average {state.pending_hash()[:12]} is not the majority's {pending[:12]}"
+        return self._pending_mismatch(records, state) if state.pending is not None else ""
+
+    def _voters_records(self, boundary: int) -> dict[str, swarm_pb2.RoundRecord]:
+        """The round records of `boundary` by the members that vote (raises if the lookup fails)."""
+        voters = self.membership.voters()
+        return {p: r for p, r in self.records.round_records(boundary).items() if p in voters}
+
+    def _majority_pending(self, records: dict[str, swarm_pb2.RoundRecord]) -> str | None:
+        return majority_hash({p: r.pending_hash for p, r in records.items()}, self.records.rank)
+
+    def _pending_mismatch(self, records: dict[str, swarm_pb2.RoundRecord], state: StageState) -> str:
+        """Why `state`'s pending average is not the one most of `records` announced ("" if it is)."""
+        assert state.pending is not None
+        pending = self._majority_pending(records)
+        if pending is None:
+            return f"no worker announced the average of round {state.pending.round}"
+        if state.pending_hash() != pending:
+            return f"its pending average {state.pending_hash()[:12]} is not the majority's {pending[:12]}"
         return ""

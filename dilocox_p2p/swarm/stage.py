@@ -220,10 +220,7 @@ class SwarmStage:
         self.faults.count("contributions_refused", "%s's contribution refused (strike %d of %d): %s",
                           peer_id, n, self.sw.ban_after, reason)  # fmt: skip
         if n == self.sw.ban_after:
-            self.faults.count("peers_banned", "banned %s for the rest of the run after %d strikes (last: %s)",
-                              peer_id, n, reason, level=logging.ERROR)  # fmt: skip
-            self.gate.ban([peer_id])
-            self.membership.ban([peer_id])
+            self._ban(peer_id, f"after {n} strikes (last: {reason})")
 
     def convict(self, peer_id: str, reason: str) -> None:
         """`peer_id` is proven to have lied (two different messages it signed for one purpose): struck and banned
@@ -233,7 +230,10 @@ class SwarmStage:
         self.strikes[peer_id] += 1
         self.faults.count("contributions_refused", "%s proven to lie (strike %d, banned at once): %s",
                           peer_id, self.strikes[peer_id], reason)  # fmt: skip
-        self.faults.count("peers_banned", "banned %s for the rest of the run: %s", peer_id, reason, level=logging.ERROR)
+        self._ban(peer_id, f"at once: {reason}")
+
+    def _ban(self, peer_id: str, why: str) -> None:
+        self.faults.count("peers_banned", "banned %s for the rest of the run %s", peer_id, why, level=logging.ERROR)
         self.gate.ban([peer_id])
         self.membership.ban([peer_id])
 
