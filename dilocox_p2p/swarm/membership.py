@@ -3,7 +3,8 @@
 Each worker heartbeats a `MemberRecord` (dht.py). A round's target group size is the
 number of live training members, so a group forms as soon as all of them are in, and a
 fast peer waits at most `round_wait` for a slow one. A member that failed in an
-all-reduce is *suspected*: not expected in the next groups until it heartbeats again.
+all-reduce is *suspected*: not expected in the next groups until it heartbeats again, or until a
+new life of it (restarted: a later `joined_at`) publishes a record.
 Admission: the oldest live member's config hash defines the run; member records are signed
 (dht.py), so only admitted keys are members at all, and only members vote on hashes.
 """
@@ -15,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
@@ -23,7 +25,7 @@ from ..wire import protocol_version
 from .dht import HEARTBEAT_S, MEMBER_TTL_S, Member, RunRecords
 from .faults import FaultCounter
 
-__all__ = ["Membership", "config_diff"]
+__all__ = ["Membership", "Suspicion", "config_diff", "suspected"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,26 @@ def config_diff(ours: str, theirs: str) -> list[str]:
     return diffs
 
 
+@dataclass(frozen=True)
+class Suspicion:
+    """A member failed in an all-reduce at DHT time `at`, in the life that joined at `joined_at` (None: unknown)."""
+
+    at: float
+    joined_at: float | None
+
+
+def suspected(member: Member, suspicion: Suspicion | None) -> bool:
+    """Whether `member` is still left out of groups for a failure: until it heartbeats again after it (a record
+    that expires a heartbeat later than one published at the failure), or until a new life of it publishes a
+    record. A peer restarted at once (a supervisor, --resume) kept the same key and would otherwise have been
+    left out for up to a heartbeat: several rounds of `tiny`, in which it only borrowed the others' average."""
+    if suspicion is None:
+        return False
+    if suspicion.joined_at is not None and member.record.joined_at != suspicion.joined_at:
+        return False  # another life: the failure was its predecessor's
+    return member.expiration < suspicion.at + MEMBER_TTL_S + HEARTBEAT_S
+
+
 class Membership:
     """This stage's live members, as of the last refresh (every HEARTBEAT_S seconds, or on demand)."""
 
@@ -52,7 +74,7 @@ class Membership:
         self.peer_id = records.peer_id
         self._lock = threading.Lock()
         self._members: list[Member] = []
-        self._suspects: dict[str, float] = {}  # peer id -> DHT time it failed in an all-reduce
+        self._suspects: dict[str, Suspicion] = {}  # peer id -> when it failed in an all-reduce, in which life
         self._gone: dict[str, float] = {}  # peer id -> joined_at of the life found gone (drop_gone); a restart is a new one
         self._refused: set[str] = set()
         self._banned: set[str] = set()
@@ -106,8 +128,7 @@ class Membership:
             and (m.record.training or not training_only)
             and (m.peer_id != self.peer_id or not others_only)
             and m.peer_id not in banned
-            # a peer that failed in an all-reduce counts again once it heartbeats after the failure
-            and (suspects_too or not (m.peer_id in suspects and m.expiration < suspects[m.peer_id] + MEMBER_TTL_S + HEARTBEAT_S))
+            and (suspects_too or not suspected(m, suspects.get(m.peer_id)))
         ]
 
     def ban(self, peer_ids: list[str]) -> None:
@@ -130,8 +151,9 @@ class Membership:
         """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again."""
         now = get_dht_time()
         with self._lock:
+            lives = {m.peer_id: m.record.joined_at for m in self._members}
             for peer_id in peer_ids:
-                self._suspects[peer_id] = now
+                self._suspects[peer_id] = Suspicion(now, lives.get(peer_id))
 
     def drop_gone(self, peer_ids: list[str], round: int) -> list[str]:
         """Probe `peer_ids` (members this worker waits for); the ones that are gone are no members any more (until

@@ -18,11 +18,13 @@ from dilocox_p2p import injection
 from dilocox_p2p.compression.codec import NOT_RECEIVED
 from dilocox_p2p.swarm import dial
 from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
-from dilocox_p2p.swarm.group_round import RoundResult
+from dilocox_p2p.swarm.dht import HEARTBEAT_S, MEMBER_TTL_S, Member
 from dilocox_p2p.swarm.exchange import gather_suspects, mending_order, suspects_after
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
+from dilocox_p2p.swarm.group_round import RoundResult
 from dilocox_p2p.swarm.held import AverageService, Collected
-from dilocox_p2p.swarm.membership import config_diff
+from dilocox_p2p.swarm.membership import Suspicion, config_diff, suspected
+from dilocox_p2p.wire import swarm_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -34,6 +36,22 @@ def test_the_majority_is_the_most_held_hash_and_a_tie_goes_to_the_smallest_peer_
     assert majority_hash({"z": "h1", "a": "h2", "b": "h2", "c": "h1"}) == "h2"
     assert majority_hash({"a": "", "b": "h3"}) == "h3"  # an empty hash (not known yet) does not vote
     assert majority_hash({}) is None and majority_hash({"a": ""}) is None
+
+
+def test_a_suspected_member_counts_again_once_it_heartbeats_after_its_failure_or_restarts_as_a_new_life():
+    failed_at, life = 1000.0, 900.0
+
+    def member(published_at: float, joined_at: float) -> Member:
+        return Member("b", swarm_pb2.MemberRecord(joined_at=joined_at), expiration=published_at + MEMBER_TTL_S)
+
+    suspicion = Suspicion(failed_at, joined_at=life)
+    assert not suspected(member(failed_at, life), None)
+    assert suspected(member(failed_at + 1, life), suspicion)  # a heartbeat that may have left before the failure
+    assert not suspected(member(failed_at + HEARTBEAT_S, life), suspicion)  # a heartbeat after it
+    # restarted at once with the same key (--resume): its new life counts from its first record
+    assert not suspected(member(failed_at + 1, failed_at + 0.5), suspicion)
+    # the life of the failure unknown (no record of it seen yet): only a later heartbeat counts
+    assert suspected(member(failed_at + 1, failed_at + 0.5), Suspicion(failed_at, joined_at=None))
 
 
 def test_a_member_mends_from_the_others_whose_reducers_delivered_first_and_never_asks_one_outside_the_group():
