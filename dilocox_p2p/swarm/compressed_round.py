@@ -67,7 +67,7 @@ class CompressedRound:
     membership: Any
     clock: Any
     _window_start: float
-    _all_reduce: Any
+    _grouped: Any
     _borrow: Any
     _agree: Any
     _hold: Any
@@ -84,7 +84,7 @@ class CompressedRound:
         low_rank = codec.cfg.kind == "lowrank"  # encoded once the group formed, at the ranks most members named
         message = b"" if low_rank else round_codec.message(1)
         self.clock.mark("encode")
-        result, failure = self._all_reduce(expected, payload=message, ranks=[codec.ranks[i] for i in codec.factored])
+        result, failure = self._grouped(expected, payload=message, ranks=[codec.ranks[i] for i in codec.factored])
         if self.abandoned():
             return applies_nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if result is not None and result.deferred:

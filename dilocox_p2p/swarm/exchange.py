@@ -165,18 +165,21 @@ class RoundExchange(CompressedRound, GroupVote):
             self.tensors = [t * 1000 for t in self.tensors]
 
     # ----- phase 2 -------------------------------------------------------------------------
-    def _grouped(self, expected: int) -> tuple[RoundResult | None, str]:
+    def _grouped(
+        self, expected: int, payload: bytes | None = None, ranks: Sequence[int] = ()
+    ) -> tuple[RoundResult | None, str]:
         """All-reduce with the stage group, and once more where matchmaking split asymmetrically: a leader counted
         in a follower that had given up on it, so that the follower holds no group and the leader a group of
         outsiders only. In a pair both ended without an average (stranded, seen in a shaped 2-peer swarm in CI);
         looking again, they find each other. The follower learns it at once (the leader's parts reach it), the
         leader only when the follower answers them, which may take the matchmaking's request_timeout and a second
         (the follower first waits for its own join requests in flight: averager._outside_group). Where the others
-        did average, the worker borrows their average as before."""
-        result, failure = self._all_reduce(expected)
+        did average, the worker borrows their average as before. A compressed round (`payload`, `ranks`) looks
+        again the same way: without it, a pair split so in its first round stranded both (CI, test_trust)."""
+        result, failure = self._all_reduce(expected, payload, ranks)
         if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup():
             logger.info("round %d: %s; looking for a group once more", self.round, failure)
-            result, failure = self._all_reduce(expected)
+            result, failure = self._all_reduce(expected, payload, ranks)
         return result, failure
 
     def _may_regroup(self) -> bool:

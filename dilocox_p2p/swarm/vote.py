@@ -136,12 +136,15 @@ class GroupVote:
         waiting for it held the round's average back for allreduce_timeout, and its own state download
         with it, 60 s of a restart). One found gone while this worker collected (nothing listens at its
         addresses: it died in the round) is not waited for at all: a member killed in a pair's all-reduce
-        held the survivor's round back a chunk timeout more."""
+        held the survivor's round back a chunk timeout more. Nor is one whose record says it began training
+        after this round (its first_round): a new life of a member killed in the round, restarted at once and
+        training again from the swarm's state, held the survivor's round back allreduce_timeout (30 s, CI)."""
         members = {m.peer_id: m for m in self.membership.members(others_only=False)}
         return {
             p for p in silent
             if p not in self._gone
             and not (p in members and self.membership.finished(members[p], self.round))
+            and not (p in members and members[p].record.first_round > self.round)
             and (waited < self.sw.chunk_timeout or (p in members and members[p].record.training))
         }  # fmt: skip
 

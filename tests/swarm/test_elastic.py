@@ -188,7 +188,9 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     resumed_rounds = {t: r for t, r in back().items() if t <= agreed_until}
     # until the restarted peer was back the survivor trained alone; a restart that takes the state at once (its
     # pending average follows while it trains) is back at the next boundary, and the survivor never is alone
-    assert all(r["kinds"] == ["alone", "alone"] for t, r in alone.items() if checkpointed < t <= min(resumed_rounds)), (
+    # (the victim died in the exchange of round 2, before or after it recorded round 2: the survivor's record of
+    # round 3, which applies that exchange, may be anything)
+    assert all(r["kinds"] == ["alone", "alone"] for t, r in alone.items() if 3 < t <= min(resumed_rounds)), (
         [(t, r["kinds"]) for t, r in sorted(alone.items())]
     )
     # the average of round 2 was in flight at the checkpoint: the restarted peer must take the swarm's state
@@ -198,6 +200,10 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     assert first["round"] >= checkpointed and first["faults"]["catch_ups"] >= 1, (
         "the restarted peer trained from its checkpoint, not the swarm's state"
     )
+    # nor did it wait out the deadline of phase 5 for the copy of a member that had died in the round (restarted
+    # at once, its new life never announces it: it held the survivor's round 2 back 30 s in CI)
+    waited_out = [line for i in range(2) for line in survivor.stage_log(i).splitlines() if "records in after" in line]
+    assert not waited_out, waited_out
     s = _hashes(survivor)
     common = [t for t in resumed_rounds if t in s]  # SIGTERM may stop the survivor a round earlier
     assert any(resumed_rounds[t]["group_sizes"] == [2, 2] for t in common)
