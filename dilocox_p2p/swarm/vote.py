@@ -111,6 +111,7 @@ class GroupVote:
         started = time.monotonic()
         deadline, others = started + self.sw.allreduce_timeout, voters - {self.stage.peer_id}
         records: dict[str, swarm_pb2.AverageRecord] = {}
+        probed = False
         while not self.abandoned():
             try:
                 found = self.stage.records.average_records(self.round)
@@ -119,8 +120,16 @@ class GroupVote:
                 self.stage.faults.count("lookups_failed", "round %d: the group's average records could not be read: %r",
                                         self.round, e)  # fmt: skip
             hashes = [r.average_hash for r in records.values()] + ([mine] if mine is not None else [])
-            if 2 * held_by_most(hashes) > len(voters) or not self._awaited(others - set(records), time.monotonic() - started):
+            waited = time.monotonic() - started
+            awaited = self._awaited(others - set(records), waited)
+            if 2 * held_by_most(hashes) > len(voters) or not awaited:
                 break
+            if not probed and waited >= self.sw.chunk_timeout:
+                # a member killed in the round whose copy this worker never had to ask for was not found gone while
+                # it collected, and its record still says it trains: probed once, it is not waited for either
+                probed = True
+                self._gone.update(self.membership.drop_gone(sorted(awaited), self.round))
+                continue
             if time.monotonic() >= deadline:
                 logger.info("round %d: %d of %d members' average records in after %.0fs; deciding with them",
                             self.round, len(records), len(voters), self.sw.allreduce_timeout)  # fmt: skip
