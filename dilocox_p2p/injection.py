@@ -18,6 +18,9 @@ Armed through the environment of the peer's processes, several separated by `;`:
   missed it, without asking the other members for them (its requests would all time out).
 - `skip_adopting:round=R:stage=S` makes stage S keep its own copy of round R's average when
   most of its group holds another, without downloading theirs (its requests would all fail).
+- `abandon_accepted:round=R:stage=S` makes stage S drop every group its leader began with it in
+  round R (BEGIN_ALLREDUCE), as a follower whose request_timeout ran out just before does: the
+  leader counted it in, the group runs with a member that never learnt of it, and it goes on looking.
 - `corrupt_state:round=R:stage=S` flips the lowest bit of theta_g's first value on stage S
   right after round R's outer step, as a memory error or a buggy peer would.
 - `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,
@@ -53,7 +56,7 @@ logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
     "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "skip_adopting",
-    "corrupt_state", "nan_pseudo_gradient",
+    "abandon_accepted", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "flip_served_bit", "cut_served_message",
     "equivocate_reduced",
     "speak_other_protocol", "ignore_admission",

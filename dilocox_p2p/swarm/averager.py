@@ -38,6 +38,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 
+from .. import injection
 from ..average import AverageKind, Spans
 from ..compression.lowrank import agreed_ranks
 from ..envelope import Gate, Signer
@@ -50,6 +51,7 @@ from .gather import GatherResult, MessageGather
 from .group_round import GroupRound, RoundResult
 from .held import AverageService, Collected, HeldAverage
 from .matchmaking import (
+    abandon_begun_groups,
     count_extra_followers,
     drop_stale_searches,
     hold_matchmaking_tasks,
@@ -326,6 +328,7 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
             hold_matchmaking_tasks(mm, self._stale_step)  # a cancelled step unwinds, and never looks again
             track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
             count_extra_followers(mm, self._count_extra)  # a follower the target did not count raises it
+            abandon_begun_groups(mm, self._abandons)  # fault injection only
             self._expected = None if expected is None else frozenset(expected)
             self._extras = set()
             mm.group_key_manager.group_bits = round_group_bits(round)
@@ -340,6 +343,9 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
             future.set_result(None)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
+
+    def _abandons(self) -> bool:
+        return injection.armed("abandon_accepted", quiet=True, round=self._current_round, stage=self.stage)
 
     async def _lower_target(self, round: int, target: int, future: MPFuture) -> None:
         try:  # the followers that joined beyond the expected members still count

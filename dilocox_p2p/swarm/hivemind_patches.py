@@ -53,6 +53,8 @@ PATCHES: dict[str, str] = {
     "Matchmaking._request_join_group": "wrapped (matchmaking.track_join_requests) to count requests in flight: a "
     "part that reaches a follower before its leader's ACCEPTED waits for that answer instead of BAD_GROUP_ID",
     "Matchmaking.request_timeout": "read: how long a part waits for a request in flight to end",
+    "Matchmaking.follower_assemble_group": "wrapped (matchmaking.abandon_begun_groups) for fault injection "
+    "`abandon_accepted` only: a follower drops the group its leader began with it",
     "Matchmaking._check_reasons_to_reject": "wrapped (matchmaking.count_extra_followers): a follower accepted that the "
     "round's target did not count (a suspect, alive after all) raises the target by one instead of taking the place "
     "of a member the target was counted for",
@@ -65,7 +67,8 @@ PATCHES: dict[str, str] = {
     "that answers BAD_GROUP_ID (it never joined the group); overridden to end the wait for missing senders "
     "once every sender started or is banned",
     "AllReduceRunner.all_senders_started / active_senders / banned_senders / sender_peer_ids": "read; the event set "
-    "as hivemind sets it once every sender has started",
+    "once every sender has started or is banned (hivemind's rpc_aggregate_part counts started ones only): a sender "
+    "is added to active_senders before hivemind's handler runs, and the event checked",
     # averaging/partition.py
     "TensorPartContainer._input_parts_by_peer": "read for each reducer's part sizes (missing spans)",
     "TensorPartContainer._outputs_registered_by_peer": "read when a reducer fails: its first undelivered part",

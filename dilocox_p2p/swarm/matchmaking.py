@@ -60,7 +60,7 @@ from concurrent.futures import InvalidStateError
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "lower_target",
+__all__ = ["abandon_begun_groups", "cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "lower_target",
            "outside_every_group", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,24 @@ def track_join_requests(matchmaking: Any) -> None:
             matchmaking._dilocox_joining -= 1
 
     matchmaking._request_join_group = request_join_group_tracked
+
+
+def abandon_begun_groups(matchmaking: Any, abandon: Callable[[], bool]) -> None:
+    """Wrap `matchmaking.follower_assemble_group` (once) for fault injection `abandon_accepted`: where `abandon()`
+    says so, a follower drops its leader's BEGIN_ALLREDUCE as if its request had timed out just before it: the
+    leader counted it into the group, and it goes on looking, never learning of that group."""
+    if getattr(matchmaking, "_dilocox_abandons", False):
+        return
+    matchmaking._dilocox_abandons = True
+    assemble = matchmaking.follower_assemble_group
+
+    async def assemble_unless_abandoned(leader: Any, message: Any) -> Any:
+        if abandon():
+            logger.warning("fault injection: abandon_accepted: dropped the group its leader began with this worker")
+            return None
+        return await assemble(leader, message)
+
+    matchmaking.follower_assemble_group = assemble_unless_abandoned
 
 
 def count_extra_followers(matchmaking: Any, extra: Callable[[str], bool]) -> None:
