@@ -17,7 +17,7 @@ from dilocox_p2p.proto_gen import envelope_pb2, swarm_pb2
 
 pytestmark = pytest.mark.swarm
 
-ROUND_WAIT, ALLREDUCE_TIMEOUT = 10.0, 30.0  # as in tests/helpers/peers.py
+ROUND_WAIT, CHUNK_TIMEOUT, ALLREDUCE_TIMEOUT = 10.0, 5.0, 30.0  # as in tests/helpers/peers.py
 
 
 def _hashes(peer):
@@ -294,7 +294,9 @@ def test_a_member_whose_matchmaking_fails_after_its_leader_counted_it_in_costs_t
         seconds = {t: r["allreduce_windows"][0][1] - r["allreduce_windows"][0][0] for t, r in rounds.items()}
         clean = sorted(seconds[t] for t in rounds if t not in hit)
         median = clean[len(clean) // 2]
-        # the waits this guards against are deadlines (5 s for senders, 10 s of matchmaking); a second more than
-        # twice the median absorbs the scheduling of sub-second exchanges on 2 loaded cores
-        assert all(seconds[t] <= 2 * median + 1.0 for t in hit), (median, {t: round(seconds[t], 2) for t in sorted(seconds)})
+        # the waits this guards against are deadlines (sender_timeout = chunk_timeout 5 s, round_wait 10 s): half a
+        # chunk timeout more than twice the median absorbs the scheduling of sub-second exchanges on 2 loaded cores
+        # (1.87 s against a median of 0.43 s with a core kept busy: no deadline in it) and stays below them
+        limit = 2 * median + CHUNK_TIMEOUT / 2
+        assert all(seconds[t] <= limit for t in hit), (median, {t: round(seconds[t], 2) for t in sorted(seconds)})
         assert all(rounds[t]["stage_hashes"] == mine[t]["stage_hashes"] for t in rounds), "the members disagree"
