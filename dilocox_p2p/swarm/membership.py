@@ -151,9 +151,14 @@ class Membership:
         """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again."""
         now = get_dht_time()
         with self._lock:
-            lives = {m.peer_id: m.record.joined_at for m in self._members}
+            lives = self._lives()
             for peer_id in peer_ids:
                 self._suspects[peer_id] = Suspicion(now, lives.get(peer_id))
+
+    def _lives(self) -> dict[str, float]:
+        """Each member's `joined_at` as of the last refresh: which life of it a suspicion or a probe is about
+        (the caller holds the lock)."""
+        return {m.peer_id: m.record.joined_at for m in self._members}
 
     def drop_gone(self, peer_ids: list[str], round: int) -> list[str]:
         """Probe `peer_ids` (members this worker waits for); the ones that are gone are no members any more (until
@@ -165,7 +170,7 @@ class Membership:
             logger.info("round %d: %s gone (nothing listens at their addresses): not waited for", round,
                         ", ".join(p[-8:] for p in gone))  # fmt: skip
             with self._lock:
-                lives = {m.peer_id: m.record.joined_at for m in self._members}
+                lives = self._lives()
                 self._gone.update((peer_id, lives[peer_id]) for peer_id in gone if peer_id in lives)
         return gone
 
