@@ -21,6 +21,7 @@ The private hivemind methods overridden here are listed in hivemind_patches.py.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import logging
 import multiprocessing as mp
@@ -71,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 ROUND_BITS = 24
 ALIVE_CHECK_S = 1.0  # a call into the averager process checks that the process lives this often
+OUTSIDE_GROUPS_KEPT = 16  # the latest groups found counted out, answered at once (_outside_group)
 JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
 
 
@@ -131,6 +133,8 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         self._failed_round = mp.Value(ctypes.c_int64, -1)  # the latest round whose exchange failed here
         self._life_start = mp.Value(ctypes.c_int64, -1)  # the boundary this process started from (set_life_start)
         self._counted_out = mp.Value(ctypes.c_int64, -1)  # the latest round a group it never learnt of held it
+        # the groups this worker found itself counted into without joining them (averager process, _outside_group)
+        self._outside_groups: collections.deque[bytes] = collections.deque(maxlen=OUTSIDE_GROUPS_KEPT)
         self._grouped_at: float | None = None  # when the group of the all-reduce running now formed (unix time)
         self._state_provider: StateProvider | None = None
         self._current_round = -1
@@ -437,13 +441,20 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         """matchmaking.outside_every_group, for a request of a member of group `group_id`, once this worker's
         requests to leaders in flight have ended (at most the matchmaking's request_timeout and a second): the
         leader of that group may have taken one and started before its answer came. Asked while this worker
-        looks for a group, it also marks the round counted out (`counted_out`)."""
+        looks for a group, it also marks the round counted out (`counted_out`). A group found so once stays so:
+        this worker can never join a group that began without it, and the parts of its other members are answered
+        at once even while this worker looks for a group again (exchange._grouped) and waits for a leader's answer:
+        waiting for that answer, it kept one of them past its sender and chunk timeouts (12-18 s, busy core)."""
+        if group_id in self._outside_groups:
+            return True
         deadline = time.monotonic() + self._matchmaking.request_timeout + 1.0
         while group_id not in self._running_groups and joining(self._matchmaking) and time.monotonic() < deadline:
             await asyncio.sleep(JOIN_POLL_S)
         outside = group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
-        if outside and self._matchmaking.is_looking_for_group:
-            self._counted_out.value = self._current_round
+        if outside:
+            self._outside_groups.append(group_id)
+            if self._matchmaking.is_looking_for_group:
+                self._counted_out.value = self._current_round
         return outside
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
