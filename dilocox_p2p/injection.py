@@ -21,6 +21,7 @@ Armed through the environment of the peer's processes, several separated by `;`:
 - `abandon_accepted:round=R:stage=S` makes stage S drop every group its leader began with it in
   round R (BEGIN_ALLREDUCE), as a follower whose request_timeout ran out just before does: the
   leader counted it in, the group runs with a member that never learnt of it, and it goes on looking.
+  Armed, it declares a later start than the others, so that it follows rather than leads.
 - `corrupt_state:round=R:stage=S` flips the lowest bit of theta_g's first value on stage S
   right after round R's outer step, as a memory error or a buggy peer would.
 - `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,

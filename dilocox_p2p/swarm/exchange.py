@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from hivemind.averaging.control import AveragingStage
+from hivemind.utils import get_dht_time
 
 from .. import injection, startup
 from ..average import Average, AverageKind, Spans, applies_nothing
@@ -52,6 +53,7 @@ __all__ = ["ExchangeQueue", "RoundExchange", "gather_suspects", "mending_order",
 logger = logging.getLogger(__name__)
 
 COUNTED_OUT = "a leader counted this worker into a group after it had given up on the leader"
+FOLLOWER_LAG_S = 2.5  # fault injection abandon_accepted: the faulty worker declares this much later (_scheduled_time)
 ALONE_WITH_OUTSIDERS = "every other member of its group had given up on this group's leader"
 
 
@@ -205,8 +207,9 @@ class RoundExchange(CompressedRound, GroupVote):
         )  # fmt: skip
         started = time.monotonic()
         self._control = self.averager.step(
-            gather=ticket, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False
-        )
+            gather=ticket, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False,
+            scheduled_time=self._scheduled_time(),
+        )  # fmt: skip
         try:
             result, gave_up = self._wait_for_step(started, expected)
             self.clock.mark_split("matchmaking", "transfer", at=result.grouped_at if result is not None else None)
@@ -224,6 +227,16 @@ class RoundExchange(CompressedRound, GroupVote):
             return None, f"{type(e).__name__}: {str(e)[:200]}"
         finally:
             self._control = None
+
+    def _scheduled_time(self) -> float | None:
+        """When this worker's group is to begin (hivemind's default: now + min_matchmaking_time = round_wait). A
+        worker armed with fault injection `abandon_accepted` declares a later time than any member that looks
+        within FOLLOWER_LAG_S after it, so that it follows a leader rather than leads: the fault is a follower's
+        (as a leader it never meets it, and a run where it led every armed round tested nothing: seen once in 20
+        runs on 2 loaded cores)."""
+        if not injection.armed("abandon_accepted", quiet=True, round=self.round, stage=self.stage.stage):
+            return None
+        return get_dht_time() + self.sw.round_wait + FOLLOWER_LAG_S
 
     def _wait_for_step(self, started: float, target: int) -> tuple[RoundResult | None, str]:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage has
