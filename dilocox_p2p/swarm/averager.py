@@ -445,7 +445,7 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         this worker can never join a group that began without it, and the parts of its other members are answered
         at once even while this worker looks for a group again (exchange._grouped) and waits for a leader's answer:
         waiting for that answer, it kept one of them past its sender and chunk timeouts (12-18 s, busy core)."""
-        if group_id in self._outside_groups:
+        if group_id in self._outside_groups and group_id not in self._running_groups:
             return True
         deadline = time.monotonic() + self._matchmaking.request_timeout + 1.0
         while group_id not in self._running_groups and joining(self._matchmaking) and time.monotonic() < deadline:
