@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +35,25 @@ SHAPES = [(100, 200)] * 6 + [(20_000,)] * 6 + [(7,)]  # a few parts per reducer 
 def _inputs(n: int) -> list[list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(7)
     return [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def _averager_logs():
+    """The averager processes fork with these loggers, so that a failing test's captured stderr says how its
+    matchmaking went: ours at INFO, hivemind's matchmaking at DEBUG (whom each member asked, what it was told,
+    which group it assembled). A member once found no group while the others averaged with it counted in, and
+    nothing said why."""
+    ours, matchmaking = logging.getLogger("dilocox_p2p"), logging.getLogger("hivemind.averaging.matchmaking")
+    levels = ours.level, matchmaking.level
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s pid %(process)d %(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    matchmaking.setLevel(logging.DEBUG)
+    yield
+    ours.removeHandler(handler)
+    ours.setLevel(levels[0])
+    matchmaking.setLevel(levels[1])
 
 
 class CollectingAverager(DilocoxAverager):
