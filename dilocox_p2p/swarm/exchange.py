@@ -232,7 +232,7 @@ class RoundExchange(CompressedRound, GroupVote):
         """When this worker's group is to begin (hivemind's default: now + min_matchmaking_time = round_wait). A
         worker armed with fault injection `abandon_accepted` declares a later time than any member that looks
         within FOLLOWER_LAG_S after it, so that it follows a leader rather than leads: the fault is a follower's
-        (as a leader it never meets it, and a run where it led every armed round tested nothing: seen once in 20
+        (as a leader it never meets it, and a run where it led every armed round tested nothing: seen once in 10
         runs on 2 loaded cores)."""
         if not injection.armed("abandon_accepted", quiet=True, round=self.round, stage=self.stage.stage):
             return None
