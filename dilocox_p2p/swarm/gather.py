@@ -242,8 +242,8 @@ class MessageGather:
                         raise WireRejected("message larger than this stage's messages can be")
 
             await asyncio.wait_for(read(), max(deadline - time.monotonic(), 0.1) + 5.0)
-            if head is None:
-                return None, "empty reply", size
+            if head is None:  # every answer starts with a header: the connection was reset before it came
+                return None, f"{CUT_SHORT}: the stream ended before any reply", size
             opened = self.gate.open(head, (envelope_pb2.MessageDigest, swarm_pb2.GatherHeader))
         except WireRejected as e:
             return None, f"refused: {e}", size
