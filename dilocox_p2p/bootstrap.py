@@ -40,7 +40,7 @@ from .endpoints import GrpcEndpoint, ensure_port_free, parse_hostport, start_met
 from .errors import ConfigError, IdentityError, SwarmError, SwarmUnreachable
 from .identity import peer_id_of, worker_identity
 from .logs import set_log_context
-from .swarm.dht import reachable_maddrs
+from .swarm.dht import node_id_of, reachable_maddrs
 from .swarm.hello import serve_hello
 
 __all__ = ["BootstrapNode", "BootstrapOptions", "load_node_identity"]
@@ -286,6 +286,7 @@ def _start_dht(opts: BootstrapOptions) -> hivemind.DHT:
         announce_maddrs=list(opts.announce_maddrs) or None,
         identity_path=str(opts.identity_path),
         check_if_identity_free=False,  # hivemind's check reads RSA keys only; the key file is this node's own
+        node_id=node_id_of(peer_id_of(load_node_identity(opts.identity_path))),  # one id in every life (swarm.dht)
         start=True,
         startup_timeout=30,
     )

@@ -24,9 +24,17 @@ __all__ = ["signed_node"]
 
 
 def signed_node(
-    run_id: str, *, root: Path | None = None, initial_peers: Sequence[Any] = (), stage: int = 0, **swarm: Any
+    run_id: str,
+    *,
+    root: Path | None = None,
+    home: Path | None = None,
+    initial_peers: Sequence[Any] = (),
+    stage: int = 0,
+    **swarm: Any,
 ) -> tuple[hivemind.DHT, Signer, Gate]:
-    root = Path(tempfile.mkdtemp(prefix="signed-node-", dir=root))
+    """`home`: the node's directory (its keys), to start a node again under the keys of one that stopped;
+    None: a new directory under `root`."""
+    root = home or Path(tempfile.mkdtemp(prefix="signed-node-", dir=root))
     key_path = root / f"stage{stage}.ed25519"
     worker_key = worker_identity(key_path)
     cert = certify_worker(run_identity(root), peer_id_of(worker_key), run_id=run_id, stage=stage, peer_name=root.name)
