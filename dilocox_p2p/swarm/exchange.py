@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 COUNTED_OUT = "a leader counted this worker into a group after it had given up on the leader"
 FOLLOWER_LAG_S = 2.5  # fault injection abandon_accepted: the faulty worker declares this much later (_scheduled_time)
 ALONE_WITH_OUTSIDERS = "every other member of its group had given up on this group's leader"
+NOBODY_ELSE = "no other member of the stage group takes part in this round any more"
 
 
 def mending_order(result: RoundResult, me: str) -> list[str]:
@@ -128,9 +129,7 @@ class RoundExchange(CompressedRound, GroupVote):
         if not others:
             if not finite:
                 return applies_nothing(AverageKind.STRANDED, "a non-finite pseudo-gradient and nobody to average with", 0.0)
-            # served like any average: a member that arrives late borrows it and stays in agreement
-            self._hold(self.tensors, AverageKind.ALONE, (self.stage.peer_id,), b"")
-            return Average(kind=AverageKind.ALONE, tensors=self.tensors)
+            return self._alone()
         self._window_start = time.time()
         if finite and all(self.membership.finished(m, self.round) for m in others):
             # a round behind (it took a state the others had left, or thawed): nobody will group for this round any
@@ -151,12 +150,22 @@ class RoundExchange(CompressedRound, GroupVote):
         # Phase 3: mend what missed this worker, or borrow the group's average
         if result is not None:
             average = self._mend(result)
+        elif failure == NOBODY_ELSE:  # still looking for a group: nobody took its part, nobody has an average
+            logger.info("round %d: %s: this worker applies its own pseudo-gradient", self.round, failure)
+            return self._alone()
         else:
             average = self._borrow(failure)
         # Phase 4: say what happened
         self._log(average, expected=1 + len(others))
         # Phase 5: agree with the group on one average
         return self._agree(average)
+
+    def _alone(self) -> Average:
+        """Nobody else takes part in this round: the worker's own pseudo-gradient is the round's average, served
+        like any average (a member that arrives late, or a restarted one that took this worker's state with its
+        pending average to follow, borrows it and stays in agreement)."""
+        self._hold(self.tensors, AverageKind.ALONE, (self.stage.peer_id,), b"")
+        return Average(kind=AverageKind.ALONE, tensors=self.tensors)
 
     def _play_hostile(self) -> None:
         """Fault injection: send what this worker's own checks would have kept back (docs/security.md)."""
@@ -241,8 +250,9 @@ class RoundExchange(CompressedRound, GroupVote):
     def _wait_for_step(self, started: float, target: int) -> tuple[RoundResult | None, str]:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage has
         finished this round's all-reduce without us (its group formed and is done), or once no other member
-        trains any more (the others left, or the one this worker waited for restarted and is joining again:
-        its new heartbeat says so long before the step's deadline). When fewer members than `target` still
+        takes part in the round any more (NOBODY_ELSE: the others left, or the one this worker waited for
+        restarted and is joining again or took a later state: its new heartbeat says so long before the step's
+        deadline; the worker then goes alone). When fewer members than `target` still
         train, the target is lowered: a leader holding them all starts the group instead of waiting out
         round_wait for a member that left (matchmaking.lower_target). And at once when a leader counted this
         worker into a group after it had given up on the leader: its members asked it for its part (it borrows
@@ -268,13 +278,16 @@ class RoundExchange(CompressedRound, GroupVote):
                 probed = True
                 if self.membership.drop_gone([m.peer_id for m in others], self.round):
                     others = self.membership.members(training_only=True)
-            others = [m for m in others if not self.membership.sits_out(m, self.round)]
+            # one that took a later state meanwhile (a restarted peer that caught up: first_round) never comes,
+            # and its record's boundary says nothing of this round's groups (CI: a survivor took the restarted
+            # peer for a member, waited out the step, 15 s, and stranded the round with it)
+            others = [m for m in others if self.membership.takes_part(m, self.round)]
             if any(self.membership.finished(m, self.round) for m in others):
                 cancel_step(self._control)
                 return None, "the stage group averaged without this worker"
             if not others:
                 cancel_step(self._control)
-                return None, "no other member of the stage group trains any more"
+                return None, NOBODY_ELSE
             if 1 + len(others) < target:
                 target = 1 + len(others)
                 started_now = self.averager.lower_target(self.round, target)

@@ -191,6 +191,12 @@ class Membership:
         average instead, and nobody waits for it (MemberRecord.sitting_out)."""
         return member.record.sitting_out == round + 1
 
+    @classmethod
+    def takes_part(cls, member: Member, round: int) -> bool:
+        """The member sends its pseudo-gradient in round `round`'s all-reduce: it trained the round (one that took
+        a later state, MemberRecord.first_round, trains on while the others exchange it) and does not sit it out."""
+        return member.record.first_round <= round and not cls.sits_out(member, round)
+
     @staticmethod
     def finished(member: Member, round: int) -> bool:
         """The member's record shows it completed round `round`'s all-reduce."""
@@ -224,7 +230,7 @@ class Membership:
                 said_sitting = True
                 logger.info("round %d: %s sit(s) it out (nothing to send): not waited for", round,
                             ", ".join(p[-8:] for p in sitting))  # fmt: skip
-            coming = [m for m in training if m.peer_id not in sitting and m.record.first_round <= round
+            coming = [m for m in training if self.takes_part(m, round)
                       and (m.record.averaging_round >= round - 1 or m.record.boundary == round)]  # fmt: skip
             late = [m.peer_id for m in coming if m.record.averaging_round < round]
             if not late or time.monotonic() >= deadline or give_up():
