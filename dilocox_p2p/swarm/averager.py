@@ -132,6 +132,7 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         self._state_fetch: asyncio.Lock | None = None  # one fetch at a time (averager process): _state_asked is shared
         self._failed_round = mp.Value(ctypes.c_int64, -1)  # the latest round whose exchange failed here
         self._life_start = mp.Value(ctypes.c_int64, -1)  # the boundary this process started from (set_life_start)
+        self._earlier_exchange = mp.Value(ctypes.c_int64, -1)  # the last exchange its earlier life began (same)
         self._counted_out = mp.Value(ctypes.c_int64, -1)  # the latest round a group it never learnt of held it
         # the groups this worker found itself counted into without joining them (averager process, _outside_group)
         self._outside_groups: collections.deque[bytes] = collections.deque(maxlen=OUTSIDE_GROUPS_KEPT)
@@ -163,9 +164,12 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
             self._boundary.value = boundary
             self._state_ready.value = ready
 
-    def set_life_start(self, boundary: int) -> None:
+    def set_life_start(self, boundary: int, earlier_exchange: int = -1) -> None:
         """This worker's process started from `boundary` (its checkpoint's, 0 if new): it holds no average of an
-        earlier round, and says so at once to a member of that round's group that asks (RESTARTED)."""
+        earlier round, and says so at once to a member of that round's group that asks (RESTARTED). Nor of the
+        rounds up to `earlier_exchange` (the last exchange its earlier life began, as that life's member record
+        said) until it begins one of them itself: a member that asks was in a group of the earlier life."""
+        self._earlier_exchange.value = earlier_exchange
         self._life_start.value = boundary
 
     def mark_failed(self, round: int) -> None:

@@ -252,7 +252,11 @@ class AverageService:
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
 
         def restarted() -> bool:  # the member of that round's group that asks knew this worker's earlier life
-            return request.round < self._life_start.value
+            # a round before this life began, or one whose exchange the earlier life had begun and this one has not
+            # (the others, mending it, waited out each request: 18 s stalls after a restart beside busy peers)
+            return request.round < self._life_start.value or (
+                request.round <= self._earlier_exchange.value and self._current_round < request.round
+            )
 
         def lacking() -> bool:
             return self._current_round > request.round or self._failed_round.value == request.round or restarted()

@@ -148,9 +148,26 @@ class SwarmStageWorker(StageWorker):
                 codec.load_state_dict(codec_state)
 
     # ----- start ----------------------------------------------------------------------------------
+    def _earlier_exchange(self, start: int) -> int:
+        """The last exchange this worker's earlier life began, from that life's member record (still in the DHT
+        when the worker restarts soon after, before this life's first heartbeat replaces it); -1 if none."""
+        if start <= 0:
+            return -1
+        try:
+            me = self.swarm.peer_id
+            began = max((m.record.averaging_round for m in self.swarm.records.members() if m.peer_id == me), default=-1)
+        except Exception as e:  # a failed lookup: requests of those rounds wait, as for any member
+            logger.info("could not read this worker's earlier member record: %r", e)
+            return -1
+        if began >= start:
+            logger.info("the earlier life of this worker had begun round %d's exchange: members of that group that ask "
+                        "for its average are told at once that it has none", began)
+        return began
+
     def on_start(self, start: int) -> int:
         swarm = self.swarm
-        swarm.averager.set_life_start(start)  # a member that asks for an average of before `start` is told at once
+        # a member that asks for an average of before `start`, or of a round the earlier life began, is told at once
+        swarm.averager.set_life_start(start, self._earlier_exchange(start))
         swarm.start()
         self.outer.before_step = self._keep_for_joiner
         self._announce(swarm.maddrs())

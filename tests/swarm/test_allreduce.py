@@ -240,6 +240,20 @@ def test_a_member_restarted_since_says_at_once_that_it_holds_no_average_of_a_rou
     assert later.average is None and later.gone == [] and "STATE_NOT_READY" in later.failures[0], later.failures
 
 
+def test_a_member_restarted_in_the_exchange_its_earlier_life_began_says_at_once_that_it_holds_none_of_it(group):
+    # killed in round 5's all-reduce with its checkpoint at boundary 5: the others, mending round 5, asked the new
+    # process, which held each request for the whole wait (the swarm stalled 18 s, 1 restart in 10 beside busy
+    # peers); its earlier life's member record said it had begun round 5's exchange, and this life has not
+    asking, restarted = group.averagers[0], group.averagers[1]
+    restarted.set_life_start(5, earlier_exchange=5)
+    started = time.monotonic()
+    collected = asking.collect(5, [group.ids[1]], start=None, wait_s=10.0, deadline_s=30.0)
+    assert time.monotonic() - started < 5.0, "the restarted member held the request"
+    assert collected.average is None and "restarted at round 5" in collected.failures[0], collected.failures
+    later = asking.collect(6, [group.ids[1]], start=None, wait_s=0.5, deadline_s=30.0)  # a round it may still hold
+    assert later.average is None and "STATE_NOT_READY" in later.failures[0], later.failures
+
+
 def test_a_step_cancelled_while_it_looks_for_a_group_leaves_the_averager_able_to_group_again():
     # hivemind does not await the matchmaking it cancels, and only weak references hold it while its clean-up
     # waits for the DHT: collected halfway, it kept the matchmaking locks, and that averager never grouped again
