@@ -189,7 +189,7 @@ class BootstrapNode:
         """
         _check_flags(opts)
         peer_id = _prepare_state(opts)
-        dht = _start_dht(opts)  # first: it forks, which a running gRPC server (health) does not survive
+        dht = _start_dht(opts, peer_id)  # first: it forks, which a running gRPC server (health) does not survive
         try:
             health, metrics = _start_endpoints(opts)
         except BaseException:
@@ -279,14 +279,14 @@ def _start_endpoints(opts: BootstrapOptions) -> tuple[GrpcEndpoint, _Metrics]:
     return health, metrics
 
 
-def _start_dht(opts: BootstrapOptions) -> hivemind.DHT:
+def _start_dht(opts: BootstrapOptions, peer_id: str) -> hivemind.DHT:
     kwargs: dict[str, Any] = dict(
         initial_peers=list(opts.initial_peers) or None,
         host_maddrs=list(opts.host_maddrs),
         announce_maddrs=list(opts.announce_maddrs) or None,
         identity_path=str(opts.identity_path),
         check_if_identity_free=False,  # hivemind's check reads RSA keys only; the key file is this node's own
-        node_id=node_id_of(peer_id_of(load_node_identity(opts.identity_path))),  # one id in every life (swarm.dht)
+        node_id=node_id_of(peer_id),  # one id in every life (swarm.dht)
         start=True,
         startup_timeout=30,
     )
