@@ -275,9 +275,9 @@ def test_a_member_whose_matchmaking_fails_after_its_leader_counted_it_in_costs_t
     # issue 37's asymmetric matchmaking failure: a follower gives up on its leader's ACCEPTED (its request_timeout
     # ran out) while the leader counts it in, so the group runs with a member that never learnt of it. In the
     # netns lab the three others waited out 125 s of deadlines for it. It answers their parts at once, they leave
-    # it out (its span stays as it was: partial), and it borrows their average: their exchange of that round takes
-    # no more than twice their median (a sender banned before another started kept them 5 s: allreduce.py; a part
-    # that reached it after another member's had, once it looked for a group again, 12-18 s: averager._outside_group)
+    # it out (its span stays as it was: partial), and it borrows their average: their exchange of that round runs
+    # out none of its deadlines (a sender banned before another started kept them 5 s: allreduce.py; a part that
+    # reached it after another member's had, once it looked for a group again, 12-18 s: averager._outside_group)
     faulty = range(1, 5)  # the faulty member follows a leader in these rounds (it declares a later start) and gives up
     args = ("--mode", "sync", "--stages", "1", "--rounds", "8", "--min-peers", "3")
     others = [swarm.start_peer(*args) for _ in range(2)]
@@ -293,11 +293,12 @@ def test_a_member_whose_matchmaking_fails_after_its_leader_counted_it_in_costs_t
     for peer in others:
         rounds = {r["applied_round"]: r for r in peer.metrics() if r["applied_round"] is not None}
         seconds = {t: r["allreduce_windows"][0][1] - r["allreduce_windows"][0][0] for t, r in rounds.items()}
-        clean = sorted(seconds[t] for t in rounds if t not in hit)
-        median = clean[len(clean) // 2]
-        # the waits this guards against are deadlines (sender_timeout = chunk_timeout 5 s, round_wait 10 s): half a
-        # chunk timeout more than twice the median absorbs the scheduling of sub-second exchanges on 2 loaded cores
-        # (1.87 s against a median of 0.43 s with a core kept busy: no deadline in it) and stays below them
-        limit = 2 * median + CHUNK_TIMEOUT / 2
-        assert all(seconds[t] <= limit for t in hit), (median, {t: round(seconds[t], 2) for t in sorted(seconds)})
+        moving = {t: sum(r["exchange_phases"][0].get(k, 0.0) for k in ("transfer", "mend")) for t, r in rounds.items()}
+        # a deadline run out lasts as long as the deadline: a sender awaited until sender_timeout (= chunk_timeout)
+        # lies in the transfer (after the group formed) and mend of the exchange, a member awaited until round_wait
+        # in the exchange as a whole. So each stays below its deadline, far above what scheduling adds: with a core
+        # kept busy beside another test the slowest hit round took 3.8 s in all, 2.3 s of it in transfer and mend
+        # (its clean rounds 0.3-0.7 s and 0.1-0.3 s); comparing with twice the median failed there (3.78 s)
+        shown = {t: (round(seconds[t], 2), round(moving[t], 2)) for t in sorted(rounds)}
+        assert all(moving[t] < CHUNK_TIMEOUT and seconds[t] < ROUND_WAIT for t in hit), shown
         assert all(rounds[t]["stage_hashes"] == mine[t]["stage_hashes"] for t in rounds), "the members disagree"
