@@ -110,7 +110,7 @@ class Peer:
         self.log.close()
 
 
-FLOOR_MODULES = ("dilocox_p2p.stage_process", "torch.distributed.pipelining", "dilocox_p2p.swarm.worker")
+FLOOR_MODULES = ("dilocox_p2p.stage_process", "dilocox_p2p.swarm.worker")
 
 
 def import_floor(repeats: int, env: dict[str, str]) -> dict[str, Any]:

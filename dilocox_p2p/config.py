@@ -177,7 +177,8 @@ class InnerConfig:
     """Pipeline micro-batches per inner step; must divide batch_size. Local: a peer with less memory per device
     uses more, smaller ones (the same tokens per step, summed the same way up to float rounding)."""
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """Pipeline schedule (torch.distributed.pipelining); local."""
+    """Pipeline schedule of a peer of several stages (pipeline_schedule.py): 1f1b holds fewer micro-batches'
+    activations at once, gpipe runs every forward before any backward; local."""
     lr: float = 1e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 50

@@ -127,8 +127,7 @@ class BatchSampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch: inputs (B, T) and targets (B, T), int64, contiguous (torch < 2.13's pipelining
-        refuses the strides of views into (B, T + 1) rows)."""
+        """One batch: inputs (B, T) and targets (B, T), int64, contiguous (not views into (B, T + 1) rows)."""
         starts = torch.randint(0, len(self.data) - self.seq_len, (self.batch_size,), generator=self.generator)
         rows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

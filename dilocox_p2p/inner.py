@@ -1,12 +1,11 @@
-"""Inner training of one pipeline stage: PipelineStage + schedule + AdamW with warm-up and cosine.
+"""Inner training of one pipeline stage: its pipeline schedule + AdamW with warm-up and cosine.
 
 Each stage worker owns its layers and their AdamW state (half of the dual optimizer
 policy; the outer half lives in outer.py). Stages exchange activations over the peer's
-local process group (gloo on CPU, NCCL on CUDA) through torch.distributed.pipelining.
+local process group (gloo on CPU, NCCL on CUDA) in a GPipe or 1F1B schedule (pipeline_schedule.py).
 The gradient norm for clipping is global: stages sum their squared norms in one small
 all-reduce per step, which also carries the stop flag so all stages stop together.
-A peer of one stage runs the same micro-batches in a plain loop, without the pipelining
-package (whose import alone costs about a second of CPU at every start).
+A peer of one stage runs the same micro-batches in a plain loop.
 
 On a GPU the stage trains as a plain bf16 loop would (inner.precision, inner.compile): bf16
 autocast over fp32 master weights and AdamW state, TF32 for what stays fp32, fused AdamW,
@@ -25,7 +24,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +32,7 @@ from .config import Config
 from .errors import StageOutOfMemory
 from .inner_optimizer import InnerAdamW
 from .model import StageModule, build_stage, lm_loss
+from .pipeline_schedule import PipelineSchedule
 
 __all__ = ["InnerTrainer", "StepResult", "compile_unavailable", "lr_at", "resolve_compile", "resolve_precision"]
 
@@ -92,7 +91,7 @@ class InnerTrainer:
         self.module.checkpoint_blocks = cfg.inner.checkpoint_activations
         self.compiled = resolve_compile(cfg.inner.compile, device) and self._compile()
         self._first_step_s: float | None = None
-        self.schedule = _pipeline_schedule(cfg, self.module, stage, device, group) if n_stages > 1 else None
+        self.schedule = self._pipeline_schedule(group) if n_stages > 1 else None
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.module.parameters() if p.dim() < 2]
         self.optimizer = InnerAdamW(
@@ -103,6 +102,17 @@ class InnerTrainer:
         )
         self.total_steps = cfg.run.rounds * cfg.inner.steps
         logger.info("inner: %s on %s, %s", self.precision, device, "compiled" if self.compiled else "eager")
+
+    def _pipeline_schedule(self, group: dist.ProcessGroup | None) -> PipelineSchedule:
+        """This stage's part of the configured pipeline schedule (a peer of one stage needs none)."""
+        shape, inner = self.cfg.model.shape, self.cfg.inner
+        rows = inner.batch_size // inner.microbatches
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32  # what every boundary carries
+        return PipelineSchedule(
+            self.module, stage=self.stage, n_stages=self.cfg.model.stages, microbatches=inner.microbatches,
+            boundary=((rows, shape.seq_len, shape.d_model), dtype), order=inner.schedule, loss_fn=lm_loss,
+            device=self.device, group=group,
+        )  # fmt: skip
 
     def _compile(self) -> bool:
         """Compile each unit of the stage (the blocks share one compiled graph, so warm-up stays short)."""
@@ -181,15 +191,10 @@ class InnerTrainer:
     def _run_pipeline(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, train: bool) -> list:
         if self.schedule is None:
             return self._run_alone(inputs, targets, train=train)
-        losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        args = (inputs.to(self.device),) if self.is_first and inputs is not None else ()
-        target = targets.to(self.device) if self.is_last and targets is not None else None
-        if self.is_last:
-            run(*args, target=target, losses=losses)
-        else:
-            run(*args)
-        return losses
+        x = inputs.to(self.device, non_blocking=True) if self.is_first and inputs is not None else None
+        y = targets.to(self.device, non_blocking=True) if self.is_last and targets is not None else None
+        return run(x, y)
 
     def _run_alone(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool) -> list[torch.Tensor]:
         """The whole model in this process: the schedule's micro-batches and loss scaling, without a pipeline."""
@@ -252,12 +257,3 @@ class InnerTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-def _pipeline_schedule(cfg: Config, module: StageModule, stage: int, device: torch.device, group: Any) -> Any:
-    """This stage's PipelineStage in the configured schedule (imported here: a peer of one stage never needs it)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-    pipe = PipelineStage(module, stage, cfg.model.stages, device, group=group)
-    return schedules[cfg.inner.schedule](pipe, n_microbatches=cfg.inner.microbatches, loss_fn=lm_loss, scale_grads=True)

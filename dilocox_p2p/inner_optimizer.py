@@ -2,9 +2,8 @@
 
 torch.optim.AdamW imports torch._dynamo at its first parameter group and at every step (its
 methods are wrapped so that the compiler skips them): about 1 s of CPU at the start of every
-stage process, which an eager peer of one stage otherwise never needs (a peer of several stages
-imports it with torch's pipelining anyway). On a loaded machine that second is several of a
-restarted peer's. This class makes the same update with the same options through
+stage process, which an eager peer otherwise never needs. On a loaded machine that second is
+several of a restarted peer's. This class makes the same update with the same options through
 `torch.optim.adamw.adamw`, the function torch.optim.AdamW.step calls, and keeps its state and its
 `state_dict` layout: a checkpoint written by either loads into the other.
 """

@@ -172,16 +172,14 @@ def _check_ports(cfg: Config) -> None:
 
 
 # Modules every stage process needs: a fork server imports them once per peer, and each stage
-# forks from it (spawning each stage would import torch, its pipelining and hivemind again:
-# about 4 s of CPU per stage). The launcher itself imports none of them: the fork server starts
+# forks from it (spawning each stage would import torch and hivemind again: about 2.5 s of CPU
+# per stage). The launcher itself imports none of them: the fork server starts
 # at once and imports while the launcher checks ports, the run directory and the keys. It
 # forks before any stage initializes CUDA or threads.
 def _stage_modules(cfg: Config) -> list[str]:
     modules = ["dilocox_p2p.stage_process"]
-    if cfg.model.stages > 1:
-        modules.append("torch.distributed.pipelining")  # it imports torch._dynamo too (0.9 s of CPU)
-    elif _may_compile(cfg):
-        modules.append("torch._dynamo")  # an eager peer of one stage never imports it (inner_optimizer.py)
+    if _may_compile(cfg):
+        modules.append("torch._dynamo")  # an eager peer never imports it (inner_optimizer.py, pipeline_schedule.py)
     if cfg.swarm.enabled:
         modules.append("dilocox_p2p.swarm.worker")  # hivemind
     return modules

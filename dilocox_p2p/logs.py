@@ -91,5 +91,5 @@ def init_logging(level: str = "info", *, fmt: str = "text", file: Path | None = 
         root.addHandler(handler)
     root.setLevel(level)
     noisy = "DEBUG" if level == "DEBUG" else "WARNING"
-    for name in ("hivemind", "matplotlib", "PIL", "torch.distributed.pipelining"):
+    for name in ("hivemind", "matplotlib", "PIL"):
         logging.getLogger(name).setLevel(noisy)

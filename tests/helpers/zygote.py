@@ -1,7 +1,7 @@
 """A warm interpreter that forks `dilocox-peer` processes for the swarm tier.
 
-Every peer a test starts imports torch, its pipelining and hivemind before it trains: about
-4.5 s of CPU in its fork server, a third of the swarm tier's CPU on 2 cores. A test session
+Every peer a test starts imports torch and hivemind (and torch._dynamo where it compiles) before
+it trains: about 2.5 s of CPU in its fork server, a third of the swarm tier's CPU on 2 cores. A test session
 instead starts one zygote (per pytest process), which imports them once and forks each peer:
 
     python -m tests.helpers.zygote SOCKET      # serves until its stdin closes
@@ -40,7 +40,6 @@ from typing import Any
 PRELOAD = (
     "dilocox_p2p.cli.__main__",
     "dilocox_p2p.stage_process",
-    "torch.distributed.pipelining",
     "torch._dynamo",
     "dilocox_p2p.swarm.worker",
 )

@@ -1,0 +1,153 @@
+"""One stage's part of a pipeline step: its micro-batches' forwards and backwards, in GPipe or 1F1B order.
+
+Stage s receives each micro-batch's activations from stage s-1 and sends its own outputs to
+stage s+1 over the peer's local process group (gloo on CPU, NCCL on CUDA); in backward, the
+gradient of each received activation goes back the same way. The last stage computes the loss
+of each micro-batch and backpropagates it divided by the number of micro-batches, as a peer of
+one stage does (inner.py), so the gradients are those of the step's mean loss.
+
+    schedule = PipelineSchedule(module, stage=1, n_stages=2, boundary=((4, 128, 64), torch.float32),
+                                microbatches=4, order="1f1b", group=None, device=device)
+    losses = schedule.step(inputs, targets)   # last stage: the micro-batch losses; others: []
+    losses = schedule.eval(inputs, targets)   # forward only (call under torch.no_grad)
+
+Every tensor between stages has one shape and dtype known in advance (`boundary`: rows of a
+micro-batch x seq_len x d_model, in the stages' boundary dtype), so nothing is negotiated at
+the first step. This replaces torch.distributed.pipelining's PipelineStage and schedules, which
+did the same for a linear chain of stages: importing that package (torch._dynamo, DTensor, FSDP,
+torch.export) took 1.6 s of one core before every peer of several stages could train, longer
+than the rest of its start. Sends are asynchronous and awaited at the end of the step; receives
+block, in an order that matches the neighbour's sends in either schedule, so no stage waits on
+another that waits on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PipelineSchedule", "stage_order"]
+
+Order = Literal["1f1b", "gpipe"]
+
+
+def stage_order(order: Order, stage: int, n_stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The ("F" or "B", micro-batch) actions of one stage in a training step: GPipe runs every forward, then
+    every backward; 1F1B runs as many forwards as stages follow this one, then alternates, then drains."""
+    if order == "gpipe":
+        return [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+    warmup = min(n_stages - 1 - stage, microbatches)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]
+
+
+class PipelineSchedule:
+    """One stage of a linear pipeline: micro-batches in, activations and gradients to and from its neighbours."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        stage: int,
+        n_stages: int,
+        boundary: tuple[tuple[int, ...], torch.dtype],
+        microbatches: int,
+        order: Order,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ):
+        if order not in ("1f1b", "gpipe"):
+            raise ValueError(f"unknown pipeline schedule {order!r}: use 1f1b or gpipe")
+        self.module, self.stage, self.n_stages = module, stage, n_stages
+        self.shape, self.dtype = boundary
+        self.microbatches, self.order, self.loss_fn = microbatches, order, loss_fn
+        self.device, self.group = device, group
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self._prev = None if self.is_first else self._global_rank(stage - 1)
+        self._next = None if self.is_last else self._global_rank(stage + 1)
+
+    def _global_rank(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    # ----- the two steps ------------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch in this schedule's order; gradients accumulate into the
+        module's parameters. Returns the detached micro-batch losses on the last stage, [] elsewhere."""
+        xs, ys = self._split(inputs, targets)
+        kept: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch: (its input, output or loss)
+        losses: list[torch.Tensor] = []
+        sends: list[Any] = []
+        try:
+            for action, i in stage_order(self.order, self.stage, self.n_stages, self.microbatches):
+                if action == "F":
+                    kept[i] = self._forward(i, xs, ys, losses, sends, grad=True)
+                else:
+                    self._backward(*kept.pop(i), sends)
+        finally:
+            for work, _ in sends:
+                work.wait()
+        return losses
+
+    def eval(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Forward only, micro-batch by micro-batch; the last stage returns their losses."""
+        xs, ys = self._split(inputs, targets)
+        losses: list[torch.Tensor] = []
+        sends: list[Any] = []
+        try:
+            for i in range(self.microbatches):
+                self._forward(i, xs, ys, losses, sends, grad=False)
+        finally:
+            for work, _ in sends:
+                work.wait()
+        return losses
+
+    # ----- one micro-batch ------------------------------------------------------------------------
+    def _split(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[list, list]:
+        xs = list(inputs.tensor_split(self.microbatches)) if self.is_first else []
+        ys = list(targets.tensor_split(self.microbatches)) if self.is_last else []
+        if self.is_first and any(x.shape[0] != self.shape[0] for x in xs):
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} rows does not split into {self.microbatches} micro-batches of "
+                f"{self.shape[0]} rows, the size every stage expects"
+            )
+        return xs, ys
+
+    def _forward(
+        self, i: int, xs: list, ys: list, losses: list[torch.Tensor], sends: list[Any], *, grad: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self.is_first:
+            x = xs[i]
+        else:
+            x = self._receive(self._prev)
+            if grad:
+                x.requires_grad_()
+        out = self.module(x)
+        if self.is_last:
+            loss = self.loss_fn(out, ys[i])
+            losses.append(loss.detach())
+            return (x if not self.is_first else None), loss
+        self._send(out.detach(), self._next, sends)
+        return (x if not self.is_first else None), out
+
+    def _backward(self, x: torch.Tensor | None, out: torch.Tensor, sends: list[Any]) -> None:
+        if self.is_last:
+            (out / self.microbatches).backward()
+        else:
+            out.backward(self._receive(self._next))
+        if x is not None:
+            self._send(x.grad, self._prev, sends)
+
+    def _send(self, tensor: torch.Tensor, dst: int, sends: list[Any]) -> None:
+        tensor = tensor.contiguous()  # kept beside its request until the step awaits it: nothing frees it in flight
+        sends.append((dist.isend(tensor, dst, group=self.group), tensor))
+
+    def _receive(self, src: int) -> torch.Tensor:
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        dist.irecv(buffer, src, group=self.group).wait()
+        return buffer
