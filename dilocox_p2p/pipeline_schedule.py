@@ -17,8 +17,7 @@ the first step. This replaces torch.distributed.pipelining's PipelineStage and s
 did the same for a linear chain of stages: importing that package (torch._dynamo, DTensor, FSDP,
 torch.export) took 1.6 s of one core before every peer of several stages could train, longer
 than the rest of its start. Sends are asynchronous and awaited at the end of the step; receives
-block, in an order that matches the neighbour's sends in either schedule, so no stage waits on
-another that waits on it.
+block, and where the schedule turns they are posted with the sends before them (`_run`).
 """
 
 from __future__ import annotations
@@ -79,32 +78,47 @@ class PipelineSchedule:
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch in this schedule's order; gradients accumulate into the
         module's parameters. Returns the detached micro-batch losses on the last stage, [] elsewhere."""
+        return self._run(stage_order(self.order, self.stage, self.n_stages, self.microbatches), inputs, targets)
+
+    def eval(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Forward only, micro-batch by micro-batch (call under torch.no_grad); the last stage returns their
+        losses."""
+        return self._run([("F", i) for i in range(self.microbatches)], inputs, targets)
+
+    def _run(self, actions: list[tuple[str, int]], inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list:
+        """Each action receives what it needs, computes, and sends. Where the schedule turns (a forward followed
+        by a backward, or the reverse), an action's sends are posted in one batch with the next action's
+        receives, as torch's 1F1B does: the neighbour posts the matching pair in one batch too, so NCCL, whose
+        sends wait for their receiver, never has two stages each waiting to send to the other."""
         xs, ys = self._split(inputs, targets)
         kept: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch: (its input, output or loss)
         losses: list[torch.Tensor] = []
-        sends: list[Any] = []
+        held: list[dist.P2POp] = []  # the last action's sends, posted with the next action's receives
+        posted: list[tuple[Any, list[dist.P2POp]]] = []  # sends in flight, beside their ops (which hold the tensors)
         try:
-            for action, i in stage_order(self.order, self.stage, self.n_stages, self.microbatches):
-                if action == "F":
-                    kept[i] = self._forward(i, xs, ys, losses, sends, grad=True)
+            for n, (kind, i) in enumerate(actions):
+                source = self._prev if kind == "F" else self._next
+                if source is None and held:  # nothing to receive: the sends before it go alone
+                    posted.append(self._post(held))
+                    held = []
+                received = None if source is None else self._receive(source, held)
+                if kind == "F":
+                    x, out, sends = self._forward(i, xs[i] if self.is_first else received, ys, losses)
+                    kept[i] = (x, out)
                 else:
-                    self._backward(*kept.pop(i), sends)
+                    x, out = kept.pop(i)
+                    sends = self._backward(x, out, received)
+                held = sends
+                turns = n + 1 < len(actions) and actions[n + 1][0] != kind
+                if held and not turns:
+                    posted.append(self._post(held))
+                    held = []
+            if held:
+                posted.append(self._post(held))
         finally:
-            for work, _ in sends:
-                work.wait()
-        return losses
-
-    def eval(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Forward only, micro-batch by micro-batch; the last stage returns their losses."""
-        xs, ys = self._split(inputs, targets)
-        losses: list[torch.Tensor] = []
-        sends: list[Any] = []
-        try:
-            for i in range(self.microbatches):
-                self._forward(i, xs, ys, losses, sends, grad=False)
-        finally:
-            for work, _ in sends:
-                work.wait()
+            for works, _ in posted:
+                for work in works:
+                    work.wait()
         return losses
 
     # ----- one micro-batch ------------------------------------------------------------------------
@@ -119,35 +133,37 @@ class PipelineSchedule:
         return xs, ys
 
     def _forward(
-        self, i: int, xs: list, ys: list, losses: list[torch.Tensor], sends: list[Any], *, grad: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        if self.is_first:
-            x = xs[i]
-        else:
-            x = self._receive(self._prev)
-            if grad:
-                x.requires_grad_()
+        self, i: int, x: torch.Tensor, ys: list, losses: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[dist.P2POp]]:
+        """Micro-batch i's forward: (its received input, for backward; its output or loss; its sends)."""
+        received = None if self.is_first else x
+        if received is not None and torch.is_grad_enabled():
+            received.requires_grad_()
         out = self.module(x)
         if self.is_last:
             loss = self.loss_fn(out, ys[i])
             losses.append(loss.detach())
-            return (x if not self.is_first else None), loss
-        self._send(out.detach(), self._next, sends)
-        return (x if not self.is_first else None), out
+            return received, loss, []
+        return received, out, [dist.P2POp(dist.isend, out.detach().contiguous(), self._next, self.group)]
 
-    def _backward(self, x: torch.Tensor | None, out: torch.Tensor, sends: list[Any]) -> None:
+    def _backward(self, x: torch.Tensor | None, out: torch.Tensor, grad: torch.Tensor | None) -> list[dist.P2POp]:
+        """Backward of one micro-batch from its output's gradient (the last stage: its loss, divided by the number
+        of micro-batches); the sends of its input's gradient."""
         if self.is_last:
             (out / self.microbatches).backward()
         else:
-            out.backward(self._receive(self._next))
-        if x is not None:
-            self._send(x.grad, self._prev, sends)
+            out.backward(grad)
+        return [] if x is None else [dist.P2POp(dist.isend, x.grad.contiguous(), self._prev, self.group)]
 
-    def _send(self, tensor: torch.Tensor, dst: int, sends: list[Any]) -> None:
-        tensor = tensor.contiguous()  # kept beside its request until the step awaits it: nothing frees it in flight
-        sends.append((dist.isend(tensor, dst, group=self.group), tensor))
+    def _post(self, ops: list[dist.P2POp]) -> tuple[Any, list[dist.P2POp]]:
+        return dist.batch_isend_irecv(ops), ops
 
-    def _receive(self, src: int) -> torch.Tensor:
+    def _receive(self, src: int, held: list[dist.P2POp]) -> torch.Tensor:
+        """One boundary tensor from `src`, received in one batch with the sends `held` (which it empties), all
+        awaited here (a request is awaited once: gloo's second wait on a receive waits for another message)."""
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buffer, src, group=self.group).wait()
+        works, _ = self._post([*held, dist.P2POp(dist.irecv, buffer, src, self.group)])
+        held.clear()
+        for work in works:
+            work.wait()
         return buffer
