@@ -16,7 +16,7 @@ from tests.helpers.peers import accounts
 pytestmark = pytest.mark.swarm
 
 ROUNDS = 5
-FULL = {"averaged"}  # the whole group's average reached this worker
+FULL = {"averaged", "mended"}  # the whole group's average reached this worker (mended: parts it missed from another)
 TAKEN = {"averaged", "mended", "borrowed"}  # the group's average, however it reached this worker
 
 
@@ -48,11 +48,13 @@ def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
     applied = [r for records in rounds.values() for r in records if r["applied_round"] is not None]
     outcomes = [(r["round"], r["kinds"], r["coverage"], r["group_sizes"]) for r in applied]
     # hivemind's matchmaking may, under load, assemble a group before the third member's request
-    # arrives (that member then borrows the group's average), and a reducer starved of CPU past
+    # arrives, or count in a member whose request timed out (that member then borrows the group's
+    # average, and the others leave its span out: partial), and a reducer starved of CPU past
     # chunk_timeout leaves its part unaveraged on every member alike (partial): rare, and never a
-    # disagreement (the hashes above); most averages are the whole group's
+    # disagreement (the hashes above); most averages are the whole group's: all but one exchange's
+    # three records (seen once with a core kept busy beside another test)
     assert applied and all(set(r["kinds"]) <= TAKEN | {"partial"} and r["coverage"] > 0.5 for r in applied), outcomes
-    full = [r for r in applied if set(r["kinds"]) == FULL and r["group_sizes"] == [3, 3]]
+    full = [r for r in applied if set(r["kinds"]) <= FULL and r["coverage"] == 1.0 and r["group_sizes"] == [3, 3]]
     assert len(full) >= len(applied) - 3, [(r["round"], r["kinds"], r["group_sizes"]) for r in applied]
     assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full)
     # where each exchange's time went, phase by phase (metrics.jsonl: exchange_phases)
