@@ -70,6 +70,8 @@ class PipelineSchedule:
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self._prev = None if self.is_first else self._global_rank(stage - 1)
         self._next = None if self.is_last else self._global_rank(stage + 1)
+        if dist.get_backend(group) == "nccl":  # NCCL: every rank takes part in a group's first call, then P2P
+            dist.all_reduce(torch.zeros(1, device=device), group=group)  # among some of them may be batched
 
     def _global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -151,8 +153,8 @@ class PipelineSchedule:
         of micro-batches); the sends of its input's gradient."""
         if self.is_last:
             (out / self.microbatches).backward()
-        else:
-            out.backward(grad)
+        else:  # out.backward(grad) imports sympy at its first call (torch.autograd._make_grads: 0.4 s of one
+            (out * grad).sum().backward()  # core); this backpropagates grad * 1, bit for bit the same gradient
         return [] if x is None else [dist.P2POp(dist.isend, x.grad.contiguous(), self._prev, self.group)]
 
     def _post(self, ops: list[dist.P2POp]) -> tuple[Any, list[dist.P2POp]]:
