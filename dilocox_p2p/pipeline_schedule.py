@@ -97,30 +97,28 @@ class PipelineSchedule:
         losses: list[torch.Tensor] = []
         held: list[dist.P2POp] = []  # the last action's sends, posted with the next action's receives
         posted: list[tuple[Any, list[dist.P2POp]]] = []  # sends in flight, beside their ops (which hold the tensors)
-        try:
-            for n, (kind, i) in enumerate(actions):
-                source = self._prev if kind == "F" else self._next
-                if source is None and held:  # nothing to receive: the sends before it go alone
-                    posted.append(self._post(held))
-                    held = []
-                received = None if source is None else self._receive(source, held)
-                if kind == "F":
-                    x, out, sends = self._forward(i, xs[i] if self.is_first else received, ys, losses)
-                    kept[i] = (x, out)
-                else:
-                    x, out = kept.pop(i)
-                    sends = self._backward(x, out, received)
-                held = sends
-                turns = n + 1 < len(actions) and actions[n + 1][0] != kind
-                if held and not turns:
-                    posted.append(self._post(held))
-                    held = []
-            if held:
+        for n, (kind, i) in enumerate(actions):
+            source = self._prev if kind == "F" else self._next
+            if source is None and held:  # nothing to receive: the sends before it go alone
                 posted.append(self._post(held))
-        finally:
-            for works, _ in posted:
-                for work in works:
-                    work.wait()
+                held = []
+            received = None if source is None else self._receive(source, held)
+            if kind == "F":
+                x, out, sends = self._forward(i, xs[i] if self.is_first else received, ys, losses)
+                kept[i] = (x, out)
+            else:
+                x, out = kept.pop(i)
+                sends = self._backward(x, out, received)
+            held = sends
+            turns = n + 1 < len(actions) and actions[n + 1][0] != kind
+            if held and not turns:
+                posted.append(self._post(held))
+                held = []
+        if held:
+            posted.append(self._post(held))
+        for works, _ in posted:  # not after a failure: a neighbour that failed too would never take them
+            for work in works:
+                work.wait()
         return losses
 
     # ----- one micro-batch ------------------------------------------------------------------------
