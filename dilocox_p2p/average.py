@@ -61,7 +61,8 @@ class AverageKind(str, enum.Enum):
     PARTIAL = "partial"
     """Averaged, except spans whose reducer failed before any member got them: those stay unchanged."""
     MENDED = "mended"
-    """Spans that missed this worker were taken from other members of its group."""
+    """Spans that missed this worker were taken from other members of its group, and it holds the whole
+    average (a copy still missing spans that no member could give is PARTIAL, its `mended_from` kept)."""
     BORROWED = "borrowed"
     """This worker's own all-reduce failed; it took the average its group computed without it."""
     ALONE = "alone"

@@ -373,8 +373,10 @@ class RoundExchange(CompressedRound, GroupVote):
             logger.warning("round %d: parts that missed this worker were taken from %s; %s averaged",
                            self.round, ", ".join(average.mended_from), share)
         elif average.kind is AverageKind.PARTIAL:
-            logger.warning("round %d: reducers failed before any member got their parts; %s averaged, "
-                           "the rest left unchanged on every member", self.round, share)
+            taken = ", ".join(average.mended_from)
+            mended = f" (parts that missed this worker taken from {taken})" if taken else ""
+            logger.warning("round %d: reducers failed before any member got their parts; %s averaged%s, "
+                           "the rest left unchanged on every member", self.round, share, mended)
         elif average.kind is AverageKind.BORROWED:
             logger.warning("round %d: %s; took the average of its group of %d from %s (%s)",
                            self.round, average.note, average.group_size, ", ".join(average.mended_from), share)

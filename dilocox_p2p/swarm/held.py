@@ -2,7 +2,8 @@
 
 A worker keeps its last KEEP_AVERAGES rounds' averages (`HeldAverage`: tensors, missing spans,
 group) and serves them (`rpc_download_average`, signed: transfer.py), so that a member whose copy
-misses spans fills them from another's (`collect` with its own copy: MENDED) and a member whose own
+misses spans fills them from another's (`collect` with its own copy: MENDED, or PARTIAL while spans
+no member holds stay missing) and a member whose own
 all-reduce failed takes the group's average (`collect` from nothing: BORROWED). Only copies of one
 group's average are merged; the merged copy is what the worker then serves and applies. `adopt`
 takes the copy most of the group announced (phase 5, agreement). Runs in the averager process
@@ -140,7 +141,7 @@ class AverageService:
         if out.average is not None:
             if start is None:
                 out.average.kind = AverageKind.BORROWED
-            elif out.mended_from:
+            elif out.mended_from and not out.average.missing:  # still missing spans: as partial as the others'
                 out.average.kind = AverageKind.MENDED
             self._hold(out.average)  # what this worker applies is what it serves from now on
         return out

@@ -192,6 +192,19 @@ def test_members_missing_different_reducers_parts_fill_them_from_each_other(grou
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
 
 
+@pytest.mark.faults("withhold_average:round=3:stage=0")
+def test_a_copy_mended_in_part_stays_partial_and_names_who_filled_it(group):
+    # a member missing two spans asks only a member that holds one of them: it takes that one, and its copy,
+    # still missing the other (as its group's, which nobody could give), is partial, not mended
+    outcomes = group.all_reduce(3, _inputs(3), weights=[1.0, 1.0, 1.0])
+    (first, tensors), (second, _) = outcomes[0], outcomes[1]
+    missing = tuple(sorted(first.missing + second.missing))
+    raw = HeldAverage(3, AverageKind.PARTIAL, tensors, missing, tuple(first.group), first.group_id)
+    collected = group.averagers[0].collect(3, [group.ids[1]], start=raw, wait_s=5.0, deadline_s=30.0)
+    assert collected.average is not None and collected.average.kind is AverageKind.PARTIAL
+    assert collected.average.missing == second.missing and collected.mended_from == [group.ids[1]]
+
+
 def test_a_reducer_leaves_out_an_outsized_contribution_and_names_its_sender(group):
     inputs = _inputs(3)
     inputs[2] = [t * 1000 for t in inputs[2]]
