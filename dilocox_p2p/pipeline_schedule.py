@@ -104,8 +104,8 @@ class PipelineSchedule:
                 held = []
             received = None if source is None else self._receive(source, held)
             if kind == "F":
-                x, out, sends = self._forward(i, xs[i] if self.is_first else received, ys, losses)
-                kept[i] = (x, out)
+                out, sends = self._forward(i, xs[i] if self.is_first else received, ys, losses)
+                kept[i] = (received, out)
             else:
                 x, out = kept.pop(i)
                 sends = self._backward(x, out, received)
@@ -134,17 +134,17 @@ class PipelineSchedule:
 
     def _forward(
         self, i: int, x: torch.Tensor, ys: list, losses: list[torch.Tensor]
-    ) -> tuple[torch.Tensor | None, torch.Tensor, list[dist.P2POp]]:
-        """Micro-batch i's forward: (its received input, for backward; its output or loss; its sends)."""
-        received = None if self.is_first else x
-        if received is not None and torch.is_grad_enabled():
-            received.requires_grad_()
+    ) -> tuple[torch.Tensor, list[dist.P2POp]]:
+        """Micro-batch i's forward from its input `x` (token ids on the first stage, else received): (its output,
+        or on the last stage its loss; its sends)."""
+        if not self.is_first and torch.is_grad_enabled():
+            x.requires_grad_()  # its gradient goes back to the stage before
         out = self.module(x)
         if self.is_last:
             loss = self.loss_fn(out, ys[i])
             losses.append(loss.detach())
-            return received, loss, []
-        return received, out, [dist.P2POp(dist.isend, out.detach().contiguous(), self._next, self.group)]
+            return loss, []
+        return out, [dist.P2POp(dist.isend, out.detach().contiguous(), self._next, self.group)]
 
     def _backward(self, x: torch.Tensor | None, out: torch.Tensor, grad: torch.Tensor | None) -> list[dist.P2POp]:
         """Backward of one micro-batch from its output's gradient (the last stage: its loss, divided by the number
