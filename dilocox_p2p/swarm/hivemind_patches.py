@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import sys
+import types
+from typing import Any
 
-__all__ = ["CHECKED_VERSIONS", "PATCHES", "check_version", "own_process_locks"]
+__all__ = ["CHECKED_VERSIONS", "PATCHES", "check_version", "defer_scipy_optimize", "own_process_locks"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,45 @@ PATCHES: dict[str, str] = {
     # utils/mpfuture.py, utils/asyncio.py: process-wide locks made at import (own_process_locks below)
     "MPFuture.reset_backend": "called in each stage process forked from a process that imported hivemind",
     "_AsyncContextWrapper.EXECUTOR_LOCK": "replaced by a lock of the stage process's own, as reset_backend does its",
+    # averaging/load_balancing.py: `import scipy.optimize` at import, for linprog (defer_scipy_optimize below)
+    "scipy.optimize (imported by hivemind.averaging.load_balancing)": "loaded lazily, on its first use",
 }
+
+
+def defer_scipy_optimize() -> None:
+    """Make `scipy.optimize` load on first use instead of at import.
+
+    `import hivemind` imports hivemind.averaging.load_balancing, which imports scipy.optimize for the one
+    linprog call of hivemind's own load balancing: about 0.2 s of one core in every peer's start (the fork
+    server's imports, `python -X importtime`, 2 cores), before any stage can start. A peer's start never
+    calls it (our all-reduce splits the parts itself, swarm/allreduce.py). Until something reads one of its
+    names, sys.modules holds a placeholder; the first read imports the real module, which then takes the
+    placeholder's place. (importlib.util.LazyLoader does not do: an `import scipy.optimize` of a lazy module
+    reads its `__spec__`, which loads it.) Call before hivemind is imported; an imported module stays."""
+    if "scipy.optimize" in sys.modules:
+        return
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("scipy.optimize")  # imports the scipy package only (5 ms)
+    except ImportError:  # no scipy: hivemind's import says so
+        return
+    if spec is None:
+        return
+    placeholder = types.ModuleType("scipy.optimize", "loaded on first use (hivemind_patches.defer_scipy_optimize)")
+    placeholder.__spec__, placeholder.__loader__, placeholder.__package__ = spec, spec.loader, spec.parent
+    placeholder.__file__, placeholder.__cached__ = spec.origin, spec.cached  # read by inspect.getmodule, say
+    placeholder.__path__ = list(spec.submodule_search_locations or [])
+
+    def load(name: str) -> Any:
+        if sys.modules.get("scipy.optimize") is placeholder:
+            del sys.modules["scipy.optimize"]
+        real = importlib.import_module("scipy.optimize")  # the import sets scipy.optimize to it as well
+        return getattr(real, name)
+
+    placeholder.__getattr__ = load  # type: ignore[method-assign]  # PEP 562: only names the module lacks
+    sys.modules["scipy.optimize"] = placeholder
+    sys.modules["scipy"].optimize = placeholder
 
 
 def own_process_locks() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -67,3 +68,19 @@ def test_each_life_of_a_peer_is_read_apart_and_its_critical_path_follows_the_lea
 def test_a_torn_line_is_skipped(tmp_path):
     (tmp_path / startup.FILE).write_text('{"phase": "process", "stage": null, "pid": 1, "time": 1.0}\n{"phase": "imp')
     assert startup.read_lives(tmp_path) == [[{"phase": "process", "stage": None, "pid": 1, "time": 1.0}]]
+
+
+def test_the_stages_imports_leave_scipy_optimize_unloaded_until_hivemind_load_balancing_uses_it():
+    code = textwrap.dedent("""
+        import inspect, sys
+        import dilocox_p2p.stage_process, dilocox_p2p.swarm.worker  # the fork server's imports (launch.py)
+        inspect.getmodule(inspect)  # reads every module's __file__, as torch does at import
+        print("scipy.optimize._optimize" in sys.modules)
+        from hivemind.averaging.load_balancing import load_balance_peers
+        print(load_balance_peers(100, [1.0, 2.0, None, 3.0]))
+        import scipy, scipy.optimize
+        print(sys.modules["scipy.optimize"] is scipy.optimize and callable(scipy.optimize.linprog))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["False", "(0, 24, 23, 53)", "True"], out.stdout
