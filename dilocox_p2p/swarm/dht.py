@@ -143,7 +143,8 @@ def start_dht(
     """Start this worker's DHT node (libp2p key: `identity_path`, identity.worker_identity) and join the
     swarm; errors name the failing address.
 
-    `extra_peers` are this peer's own stage-0 node, so that a peer's stages share one DHT.
+    `extra_peers` are this peer's own stage-0 node, bootstrapped from with the initial peers, so that a peer's
+    stages share one DHT (a peer without initial peers joins its stages otherwise: reconnect.join_lead).
     """
     kwargs: dict[str, Any] = dict(
         initial_peers=[*cfg.initial_peers, *extra_peers] or None,

@@ -35,11 +35,12 @@ from typing import Any
 from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
-from .dht import dht_result
+from ..errors import SwarmError
+from .dht import LISTEN_POLL_S, dht_result, wait_until_listening
 from .dial import gone
 from .faults import FaultCounter
 
-__all__ = ["FORGET_S", "RECONNECT_S", "RouteKeeper", "gone_peers", "ping_missing"]
+__all__ = ["FORGET_S", "LEAD_JOIN_S", "RECONNECT_S", "RouteKeeper", "gone_peers", "join_lead", "ping_missing"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,31 @@ async def ping_missing(_dht: Any, node: Any, initial: Sequence[str], members: Se
 
     answers = await asyncio.gather(*(ping(peer, maddrs) for peer, maddrs in chosen))
     return len(present), [peer for peer in answers if peer]
+
+
+LEAD_JOIN_S = 60.0  # how long a stage waits for its peer's stage 0 to answer (a start beside busy peers is slow)
+
+
+def join_lead(dht: Any, lead: Sequence[str], *, timeout: float = LEAD_JOIN_S) -> None:
+    """Join `dht` (a node started without initial peers) to this peer's stage 0 node at `lead` (its full
+    multiaddrs): the moment that node listens, ping it; the answer puts each node in the other's routing
+    table, which is all a bootstrap would have done in a DHT of these two. So a peer without initial peers
+    starts every stage's DHT node at once: a node started with stage 0 as its initial peer could only start
+    once stage 0's listened (its p2p daemon and DHT node fail to bootstrap otherwise), 0.45 s more of every
+    lone peer's start on 2 cores. SwarmError if stage 0 does not answer within `timeout`."""
+    deadline = time.monotonic() + timeout
+    ping = functools.partial(ping_missing, initial=tuple(lead), members=())
+    while True:
+        if wait_until_listening(lead, timeout=max(0.0, deadline - time.monotonic())):
+            # stage 0's daemon listens a moment before its DHT node serves: a ping then fails, and is sent again
+            _, answered = dht_result(dht, dht.run_coroutine(ping, return_future=True), "joining stage 0's DHT node",
+                                     deadline=time.monotonic() + PING_TIMEOUT_S * 2)  # fmt: skip
+            if answered:
+                return
+        if time.monotonic() >= deadline:
+            raise SwarmError(f"this peer's stage 0 DHT node ({' '.join(lead)}) did not answer within {timeout:.0f} s; "
+                             "see its log (RUN_DIR/logs/stage0.log)")
+        time.sleep(LISTEN_POLL_S)
 
 
 GONE_PROBE_S = 2.0  # how long a probe of one member may take (a connection refused answers at once)

@@ -45,7 +45,7 @@ from .faults import FaultCounter
 from .hello import serve_hello
 from .hivemind_patches import check_version
 from .membership import Membership
-from .reconnect import RouteKeeper
+from .reconnect import RouteKeeper, join_lead
 
 __all__ = ["SwarmStage"]
 
@@ -81,7 +81,17 @@ class SwarmStage:
         self.strikes: collections.Counter[str] = collections.Counter()
         self._refused_seen = 0
         validator = EnvelopeValidator(credentials.gate(), run_keys(cfg.run.run_id, self.config_hash))
-        self.dht = start_dht(cfg.swarm, stage=stage, identity_path=key_path, validator=validator, extra_peers=extra_peers)
+        # with initial peers, every stage bootstraps from them (and from stage 0); without, the other stages start
+        # their nodes beside stage 0's and join it once it listens (reconnect.join_lead)
+        lead = [] if self.sw.initial_peers else list(extra_peers)
+        self.dht = start_dht(cfg.swarm, stage=stage, identity_path=key_path, validator=validator,
+                             extra_peers=[] if lead else extra_peers)  # fmt: skip
+        if lead:
+            try:
+                join_lead(self.dht, lead)
+            except BaseException:
+                self.dht.shutdown()
+                raise
         serve_hello(self.dht, role="peer", run_id=cfg.run.run_id)  # `dilocox-peer doctor` tells a dilocox node by it
         self.peer_id = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults, signer=self.signer, gate=self.gate)

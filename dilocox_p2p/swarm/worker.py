@@ -47,7 +47,9 @@ class SwarmStageWorker(StageWorker):
     swarm: SwarmStage
 
     def make_averager(self) -> Averager:
-        """Start this stage's DHT node: stage 0 first, the others bootstrap from it (one DHT, no islands)."""
+        """Start this stage's DHT node, in one DHT with stage 0's (no islands): where stage 0 will listen is
+        known (launch._known_lead), every stage starts at once and the others join stage 0's node as it listens
+        (through the initial peers too, if any; SwarmStage); otherwise stage 0 starts first and tells them."""
         peer_name = f"{socket.gethostname()}:{self.run_dir.resolve().name}"
 
         def start(extra_peers: list[str]) -> SwarmStage:

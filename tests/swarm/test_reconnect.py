@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import hivemind
@@ -18,7 +19,9 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from dilocox_p2p.swarm.faults import FaultCounter
-from dilocox_p2p.swarm.reconnect import RouteKeeper
+from dilocox_p2p.endpoints import free_ports
+from dilocox_p2p.errors import SwarmError
+from dilocox_p2p.swarm.reconnect import RouteKeeper, join_lead
 
 pytestmark = pytest.mark.swarm
 
@@ -118,3 +121,35 @@ def test_a_keeper_whose_dht_process_was_killed_mid_look_closes_at_once(two_nodes
         assert not keeper._thread.is_alive()
     finally:
         os.kill(second.pid, signal.SIGCONT)
+
+
+def test_a_stage_started_beside_its_stage_0_joins_it_the_moment_it_listens_and_reads_its_records():
+    port = free_ports("127.0.0.1")  # stage 0 starts later at a known address, as launch._known_lead fixes it
+    lead = hivemind.DHT(start=False, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"])
+    stage1 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        lead.run_in_background(await_ready=True)
+        joining = threading.Thread(target=join_lead, args=(stage1, [_maddr(lead)]))
+        joining.start()  # typically before stage 0's node serves: the ping is sent again until it answers
+        joining.join(timeout=60)
+        assert not joining.is_alive()
+        assert stage1.run_coroutine(_routes) == [lead.peer_id.to_base58()]
+        assert lead.run_coroutine(_routes) == [stage1.peer_id.to_base58()], "stage 0 did not take the caller in"
+        assert lead.store("k", "from stage 0", get_dht_time() + 60)
+        assert stage1.get("k", latest=True).value == "from stage 0"
+    finally:
+        stage1.shutdown()
+        lead.shutdown()
+
+
+def test_a_stage_whose_stage_0_never_answers_says_where_it_looked_and_where_to_read_why():
+    stage1 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    nobody = f"/ip4/127.0.0.1/tcp/{free_ports('127.0.0.1')}/p2p/{stage1.peer_id.to_base58()}"  # nothing listens
+    try:
+        started = time.monotonic()
+        with pytest.raises(SwarmError, match=r"stage 0 DHT node \(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+\) did not answer "
+                                             r"within 1 s; see its log \(RUN_DIR/logs/stage0\.log\)"):
+            join_lead(stage1, [nobody], timeout=1.0)
+        assert time.monotonic() - started < 10
+    finally:
+        stage1.shutdown()
