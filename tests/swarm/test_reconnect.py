@@ -18,9 +18,9 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from dilocox_p2p.swarm.faults import FaultCounter
 from dilocox_p2p.endpoints import free_ports
 from dilocox_p2p.errors import SwarmError
+from dilocox_p2p.swarm.faults import FaultCounter
 from dilocox_p2p.swarm.reconnect import RouteKeeper, join_lead
 
 pytestmark = pytest.mark.swarm
