@@ -14,6 +14,9 @@ accepts anyway.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
 import logging
 import multiprocessing as mp
 import sys
@@ -92,6 +95,36 @@ PATCHES: dict[str, str] = {
 }
 
 
+class _DeferredScipyOptimize(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports `scipy.optimize` as a placeholder whose first name read imports the real module (defer_scipy_optimize)."""
+
+    NAME = "scipy.optimize"
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != self.NAME:
+            return None
+        real = importlib.machinery.PathFinder.find_spec(name, path)
+        if real is None:
+            return None
+        spec = importlib.machinery.ModuleSpec(name, self, origin=real.origin, is_package=True)
+        spec.submodule_search_locations, spec.has_location = real.submodule_search_locations, real.has_location
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # a plain module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        def load(name: str) -> Any:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            if sys.modules.get(self.NAME) is module:
+                del sys.modules[self.NAME]
+            real = importlib.import_module(self.NAME)  # the import makes it scipy's attribute as well
+            return getattr(real, name)
+
+        module.__getattr__ = load  # type: ignore[method-assign]  # PEP 562: only names the module lacks
+
+
 def defer_scipy_optimize() -> None:
     """Make `scipy.optimize` load on first use instead of at import.
 
@@ -99,33 +132,13 @@ def defer_scipy_optimize() -> None:
     linprog call of hivemind's own load balancing: about 0.2 s of one core in every peer's start (the fork
     server's imports, `python -X importtime`, 2 cores), before any stage can start. A peer's start never
     calls it (our all-reduce splits the parts itself, swarm/allreduce.py). Until something reads one of its
-    names, sys.modules holds a placeholder; the first read imports the real module, which then takes the
-    placeholder's place. (importlib.util.LazyLoader does not do: an `import scipy.optimize` of a lazy module
-    reads its `__spec__`, which loads it.) Call before hivemind is imported; an imported module stays."""
-    if "scipy.optimize" in sys.modules:
-        return
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("scipy.optimize")  # imports the scipy package only (5 ms)
-    except ImportError:  # no scipy: hivemind's import says so
-        return
-    if spec is None:
-        return
-    placeholder = types.ModuleType("scipy.optimize", "loaded on first use (hivemind_patches.defer_scipy_optimize)")
-    placeholder.__spec__, placeholder.__loader__, placeholder.__package__ = spec, spec.loader, spec.parent
-    placeholder.__file__, placeholder.__cached__ = spec.origin, spec.cached  # read by inspect.getmodule, say
-    placeholder.__path__ = list(spec.submodule_search_locations or [])
-
-    def load(name: str) -> Any:
-        if sys.modules.get("scipy.optimize") is placeholder:
-            del sys.modules["scipy.optimize"]
-        real = importlib.import_module("scipy.optimize")  # the import sets scipy.optimize to it as well
-        return getattr(real, name)
-
-    placeholder.__getattr__ = load  # type: ignore[method-assign]  # PEP 562: only names the module lacks
-    sys.modules["scipy.optimize"] = placeholder
-    sys.modules["scipy"].optimize = placeholder
+    names, sys.modules holds a placeholder (its `__file__`, `__path__` and `__spec__` are the real module's:
+    torch's import reads every module's `__file__`); the first read imports the real module, which takes the
+    placeholder's place. Nothing is imported now (the launcher imports this package and never scipy).
+    (importlib.util.LazyLoader does not do: an `import scipy.optimize` of a lazy module reads its `__spec__`,
+    which loads it.) Call before hivemind is imported; an imported module stays as it is."""
+    if "scipy.optimize" not in sys.modules and not any(isinstance(f, _DeferredScipyOptimize) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeferredScipyOptimize())
 
 
 def own_process_locks() -> None:
