@@ -317,7 +317,10 @@ class Agreement:
         """Download the state at `boundary` from the first donor whose state matches the stage group's
         majority hashes; None if none did (each failure counted). A donor whose pending average is still
         in flight serves theta_g and momentum at once and names that average (`state.follows`): the
-        taker gets it with `fetch_pending` while it trains."""
+        taker gets it with `fetch_pending` while it trains. A donor that moved past `boundary` says where
+        it is (`donors_at`); the others, which train in step with it, are not asked for `boundary` then:
+        the caller asks for the boundary told (beside 5 busy peers, asking 4 more donors each for a round
+        they had all left took a restart 1-2 s)."""
         for donor in donors:
             got = self.averager.download_round(donor, boundary, wait_s=self.sw.allreduce_timeout,
                                                timeout=self.sw.state_timeout, part=swarm_pb2.STATE_NOW)  # fmt: skip
@@ -327,6 +330,8 @@ class Agreement:
                 status = swarm_pb2.StateStatus.Name(got.status) if got.status >= 0 else "error"
                 self.faults.count("downloads_failed", "state of round %d not taken from %s: %s (donor at %d) %s",
                                   boundary, donor, status, got.boundary, got.reason)
+                if got.status == swarm_pb2.STATE_GONE and got.boundary > boundary:
+                    return None
                 continue
             problem = self.verify(got.state)
             if problem:

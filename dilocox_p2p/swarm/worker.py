@@ -259,8 +259,8 @@ class SwarmStageWorker(StageWorker):
         as: "repairs" or "catch_ups".
         """
         result: StateDownload | None = None
-        rechecked = newer = False
-        ahead = 0
+        rechecked = newer = chased = False
+        ahead, target = 0, -1
         for attempt in range(RESYNC_ATTEMPTS):
             if attempt and not newer and not ahead:
                 time.sleep(0.5 * attempt)
@@ -270,7 +270,12 @@ class SwarmStageWorker(StageWorker):
             # behind on a loaded DHT): a donor serves its current state at once, so that one is asked for as is
             told = max(self._all_gather(self.swarm.agreement.donors_at))
             newest = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
-            if told > newest:
+            if told > target and not chased and target >= 0:
+                # a donor said where it is (its signed STATE_GONE), at least as new as the records: it serves that
+                # boundary at once; one more (`ahead`) waited out a whole round of the donors' for nothing (5 s
+                # of a restart beside 5 busy peers). Once only: donors faster than downloads are asked ahead.
+                newest, ahead, chased = max(told, newest), 0, True
+            elif told > newest:
                 newest, ahead = told, 0
             if newest < boundary:
                 continue  # the others' records may not show this boundary yet
