@@ -271,9 +271,9 @@ class SwarmStageWorker(StageWorker):
             told = max(self._all_gather(self.swarm.agreement.donors_at))
             newest = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
             if told > target and not chased and target >= 0:
-                # a donor said where it is (its signed STATE_GONE), at least as new as the records: it serves that
-                # boundary at once; one more (`ahead`) waited out a whole round of the donors' for nothing (5 s
-                # of a restart beside 5 busy peers). Once only: donors faster than downloads are asked ahead.
+                # a donor said where it is (its signed STATE_GONE): it serves that boundary (or the records' newer
+                # one) at once; one more (`ahead`) waited out a whole round of the donors' for nothing (5 s of a
+                # restart beside 5 busy peers). Once only: donors faster than downloads are asked ahead after.
                 newest, ahead, chased = max(told, newest), 0, True
             elif told > newest:
                 newest, ahead = told, 0
