@@ -110,12 +110,10 @@ class PipelineSchedule:
                 x, out = kept.pop(i)
                 sends = self._backward(x, out, received)
             held = sends
-            turns = n + 1 < len(actions) and actions[n + 1][0] != kind
+            turns = n + 1 < len(actions) and actions[n + 1][0] != kind  # never at the last action: all posted
             if held and not turns:
                 posted.append(self._post(held))
                 held = []
-        if held:
-            posted.append(self._post(held))
         for works, _ in posted:  # not after a failure: a neighbour that failed too would never take them
             for work in works:
                 work.wait()
