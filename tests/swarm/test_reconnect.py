@@ -20,6 +20,7 @@ from hivemind.utils import get_dht_time
 
 from dilocox_p2p.endpoints import free_ports
 from dilocox_p2p.errors import SwarmError
+from dilocox_p2p.identity import peer_id_of, worker_identity
 from dilocox_p2p.swarm.faults import FaultCounter
 from dilocox_p2p.swarm.reconnect import RouteKeeper, join_lead
 
@@ -123,14 +124,19 @@ def test_a_keeper_whose_dht_process_was_killed_mid_look_closes_at_once(two_nodes
         os.kill(second.pid, signal.SIGCONT)
 
 
-def test_a_stage_started_beside_its_stage_0_joins_it_the_moment_it_listens_and_reads_its_records():
-    port = free_ports("127.0.0.1")  # stage 0 starts later at a known address, as launch._known_lead fixes it
-    lead = hivemind.DHT(start=False, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"])
+def test_a_stage_started_beside_its_stage_0_joins_it_the_moment_it_listens_and_reads_its_records(tmp_path):
+    # stage 0's address is known before it starts, as launch._known_lead fixes it: its port and its key
+    key = tmp_path / "stage0.ed25519"
+    lead_maddr = f"/ip4/127.0.0.1/tcp/{free_ports('127.0.0.1')}/p2p/{peer_id_of(worker_identity(key))}"
     stage1 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    lead = hivemind.DHT(start=False, host_maddrs=[lead_maddr.split("/p2p/")[0]], identity_path=str(key),
+                        check_if_identity_free=False)  # fmt: skip
     try:
+        joining = threading.Thread(target=join_lead, args=(stage1, [lead_maddr]))
+        joining.start()  # before stage 0 listens: it waits, then pings until stage 0's node answers
+        time.sleep(0.5)
+        assert joining.is_alive(), "joined a stage 0 that was not started"
         lead.run_in_background(await_ready=True)
-        joining = threading.Thread(target=join_lead, args=(stage1, [_maddr(lead)]))
-        joining.start()  # typically before stage 0's node serves: the ping is sent again until it answers
         joining.join(timeout=60)
         assert not joining.is_alive()
         assert stage1.run_coroutine(_routes) == [lead.peer_id.to_base58()]
