@@ -159,8 +159,7 @@ class SwarmStage:
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self.records.publish_config(self.config_hash, self.shared_json)
-        self.heartbeat.start()
+        self.heartbeat.start(first=lambda: self.records.publish_config(self.config_hash, self.shared_json))
         self.membership.start()
         self.exchanges.start()
         self.agreement.start()
