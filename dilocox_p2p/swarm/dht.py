@@ -54,10 +54,10 @@ JOIN_ATTEMPTS = 3  # an initial peer that is busy or restarting is tried again, 
 JOIN_RETRY_S = 2
 LISTEN_POLL_S = 0.1  # how often an initial peer that does not listen yet is probed
 # hivemind's DHTNode.create, once one initial peer answered its ping, waits up to bootstrap_timeout (by default
-# wait_timeout, 3 s) for the others' pings and its walk to its own nearest nodes. The walk goes on in the background
-# after that (it is not cancelled), and every store or get walks to its key's nodes from whatever node is known:
-# nothing needs the full walk done before the node is used. On 2 busy cores (a joiner beside 2 training peers) the
-# walk through their nice-10 helpers cost a start 0.3 s of its 1.2 s DHT phase (benchmarks/startup.py).
+# wait_timeout, 3 s) for the others' pings and for its walk to its own nearest nodes, a few round trips each on the
+# internet. The walk goes on in the background after that (it is not cancelled), and every store or get walks to its
+# key's nodes from whatever node is known: nothing needs the walk done before the node is used. On loopback the walk
+# takes a few milliseconds and the limit changes nothing measurable (benchmarks/startup.py, side by side).
 BOOTSTRAP_S = 0.2
 AVERAGE_RECORD_TTL_S = 300.0
 DHT_CALL_CHECK_S = 1.0  # a DHT call still running checks this often that the DHT process is alive
@@ -443,9 +443,9 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def start(self, *, first: Callable[[], None] | None = None) -> None:
-        """Start beating, the first beat at once, in the thread: a start does not wait for the stores (0.1-0.25 s
-        of a joiner's start on 2 busy cores). `first` runs there before the first beat: a store others must
-        find once they see this worker (the run's config record, read by a peer that this one refuses)."""
+        """Start beating, the first beat at once, in the thread: a stage's start does not wait for the stores (a few
+        round trips each on the internet). `first` runs there before the first beat: a store others must find
+        once they see this worker (the run's config record, read by a peer that this one refuses)."""
         self._first = first
         self._now.set()
         self._thread.start()
