@@ -436,7 +436,7 @@ class Heartbeat:
         self.records = records
         self._record = record
         self._lock = threading.Lock()
-        self._beating = threading.Lock()  # one store at a time: an older copy never lands after a newer one
+        self._beating = threading.Lock()  # one beat at a time: an older beat never lands after a newer one
         self._stop = threading.Event()
         self._now = threading.Event()
         self._first: Callable[[], None] | None = None
