@@ -8,12 +8,14 @@ Runs in its own process (hivemind's), beside the stage worker. What it adds:
    from it or borrow it (held.py: AverageService).
 3. A joining or repairing worker downloads the stage's state at a round boundary (theta_g,
    momentum, pending average) from a live worker (state_service.py: StateService).
-4. With compression, the round's group all-gathers compressed messages instead of running
-   the butterfly (gather.py); later phases (low-rank) gather again in the same group.
+4. With compression, the round's group exchanges compressed messages instead of running the
+   fp32 butterfly (group_round.py: the compressed butterfly, or top-k's all-gather; gather.py).
 5. Trust (envelope.py, docs/security.md): requests and replies are signed (transfer.py:
    SignedReplies). Matchmaking carries a signed GroupTicket in hivemind's JoinRequest.gather:
    a leader takes only members with a valid ticket that this round admits (live, not banned),
    a follower asks only such leaders, and a member whose group holds any other leaves it.
+6. The stage's other members push their member records when they change; the stage worker
+   takes them from `pushed_records` (member_push.py).
 
 The private hivemind methods overridden here are listed in hivemind_patches.py.
 """
@@ -34,7 +36,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
@@ -43,15 +45,16 @@ from .. import injection
 from ..average import AverageKind, Spans
 from ..compression.lowrank import agreed_ranks
 from ..envelope import Gate, Signer
-from ..errors import WireRejected
 from ..fragments import as_fragments, of_round
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .faults import RefusalLog
 from .gather import GatherResult, MessageGather
+from .group_admission import GroupAdmission, ask_designated_then_admitted
 from .group_round import GroupRound, RoundResult
 from .held import AverageService, Collected, HeldAverage
 from .matchmaking import (
+    DesignatedLeader,
     abandon_begun_groups,
     count_extra_followers,
     drop_stale_searches,
@@ -62,6 +65,7 @@ from .matchmaking import (
     set_target_size,
     track_join_requests,
 )
+from .member_push import MemberPushes
 from .priority import lower_priority
 from .state_service import StateDownload, StateProvider, StateService
 from .transfer import SignedReplies
@@ -74,6 +78,7 @@ ROUND_BITS = 24
 ALIVE_CHECK_S = 1.0  # a call into the averager process checks that the process lives this often
 OUTSIDE_GROUPS_KEPT = 16  # the latest groups found counted out, answered at once (_outside_group)
 JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
+LEAD_SHARE = 0.25  # of round_wait: a designated leader waits this long for its followers before it searches too
 
 
 def round_group_bits(round: int) -> str:
@@ -92,7 +97,10 @@ async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, MessageGather, DecentralizedAverager):
+class DilocoxAverager(
+    GroupAdmission, GroupRound, AverageService, StateService, SignedReplies, MessageGather, MemberPushes,
+    DecentralizedAverager,
+):
     """One stage worker's averager: exact round-keyed all-reduce, average and state serving."""
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: collect this subclass's own
@@ -137,6 +145,7 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         # the groups this worker found itself counted into without joining them (averager process, _outside_group)
         self._outside_groups: collections.deque[bytes] = collections.deque(maxlen=OUTSIDE_GROUPS_KEPT)
         self._grouped_at: float | None = None  # when the group of the all-reduce running now formed (unix time)
+        self._grouped_round = -1  # ... and its round
         self._state_provider: StateProvider | None = None
         self._current_round = -1
         self._held: dict[int, HeldAverage] = {}
@@ -144,10 +153,12 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         self._last_result: RoundResult | None = None
         self._payload: bytes | None = None  # this round's compressed message (phase 1), if compressed; b"": later
         self._group_ranks: list[int] = []  # low-rank: the ranks most tickets of the group formed now name
+        self._designated = DesignatedLeader()  # the member this round's group forms around (matchmaking.py)
         # messages go to the averager process through shared memory: hivemind's command pipe is
         # non-blocking on the averager's side and breaks on anything larger than its buffer
         self._outbox = torch.zeros(max_message_bytes, dtype=torch.uint8).share_memory_()
         self._init_gather(max_message_bytes)
+        self._init_pushes()
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self) -> None:
@@ -245,6 +256,7 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         banned: Sequence[str] = (),
         expected: Sequence[str] | None = None,
         ranks: Sequence[int] = (),
+        leader: str = "",
     ) -> bytes:
         """Set up the next step: its round, target group size, the workers it may group with (`admitted`,
         besides this one) and those banned, and with compression this worker's phase-1 message (the step
@@ -252,10 +264,11 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         worker sends its messages once it knows the group's ranks: low-rank, `scatter_phase`). `expected`: the
         other workers the target counts; a follower outside them raises the target by one as it joins
         (matchmaking.count_extra_followers). `ranks`: low-rank's ranks this worker would use, in its ticket.
+        `leader`: the member the group forms around ("" none: hivemind's search alone; matchmaking.py).
         Returns the signed GroupTicket to pass to `step(gather=...)`."""
         size = self._stage(payload) if payload is not None else -1
         kwargs = dict(round=round, target=target_group_size, payload_size=size, admitted=list(admitted), banned=list(banned),
-                      expected=None if expected is None else list(expected))  # fmt: skip
+                      expected=None if expected is None else list(expected), leader=leader)  # fmt: skip
         self._call("_prepare_round", 30.0, **kwargs)
         return self.signer.seal(envelope_pb2.GroupTicket(schema=self.schema_hash, ranks=list(ranks)), round=round)
 
@@ -324,15 +337,16 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
     # ----- averager process: the all-reduce -------------------------------------------------
     async def _prepare_round(
         self, round: int, target: int, payload_size: int, admitted: list[str], banned: list[str],
-        expected: list[str] | None, future: MPFuture,
+        expected: list[str] | None, leader: str, future: MPFuture,
     ) -> None:  # fmt: skip
         try:
+            self._designated.set(leader, self.peer_id.to_base58(), self._matchmaking.min_matchmaking_time * LEAD_SHARE)
             self._payload = self._unstage(payload_size) if payload_size >= 0 else None
             self._admitted = frozenset(admitted) - frozenset(banned)
             self.gate.ban(banned)
             mm = self._matchmaking
             if not getattr(mm.potential_leaders, "_dilocox_filtered", False):
-                _ask_only_admitted_leaders(mm.potential_leaders, self)
+                ask_designated_then_admitted(mm.potential_leaders, self)
             hold_matchmaking_tasks(mm, self._stale_step)  # a cancelled step unwinds, and never looks again
             track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
             count_extra_followers(mm, self._count_extra)  # a follower the target did not count raises it
@@ -372,36 +386,10 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
     def _stale_step(self, step: Any) -> bool:
         """Whether hivemind's `step` carries the ticket of another round than the one prepared last (a cancelled
         step that hivemind retried: matchmaking.py)."""
-        try:  # hivemind's data for gather: (bandwidth, mode, user data), our signed ticket the user data
-            _, _, user = self.serializer.loads(step.data_for_gather)
-            signed = envelope_pb2.SignedEnvelope.FromString(self.serializer.loads(user))
-            return envelope_pb2.Envelope.FromString(signed.body).round != self._current_round
-        except Exception:  # noqa: BLE001 - not a ticket of ours: the group's checks refuse it
-            return False
+        round = self._ticket_round(step.data_for_gather)
+        return round is not None and round != self._current_round
 
-    # ----- averager process: who may group with whom -----------------------------------------
-    def _ticket_refusal(self, peer: str, gathered: bytes, *, joining: bool) -> str:
-        """Why `peer`'s JoinRequest.gather (hivemind's (bandwidth, mode, user data)) does not admit it to this
-        round's group ("" if it does). A peer `joining` this worker's group must also be a live member that
-        this worker has not banned; in a group already formed, a valid ticket is enough (bans are each
-        worker's own: the content checks decide there, alike on every member)."""
-        if joining and peer not in self._admitted:
-            return "not a live, admitted, unbanned member of this stage"
-        return self._read_ticket(peer, gathered, even_banned=not joining)[1]
-
-    def _read_ticket(self, peer: str, gathered: bytes, *, even_banned: bool) -> tuple[envelope_pb2.GroupTicket | None, str]:
-        """`peer`'s group ticket from its JoinRequest.gather, opened (signed by `peer`, for this round), or why not."""
-        try:
-            _, _, user = self.serializer.loads(gathered)
-            ticket = self.serializer.loads(user)
-            opened = self.gate.open(ticket, envelope_pb2.GroupTicket, sender=peer, round=self._current_round,
-                                    even_banned=even_banned)  # fmt: skip
-        except WireRejected as e:
-            return None, str(e)
-        except Exception as e:
-            return None, f"unreadable group ticket ({type(e).__name__})"
-        return opened.message, ""
-
+    # ----- averager process: refusals ----------------------------------------------------------
     def _refused(self, what: str, reason: str) -> None:
         """Log a refusal at its 1st, 10th, 100th... time (a flood of bad requests is not a flood of logs)."""
         with self._refused_total.get_lock():
@@ -409,18 +397,6 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         n = self._refusals.count(reason)
         if n is not None:
             logger.warning("refused %s: %s [%d such so far]", what, reason, n)
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        peer = context.remote_id.to_base58()
-        refusal = self._ticket_refusal(peer, request.gather, joining=True)
-        if refusal:
-            self._refused(f"{peer}'s request to join round {self._current_round}'s group", refusal)
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_join_group(request, context):
-            yield message
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -462,7 +438,7 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         return outside
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
-        self._grouped_at = time.time()
+        self._grouped_at, self._grouped_round = time.time(), self._current_round
         me = self.peer_id.to_base58()
         ranks = []  # each member's low-rank ranks, as its ticket names them
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
@@ -475,18 +451,3 @@ class DilocoxAverager(GroupRound, AverageService, StateService, SignedReplies, M
         self._group_ranks = agreed_ranks(ranks)
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return self._last_result
-
-
-def _ask_only_admitted_leaders(leaders: Any, averager: DilocoxAverager) -> None:
-    """hivemind's follower asks leaders in the order of its queue: skip those this round does not admit."""
-    pop = leaders.pop_next_leader
-
-    async def pop_admitted() -> PeerID:
-        while True:
-            leader = await pop()
-            if leader.to_base58() in averager._admitted:
-                return leader
-            logger.debug("not asking %s to lead: not an admitted member of this round", leader)
-
-    leaders.pop_next_leader = pop_admitted
-    leaders._dilocox_filtered = True

@@ -3,7 +3,7 @@
 Keys (values are SignedEnvelopes (envelope.py) of protobuf messages from
 proto/dilocox/v1/swarm.proto, signed by the worker whose peer id is the subkey, for the key
 they are stored under):
-    {run}:members:s{stage}        MemberRecord per live worker, refreshed by a heartbeat
+    {run}:members:s{stage}        MemberRecord per live worker, refreshed by a heartbeat (heartbeat.py)
     {run}:round:s{stage}:{b}      RoundRecord: the state (and pending average) hashes each worker holds at b
     {run}:average:s{stage}:{r}    AverageRecord: the hash of round r's average each member of its group holds
     {run}:config:{hash}           ConfigRecord: the shared config behind a hash
@@ -43,7 +43,7 @@ from ..wire import swarm_pb2
 from .faults import FaultCounter, RefusalLog
 from .priority import lower_priority
 
-__all__ = ["EnvelopeValidator", "Heartbeat", "RunRecords", "dht_result", "node_id_of", "run_keys", "start_dht"]
+__all__ = ["EnvelopeValidator", "Member", "RunRecords", "dht_result", "node_id_of", "run_keys", "start_dht"]
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +276,8 @@ class Member:
     expiration: float
     peer_key: bytes = b""
     """The peer (cluster) identity key that vouches for this worker (StageCertificate)."""
+    sent_at: float = 0.0
+    """When its worker signed the record (its clock): of two copies, the later one is the newer (member_push.py)."""
 
 
 class RunRecords:
@@ -361,8 +363,11 @@ class RunRecords:
     def _result(self, future: Any, what: str) -> Any:
         return dht_result(self.dht, future, what)
 
-    def publish_member(self, record: swarm_pb2.MemberRecord, ttl: float = MEMBER_TTL_S, *, leaving: bool = False) -> bool:
-        """Publish this worker's member record; `leaving`: the last one, best effort (it expires anyway).
+    def publish_member(
+        self, record: swarm_pb2.MemberRecord, ttl: float = MEMBER_TTL_S, *, leaving: bool = False
+    ) -> tuple[bytes, float]:
+        """Publish this worker's member record; `leaving`: the last one, best effort (it expires anyway). Returns
+        the sealed record and its DHT expiration (what a push to the other members sends: member_push.py).
 
         A DHT node keeps a subkey's value with the latest expiration, so the last record expires just after
         the one before it, not `ttl` from now: a record that expired sooner was refused by every node, and the
@@ -373,24 +378,39 @@ class RunRecords:
         publish counted as failed: fresh-clone CI of 21e8edf)."""
         with self._member_lock:
             expires = max(get_dht_time() + ttl, self._member_expires + 0.001)
-            if leaving:
-                return self._store(self.members_key, record, ttl, best_effort=True, expires=expires)
-            self._member_expires = expires  # also if only some nodes took it
-            return self._store(self.members_key, record, ttl, expires=expires)
+            if not leaving:
+                self._member_expires = expires  # also if only some nodes took it
+            value = self.signer.seal(record, topic=self.members_key)
+            self.store_sealed(self.members_key, value, expires, best_effort=leaving)
+            return value, expires
 
     def members(self) -> list[Member]:
-        now = get_dht_time()
-        members = []
-        for peer_id, (opened, exp) in self._get(self.members_key, swarm_pb2.MemberRecord).items():
-            record = opened.message
-            if record.run_id != self.run_id or record.stage != self.stage or opened.envelope.sender.stage != self.stage:
-                self.faults.count(
-                    "records_refused", "refused the member record of %s: run %r stage %d under this run's key",
-                    peer_id, record.run_id, record.stage,
-                )
-            elif exp > now:
-                members.append(Member(peer_id, record, exp, opened.peer_key))
-        return members
+        found = self._get(self.members_key, swarm_pb2.MemberRecord).items()
+        return [m for peer_id, (opened, exp) in found if (m := self._member(peer_id, opened, exp)) is not None]
+
+    def open_member(self, sender: str, value: bytes, expiration: float) -> Member | None:
+        """A member record `sender` pushed (member_push.py), checked as one read from the DHT; None (counted) if
+        refused or expired. Its expiration is capped at a fresh record's: the push carries it unsigned."""
+        try:
+            opened = self.gate.open(value, swarm_pb2.MemberRecord, sender=sender, topic=self.members_key)
+        except WireRejected as e:
+            self.faults.count("records_refused", "refused a member record %s pushed: %s", sender, e)
+            return None
+        self._owners[sender] = bytes(opened.peer_key)
+        return self._member(sender, opened, min(expiration, get_dht_time() + MEMBER_TTL_S))
+
+    def _member(self, peer_id: str, opened: Opened, expiration: float) -> Member | None:
+        """The member `opened` describes if it is of this run and stage and live; None (counted if foreign)."""
+        record = opened.message
+        if record.run_id != self.run_id or record.stage != self.stage or opened.envelope.sender.stage != self.stage:
+            self.faults.count(
+                "records_refused", "refused the member record of %s: run %r stage %d under this run's key",
+                peer_id, record.run_id, record.stage,
+            )
+            return None
+        if expiration <= get_dht_time():
+            return None
+        return Member(peer_id, record, expiration, opened.peer_key, opened.envelope.sent_at)
 
     def publish_round(self, record: swarm_pb2.RoundRecord) -> bool:
         key = f"{self.run_id}:round:s{self.stage}:{record.boundary}"
@@ -427,65 +447,3 @@ def _claimed_membership(blob: bytes) -> tuple[float, bool]:
         return record.joined_at, record.training
     except Exception:
         return float("inf"), False
-
-
-class Heartbeat:
-    """Re-publishes this worker's MemberRecord every HEARTBEAT_S seconds in a thread."""
-
-    def __init__(self, records: RunRecords, record: swarm_pb2.MemberRecord):
-        self.records = records
-        self._record = record
-        self._lock = threading.Lock()
-        self._beating = threading.Lock()  # one beat at a time: an older beat never lands after a newer one
-        self._stop = threading.Event()
-        self._now = threading.Event()
-        self._first: Callable[[], None] | None = None
-        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
-
-    def start(self, *, first: Callable[[], None] | None = None) -> None:
-        """Start beating, the first beat at once, in the thread: a stage's start does not wait for the stores (a few
-        round trips each on the internet). `first` runs there before the first beat: a store others must find
-        once they see this worker (the run's config record, read by a peer that this one refuses)."""
-        self._first = first
-        self._now.set()
-        self._thread.start()
-
-    def update(self, *, wait: bool = True, **fields: Any) -> None:
-        """Change fields of the record and publish it (in the heartbeat thread unless `wait`)."""
-        with self._lock:
-            for name, value in fields.items():
-                setattr(self._record, name, value)
-        if wait:
-            self.beat()
-        else:
-            self._now.set()
-
-    def beat(self) -> None:
-        with self._beating:
-            with self._lock:
-                record = swarm_pb2.MemberRecord()
-                record.CopyFrom(self._record)
-            self.records.publish_member(record)  # a failure is counted there
-
-    def _loop(self) -> None:
-        if self._first is not None:
-            try:
-                self._first()
-            except Exception as e:  # the beats matter more: they go on
-                logger.warning("a store before the first heartbeat failed: %r", e)
-        while not self._stop.is_set():
-            self._now.wait(HEARTBEAT_S)
-            self._now.clear()
-            if not self._stop.is_set():
-                self.beat()
-
-    def stop(self, *, leave: bool = True) -> None:
-        """Stop beating; with `leave`, tell the others this worker no longer trains."""
-        self._stop.set()
-        self._now.set()
-        self._thread.join(timeout=5)
-        if leave:
-            with self._lock:
-                self._record.training = False
-                self._record.state_ready = False
-            self.records.publish_member(self._record, ttl=1.0, leaving=True)

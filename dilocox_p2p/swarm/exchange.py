@@ -53,7 +53,7 @@ __all__ = ["ExchangeQueue", "RoundExchange", "gather_suspects", "mending_order",
 logger = logging.getLogger(__name__)
 
 COUNTED_OUT = "a leader counted this worker into a group after it had given up on the leader"
-FOLLOWER_LAG_S = 2.5  # fault injection abandon_accepted: the faulty worker declares this much later (_scheduled_time)
+FOLLOWER_LAG_S = 2.5  # a follower of a designated leader declares this much later than the leader (_scheduled_time)
 ALONE_WITH_OUTSIDERS = "every other member of its group had given up on this group's leader"
 NOBODY_ELSE = "no other member of the stage group takes part in this round any more"
 
@@ -187,11 +187,19 @@ class RoundExchange(CompressedRound, GroupVote):
         (the follower first waits for its own join requests in flight: averager._outside_group). Where the others
         did average, the worker borrows their average as before. A compressed round (`payload`, `ranks`) looks
         again the same way: without it, a pair split so in its first round stranded both (CI, test_trust)."""
-        result, failure = self._all_reduce(expected, payload, ranks)
+        result, failure = self._all_reduce(expected, payload, ranks, leader=self._leader())
         if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup():
             logger.info("round %d: %s; looking for a group once more", self.round, failure)
-            result, failure = self._all_reduce(expected, payload, ranks)
+            result, failure = self._all_reduce(expected, payload, ranks)  # hivemind's search alone
         return result, failure
+
+    def _leader(self) -> str:
+        """The member this round's group forms around (matchmaking.DesignatedLeader): the smallest peer id of the
+        members this worker expects, itself included. A worker armed with fault injection `abandon_accepted`
+        names none: the fault is a follower's."""
+        if injection.armed("abandon_accepted", quiet=True, round=self.round, stage=self.stage.stage):
+            return ""
+        return min([self.stage.peer_id, *self._expected])
 
     def _may_regroup(self) -> bool:
         # while the round's wait lasts: the follower looks again at once and waits round_wait for a group, so the
@@ -203,7 +211,7 @@ class RoundExchange(CompressedRound, GroupVote):
         return not self.abandoned() and time.time() - self._window_start < self.sw.round_wait
 
     def _all_reduce(
-        self, expected: int, payload: bytes | None = None, ranks: Sequence[int] = ()
+        self, expected: int, payload: bytes | None = None, ranks: Sequence[int] = (), *, leader: str = ""
     ) -> tuple[RoundResult | None, str]:
         if payload is None:
             with self.averager.get_tensors() as buffers:
@@ -212,12 +220,12 @@ class RoundExchange(CompressedRound, GroupVote):
         ticket = self.averager.prepare_round(
             self.round, expected, payload=payload,
             admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()), expected=self._expected,
-            ranks=ranks,
+            ranks=ranks, leader=leader,
         )  # fmt: skip
         started = time.monotonic()
         self._control = self.averager.step(
             gather=ticket, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False,
-            scheduled_time=self._scheduled_time(),
+            scheduled_time=self._scheduled_time(follows=bool(leader) and leader != self.stage.peer_id),
         )  # fmt: skip
         try:
             result, gave_up = self._wait_for_step(started, expected)
@@ -237,15 +245,16 @@ class RoundExchange(CompressedRound, GroupVote):
         finally:
             self._control = None
 
-    def _scheduled_time(self) -> float | None:
+    def _scheduled_time(self, *, follows: bool) -> float | None:
         """When this worker's group is to begin (hivemind's default: now + min_matchmaking_time = round_wait). A
-        worker armed with fault injection `abandon_accepted` declares a later time than any member that looks
-        within FOLLOWER_LAG_S after it, so that it follows a leader rather than leads: the fault is a follower's
-        (as a leader it never meets it, and a run where it led every armed round tested nothing: seen once in 10
-        runs on 2 loaded cores)."""
-        if not injection.armed("abandon_accepted", quiet=True, round=self.round, stage=self.stage.stage):
-            return None
-        return get_dht_time() + self.sw.round_wait + FOLLOWER_LAG_S
+        worker that `follows` a designated leader declares FOLLOWER_LAG_S later, so that the leader (which
+        declares the default) takes its request though it looked a moment before the leader did. A worker armed
+        with fault injection `abandon_accepted` declares later still, so that it follows a leader rather than
+        leads: the fault is a follower's (as a leader it never meets it, and a run where it led every armed round
+        tested nothing: seen once in 10 runs on 2 loaded cores)."""
+        if injection.armed("abandon_accepted", quiet=True, round=self.round, stage=self.stage.stage):
+            return get_dht_time() + self.sw.round_wait + 2 * FOLLOWER_LAG_S
+        return get_dht_time() + self.sw.round_wait + FOLLOWER_LAG_S if follows else None
 
     def _wait_for_step(self, started: float, target: int) -> tuple[RoundResult | None, str]:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage has

@@ -58,6 +58,14 @@ PATCHES: dict[str, str] = {
     "Matchmaking._request_join_group": "wrapped (matchmaking.track_join_requests) to count requests in flight: a "
     "part that reaches a follower before its leader's ACCEPTED waits for that answer instead of BAD_GROUP_ID",
     "Matchmaking.request_timeout": "read: how long a part waits for a request in flight to end",
+    "PotentialLeaders.pop_next_leader": "wrapped (averager._ask_designated_then_admitted): a follower asks the round's "
+    "designated leader first, a designated leader asks nobody for a quarter of round_wait (matchmaking.DesignatedLeader); "
+    "leaders this round does not admit are skipped",
+    "DecentralizedAverager.rpc_join_group": "overridden: the signed ticket is checked, and a request that comes before "
+    "this worker looks for its round's group waits for that (averager._wait_to_lead)",
+    "Matchmaking.is_looking_for_group / potential_leaders.declared_group_key / group_key_manager.current_key / "
+    "min_matchmaking_time": "read: whether the search of the current round runs and has declared (looking_for_group); "
+    "how long a designated leader waits alone",
     "Matchmaking.follower_assemble_group": "wrapped (matchmaking.abandon_begun_groups) for fault injection "
     "`abandon_accepted` only: a follower drops the group its leader began with it",
     "Matchmaking._check_reasons_to_reject": "wrapped (matchmaking.count_extra_followers): a follower accepted that the "

@@ -46,6 +46,19 @@ counted for, the group started without that member, and it borrowed the group's 
 load, where a member starved of CPU fails as a reducer now and then). `count_extra_followers` raises the
 target by one for each follower the leader did not count on, so the group waits for the members it did.
 
+A designated leader (`DesignatedLeader`). hivemind's followers find their leader through the DHT: each
+member declares itself under the round's group key, reads the others' declarations back, and asks them in
+turn. With every member entering the round within a few tens of milliseconds of the others (their member
+records are pushed: member_push.py), that took 0.2-0.3 s after the last one entered on loopback (0.5 s and
+more with the DHT on a real network), and members declaring at once asked each other in a tangle. The stage
+worker names the round's leader instead: the smallest peer id among the members it expects. A follower asks
+it directly, once, with an expiration later than the leader's (hivemind's leader takes only followers that
+declared no earlier than itself: exchange.FOLLOWER_LAG_S); a request that comes before the leader looks
+for the round's group waits for it (averager._wait_to_lead). The leader waits for its followers for a
+quarter of round_wait before it searches the DHT too. Where members' views differ (a leader that follows
+another, one that never comes), each falls back to hivemind's search, which finds the same leaders as
+before: the designated leader declared itself with the earliest expiration.
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
 not the one prepared last (`stale(step)`) finds no group at once instead of looking.
@@ -56,14 +69,41 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from concurrent.futures import InvalidStateError
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["abandon_begun_groups", "cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "lower_target",
+from hivemind.p2p import PeerID
+
+__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "looking_for_group", "lower_target",
            "outside_every_group", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
+
+ASKED_KEPT = 32  # leaders asked, kept for asked_leaders
+LEAD_POLL_S = 0.05  # a designated leader looks this often whether its time to lead alone is up (no network)
+
+
+class DesignatedLeader:
+    """The member a round's group forms around (module docstring), as hivemind's leader queue sees it."""
+
+    def __init__(self) -> None:
+        self.leader, self.me, self.until, self.asked = "", "", 0.0, False
+
+    def set(self, leader: str, me: str, lead_s: float) -> None:
+        """This round's leader is `leader` ("" none); this worker is `me`; a leader waits `lead_s` for followers."""
+        self.leader, self.me, self.until, self.asked = leader, me, time.monotonic() + lead_s, False
+
+    async def next(self) -> PeerID | None:
+        """Called where hivemind's search takes its next leader: a follower's first is the designated leader; a
+        designated leader waits (asks nobody) until its time to lead alone is up; then None: hivemind's queue."""
+        while self.leader and self.leader == self.me and (left := self.until - time.monotonic()) > 0:
+            await asyncio.sleep(min(LEAD_POLL_S, left))
+        if self.leader and self.leader != self.me and not self.asked:
+            self.asked = True
+            return PeerID.from_base58(self.leader)
+        return None
 
 
 def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> dict[asyncio.Task, Any]:
@@ -123,13 +163,16 @@ def cancel_step(step: Any) -> None:
 
 def track_join_requests(matchmaking: Any) -> None:
     """Wrap `matchmaking._request_join_group` (once) so that `joining` tells whether a request to a leader is in
-    flight (a leader's redirect to another leader is a nested request, counted too)."""
+    flight (a leader's redirect to another leader is a nested request, counted too), and `asked_leaders` whom the
+    latest searches asked."""
     if hasattr(matchmaking, "_dilocox_joining"):
         return
     matchmaking._dilocox_joining = 0
+    matchmaking._dilocox_asked = collections.deque(maxlen=ASKED_KEPT)
     request_join_group = matchmaking._request_join_group
 
     async def request_join_group_tracked(leader: Any, *args: Any, **kwargs: Any) -> Any:
+        matchmaking._dilocox_asked.append(leader.to_base58())
         matchmaking._dilocox_joining += 1
         try:
             return await request_join_group(leader, *args, **kwargs)
@@ -173,6 +216,17 @@ def count_extra_followers(matchmaking: Any, extra: Callable[[str], bool]) -> Non
         return refusal
 
     matchmaking._check_reasons_to_reject = check_and_count
+
+
+def looking_for_group(matchmaking: Any) -> bool:
+    """Whether this worker's search for the current round's group runs and has declared itself under its key."""
+    mm = matchmaking
+    return mm.is_looking_for_group and mm.potential_leaders.declared_group_key == mm.group_key_manager.current_key
+
+
+def asked_leaders(matchmaking: Any) -> list[str]:
+    """The leaders this worker's latest searches asked to take it, oldest first (`track_join_requests`)."""
+    return list(getattr(matchmaking, "_dilocox_asked", ()))
 
 
 def joining(matchmaking: Any) -> bool:

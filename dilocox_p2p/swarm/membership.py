@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from hivemind.utils import get_dht_time
 
@@ -24,12 +25,13 @@ from ..errors import AdmissionError
 from ..wire import protocol_version
 from .dht import HEARTBEAT_S, MEMBER_TTL_S, Member, RunRecords
 from .faults import FaultCounter
+from .member_push import take_pushed
 
 __all__ = ["Membership", "Suspicion", "config_diff", "suspected"]
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.5
+POLL_S = 0.5  # a wait looks the records up again this often when no member pushed its record (member_push.py)
 PROBE_AFTER_S = 1.0  # members still not at a round after this long are probed once: gone ones are not waited for
 BARRIER_POLL_S = 0.25  # the start barrier is looked at more often: every peer of the quorum waits on it
 
@@ -78,6 +80,8 @@ class Membership:
         self._gone: dict[str, float] = {}  # peer id -> joined_at of the life found gone (drop_gone); a restart is a new one
         self._refused: set[str] = set()
         self._banned: set[str] = set()
+        self._pushed: dict[str, Member] = {}  # the latest record each member pushed (member_push.py)
+        self.pushed: Any = None  # the queue of pushed records (DilocoxAverager.pushed_records); None: polls only
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="members", daemon=True)
         # which of some peers are gone (their p2p daemon refuses connections): reconnect.RouteKeeper.gone
@@ -104,7 +108,7 @@ class Membership:
                 self.faults.count("lookups_failed", "member lookup of stage %d failed: %r", self.records.stage, e)
             return False
         with self._lock:
-            self._members = members
+            self._members = members = self._with_pushed(members)
         for m in members:
             if m.record.config_hash != self.config_hash and m.peer_id not in self._refused:
                 self._refused.add(m.peer_id)
@@ -112,6 +116,35 @@ class Membership:
                     "refusing %s (peer %s): its config hash %s differs from this run's %s",
                     m.peer_id, m.record.peer_name, m.record.config_hash[:12], self.config_hash[:12],
                 )
+        return True
+
+    def _with_pushed(self, members: list[Member]) -> list[Member]:
+        """`members` as read from the DHT, each replaced by the copy its worker pushed where that one is newer (a
+        DHT node may not hold the latest yet); pushed records of workers the DHT did not return are kept until
+        they expire (the caller holds the lock)."""
+        now = get_dht_time()
+        self._pushed = {p: m for p, m in self._pushed.items() if m.expiration > now}
+        merged = {m.peer_id: m for m in members}
+        for peer_id, m in self._pushed.items():
+            if peer_id not in merged or m.sent_at > merged[peer_id].sent_at:
+                merged[peer_id] = m
+        return list(merged.values())
+
+    def _wait_for_news(self, timeout: float) -> bool:
+        """Wait up to `timeout` for a member to push its record (member_push.py); whether one came (then the view
+        holds it, and needs no lookup). Without pushes, sleep."""
+        if self.pushed is None:
+            time.sleep(timeout)
+            return False
+        opened = [self.records.open_member(*item) for item in take_pushed(self.pushed, timeout)]
+        news = [m for m in opened if m is not None and m.peer_id != self.peer_id]
+        if not news:
+            return False
+        with self._lock:
+            for m in news:
+                if m.peer_id not in self._pushed or m.sent_at > self._pushed[m.peer_id].sent_at:
+                    self._pushed[m.peer_id] = m
+            self._members = self._with_pushed(self._members)
         return True
 
     def members(self, *, training_only: bool = False, others_only: bool = True, suspects_too: bool = False) -> list[Member]:
@@ -221,9 +254,11 @@ class Membership:
         most of a CPU core on a 2-core machine while a peer is one round behind).
         """
         started = time.monotonic()
-        deadline, probed, said_sitting = started + timeout, False, False
+        deadline, probed, said_sitting, news, looked = started + timeout, False, False, False, 0.0
         while True:
-            self.refresh()
+            if not news or time.monotonic() - looked >= POLL_S:  # pushes alone never stand in for long
+                self.refresh()
+                looked = time.monotonic()
             training = self.members(training_only=True)
             sitting = [m.peer_id for m in training if self.sits_out(m, round)]
             if sitting and not said_sitting:
@@ -238,16 +273,19 @@ class Membership:
             if not probed and time.monotonic() - started >= PROBE_AFTER_S:
                 probed = True
                 if self.drop_gone(late, round):
+                    news = False
                     continue
-            time.sleep(POLL_S)
+            news = self._wait_for_news(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
 
     def wait_for_peers(self, count: int, timeout: float, *, give_up: Callable[[], bool] = lambda: False) -> list[str]:
         """Wait until `count` workers of this stage (this one included) are at the start barrier (their record
         names the boundary they will start from) or train; return them."""
         deadline = time.monotonic() + timeout
-        last_log = 0.0
+        last_log, news, looked = 0.0, False, 0.0
         while True:
-            self.refresh()
+            if not news or time.monotonic() - looked >= BARRIER_POLL_S:
+                self.refresh()
+                looked = time.monotonic()
             self.refuse_another_release()  # the run may start training while this peer waits
             here = [m.peer_id for m in self.members(others_only=False) if m.record.training or m.record.boundary >= 0]
             if len(here) >= count or time.monotonic() >= deadline or give_up():
@@ -255,7 +293,7 @@ class Membership:
             if time.monotonic() - last_log > 10:
                 logger.info("waiting for peers: %d of %d workers of stage %d are here", len(here), count, self.records.stage)
                 last_log = time.monotonic()
-            time.sleep(BARRIER_POLL_S)
+            news = self._wait_for_news(BARRIER_POLL_S)
 
     def wait_until_training(
         self, peer_ids: Collection[str], timeout: float, *, give_up: Callable[[], bool] = lambda: False
@@ -264,13 +302,15 @@ class Membership:
         barrier. Peers that met at the barrier then start their first round together, instead of the first to
         see the quorum training a round before the last one looks, which then had to take the state of a run
         that had moved on."""
-        deadline = time.monotonic() + timeout
+        deadline, news, looked = time.monotonic() + timeout, False, 0.0
         while time.monotonic() < deadline and not give_up():
-            self.refresh()
+            if not news or time.monotonic() - looked >= BARRIER_POLL_S:
+                self.refresh()
+                looked = time.monotonic()
             live = {m.peer_id: m for m in self.members(others_only=False)}
             if all(p not in live or live[p].record.training for p in peer_ids):
                 return
-            time.sleep(BARRIER_POLL_S)
+            news = self._wait_for_news(BARRIER_POLL_S)
 
     # ----- admission ---------------------------------------------------------------------------
     def refuse_another_release(self) -> None:

@@ -5,7 +5,8 @@
       averager            hivemind averager process: exact all-reduce or message gather, average and state serving
       codecs              with compression: this worker's encoder/decoder and error feedback (compression/),
                           one per streaming fragment
-      heartbeat           this worker's member record, refreshed every few seconds
+      heartbeat           this worker's member record, refreshed every few seconds and pushed to the
+                          others when it changes (member_push.py)
       membership          who else trains this stage; admission (membership.py)
       exchanges           one background exchange per round (exchange.py): the Averager protocol
       agreement           round records, hash checks, verified state downloads (agreement.py)
@@ -39,9 +40,10 @@ from ..wire import swarm_pb2
 from .agreement import Agreement
 from .averager import DilocoxAverager
 from .credentials import Credentials
-from .dht import EnvelopeValidator, Heartbeat, RunRecords, reachable_maddrs, run_keys, start_dht
+from .dht import EnvelopeValidator, RunRecords, reachable_maddrs, run_keys, start_dht
 from .exchange import ExchangeQueue
 from .faults import FaultCounter
+from .heartbeat import Heartbeat
 from .hello import serve_hello
 from .hivemind_patches import check_version
 from .membership import Membership
@@ -140,6 +142,9 @@ class SwarmStage:
             ),
         )
         self.membership = Membership(self.records, config_hash=self.config_hash, faults=self.faults)
+        # a changed record goes straight to the others too, and theirs come here (member_push.py)
+        self.membership.pushed = self.averager.pushed_records
+        self.heartbeat.on_change = self._push_member
         self.exchanges = ExchangeQueue(self)
         self.agreement = Agreement(self.records, self.averager, self.membership, self.sw, self.faults)
         self.routes = RouteKeeper(
@@ -164,6 +169,12 @@ class SwarmStage:
         self.exchanges.start()
         self.agreement.start()
         self.routes.start()
+
+    def _push_member(self, value: bytes, expiration: float) -> None:
+        """Send this worker's changed member record (sealed, as stored) to the stage's other members."""
+        peers = [m.peer_id for m in self.membership.members(suspects_too=True)]
+        if peers and self.averager.is_alive():
+            self.averager.push_member(value, expiration, peers)
 
     def maddrs(self) -> list[str]:
         return reachable_maddrs(self.dht)

@@ -18,13 +18,15 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.p2p import PeerID
 from hivemind.utils.asyncio import as_aiter, enter_asynchronously
 
 from dilocox_p2p.average import AverageKind, ordered_mean
 from dilocox_p2p.swarm.averager import DilocoxAverager
+from dilocox_p2p.swarm.exchange import FOLLOWER_LAG_S
 from dilocox_p2p.swarm.held import HeldAverage
+from dilocox_p2p.swarm.matchmaking import asked_leaders
 from tests.helpers.signed import signed_node
 
 pytestmark = pytest.mark.swarm
@@ -78,6 +80,16 @@ class FollowedAverager(DilocoxAverager):
 
     async def _followers(self, future: MPFuture) -> None:
         future.set_result(sorted(p.to_base58() for p in self._matchmaking.current_followers))
+
+
+class AskingAverager(DilocoxAverager):
+    """Tells whom its searches asked to lead them (its averager process's matchmaking state)."""
+
+    _rpc_handlers = None  # its own RPC handlers and stubs (LeadingAverager says why)
+    _stub_type = None
+
+    async def _asked(self, future: MPFuture) -> None:
+        future.set_result(asked_leaders(self._matchmaking))
 
 
 class LeadingAverager(DilocoxAverager):
@@ -434,3 +446,28 @@ def test_a_member_outside_every_group_answers_a_request_for_a_compressed_message
     assert result.messages == [b"", None]  # (these averagers compress nothing: an empty message)
     assert result.failures == [f"{group.ids[1]}: STATE_LACKING in no such group"], result.failures
     assert took < 10.0, f"the answer took {took:.1f} s"
+
+
+def test_a_follower_that_looks_before_its_designated_leader_asks_it_once_and_is_taken_in_when_it_looks():
+    # a round's group forms around its designated leader (the smallest peer id): its follower asks it directly
+    # instead of finding it in the DHT. Here the follower looks a second before the leader does; its request waits
+    # at the leader until the leader looks, and is taken then: one request, no search through the DHT (refused,
+    # it would have asked again once it found the leader's declaration), well inside the 60 s matchmaking time
+    group = Group(2, AskingAverager, min_matchmaking_time=60.0)
+    try:
+        ids = group.ids
+        lead = min(ids)
+        leader, follower = sorted(group.averagers, key=lambda a: a.peer_id.to_base58() != lead)
+        ticket = follower.prepare_round(3, 2, admitted=ids, expected=[lead], leader=lead)
+        late = get_dht_time() + 60.0 + FOLLOWER_LAG_S  # as a stage's follower declares (exchange._scheduled_time)
+        following = follower.step(gather=ticket, timeout=90.0, allow_retries=True, wait=False, scheduled_time=late)
+        _wait_until_looking(following)
+        time.sleep(1.0)  # the leader is a second late to the round
+        ticket = leader.prepare_round(3, 2, admitted=ids, expected=[follower.peer_id.to_base58()], leader=lead)
+        leading = leader.step(gather=ticket, timeout=90.0, allow_retries=True, wait=False)
+        results = [following.result(timeout=30.0), leading.result(timeout=30.0)]
+        asked = {"follower": follower._call("_asked", 10.0), "leader": leader._call("_asked", 10.0)}
+    finally:
+        group.close()
+    assert all(sorted(r.group) == sorted(ids) and not r.missing for r in results), [r.group for r in results]
+    assert asked == {"follower": [lead], "leader": []}, asked

@@ -1,0 +1,96 @@
+"""A stage worker's member record, re-published every few seconds (a heartbeat) and pushed when it changes.
+
+The record (swarm.proto MemberRecord) says whether the worker trains, which round's all-reduce it has
+started and where its state is; it lives in the DHT for MEMBER_TTL_S (dht.py), so a worker that stops
+beating drops out of the others' view (membership.py). A record that changed is also handed to
+`on_change`, which pushes it straight to the stage's other members (member_push.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..wire import swarm_pb2
+from .dht import HEARTBEAT_S, RunRecords
+
+__all__ = ["Heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Re-publishes this worker's MemberRecord every HEARTBEAT_S seconds in a thread; a record that changed is also
+    handed to `on_change` (sealed, with its expiration), which pushes it to the stage's other members."""
+
+    def __init__(self, records: RunRecords, record: swarm_pb2.MemberRecord):
+        self.records = records
+        self._record = record
+        self.on_change: Callable[[bytes, float], None] | None = None
+        self._told = b""  # the record last handed to on_change
+        self._lock = threading.Lock()
+        self._beating = threading.Lock()  # one beat at a time: an older beat never lands after a newer one
+        self._stop = threading.Event()
+        self._now = threading.Event()
+        self._first: Callable[[], None] | None = None
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+
+    def start(self, *, first: Callable[[], None] | None = None) -> None:
+        """Start beating, the first beat at once, in the thread: a stage's start does not wait for the stores (a few
+        round trips each on the internet). `first` runs there before the first beat: a store others must find
+        once they see this worker (the run's config record, read by a peer that this one refuses)."""
+        self._first = first
+        self._now.set()
+        self._thread.start()
+
+    def update(self, *, wait: bool = True, **fields: Any) -> None:
+        """Change fields of the record and publish it (in the heartbeat thread unless `wait`)."""
+        with self._lock:
+            for name, value in fields.items():
+                setattr(self._record, name, value)
+        if wait:
+            self.beat()
+        else:
+            self._now.set()
+
+    def beat(self) -> None:
+        with self._beating:
+            with self._lock:
+                record = swarm_pb2.MemberRecord()
+                record.CopyFrom(self._record)
+            self._tell(record, *self.records.publish_member(record))  # a failure is counted there
+
+    def _tell(self, record: swarm_pb2.MemberRecord, value: bytes, expiration: float) -> None:
+        body = record.SerializeToString(deterministic=True)
+        if self.on_change is None or body == self._told:
+            return
+        self._told = body
+        try:
+            self.on_change(value, expiration)
+        except Exception as e:  # the DHT holds the record: the others read it there
+            logger.debug("could not push the member record: %r", e)
+
+    def _loop(self) -> None:
+        if self._first is not None:
+            try:
+                self._first()
+            except Exception as e:  # the beats matter more: they go on
+                logger.warning("a store before the first heartbeat failed: %r", e)
+        while not self._stop.is_set():
+            self._now.wait(HEARTBEAT_S)
+            self._now.clear()
+            if not self._stop.is_set():
+                self.beat()
+
+    def stop(self, *, leave: bool = True) -> None:
+        """Stop beating; with `leave`, tell the others this worker no longer trains."""
+        self._stop.set()
+        self._now.set()
+        self._thread.join(timeout=5)
+        if leave:
+            with self._lock:
+                self._record.training = False
+                self._record.state_ready = False
+            self._tell(self._record, *self.records.publish_member(self._record, ttl=1.0, leaving=True))

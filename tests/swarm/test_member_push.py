@@ -1,0 +1,108 @@
+"""A changed member record reaches the stage's other members by push, not by their next DHT poll.
+
+    pytest tests/swarm/test_member_push.py -q
+
+Real hivemind DHT nodes and averager processes on loopback (member_push.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dilocox_p2p.swarm import membership as membership_module
+from dilocox_p2p.swarm.averager import DilocoxAverager
+from dilocox_p2p.swarm.dht import RunRecords
+from dilocox_p2p.swarm.heartbeat import Heartbeat
+from dilocox_p2p.swarm.faults import FaultCounter
+from dilocox_p2p.swarm.membership import Membership
+from dilocox_p2p.wire import swarm_pb2
+from tests.helpers.signed import signed_node
+
+pytestmark = pytest.mark.swarm
+
+RUN = "push"
+CONFIG = "0" * 64
+
+
+class _Worker:
+    """What a stage worker holds for its member record: DHT node, averager, records, heartbeat, membership."""
+
+    def __init__(self, initial_peers=()):
+        self.dht, signer, gate = signed_node(RUN, initial_peers=initial_peers)
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.averager = DilocoxAverager(
+            [torch.zeros(8)], self.dht, run_id=RUN, config_hash=CONFIG, stage=0, prefix="push_s0", start=True,
+            min_group_size=2, min_matchmaking_time=5.0, request_timeout=2.5, allreduce_timeout=10.0,
+            next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
+        )  # fmt: skip
+        self.faults = FaultCounter()
+        self.records = RunRecords(self.dht, RUN, 0, self.faults, signer=signer, gate=gate)
+        record = swarm_pb2.MemberRecord(run_id=RUN, config_hash=CONFIG, stage=0, boundary=0, training=True,
+                                        joined_at=time.time(), peer_name=self.peer_id[-6:])  # fmt: skip
+        self.heartbeat = Heartbeat(self.records, record)
+        self.membership = Membership(self.records, config_hash=CONFIG, faults=self.faults)
+        self.membership.pushed = self.averager.pushed_records
+
+    def close(self) -> None:  # its heartbeat beats only when updated: no thread to stop
+        self.averager.shutdown()
+        self.dht.shutdown()
+
+
+@pytest.fixture
+def pair():
+    a = _Worker()
+    b = _Worker(initial_peers=a.dht.get_visible_maddrs())
+    yield a, b
+    for worker in (a, b):
+        worker.close()
+
+
+def test_a_members_round_start_wakes_the_others_wait_at_once_though_their_dht_poll_is_a_minute(pair, monkeypatch):
+    a, b = pair
+    monkeypatch.setattr(membership_module, "POLL_S", 60.0)  # b's wait looks the DHT up once, then only pushes
+    a.heartbeat.on_change = lambda value, expiration: a.averager.push_member(value, expiration, [b.peer_id])
+    a.heartbeat.update(averaging_round=0)  # a trains round 1: b waits for it to start that round's exchange
+    b.membership.refresh()
+    assert [m.record.averaging_round for m in b.membership.members()] == [0]
+    found, looked = [], threading.Event()
+
+    def wait() -> None:  # give_up is asked once the wait has looked and found a late
+        found.extend(b.membership.wait_for_round(1, 30.0, give_up=lambda: looked.set() or False))
+
+    waiting = threading.Thread(target=wait)
+    started = time.monotonic()
+    waiting.start()
+    assert looked.wait(timeout=20.0)
+    a.heartbeat.update(averaging_round=1)  # stored in the DHT, then pushed to b
+    waiting.join(timeout=40.0)
+    took = time.monotonic() - started
+    assert [(m.peer_id, m.record.averaging_round) for m in found] == [(a.peer_id, 1)]
+    assert took < 10.0, f"b saw a start the round after {took:.1f} s (its DHT poll: 60 s, its wait: 30 s)"
+    assert b.faults.take()["records_refused"] == 0
+
+
+def _record(averaging_round: int) -> swarm_pb2.MemberRecord:
+    return swarm_pb2.MemberRecord(run_id=RUN, config_hash=CONFIG, stage=0, boundary=0, training=True,
+                                  averaging_round=averaging_round, peer_name="a")  # fmt: skip
+
+
+def test_a_pushed_record_signed_by_another_worker_is_refused_and_an_older_copy_never_replaces_a_newer(
+    pair, monkeypatch
+):
+    a, b = pair
+    monkeypatch.setattr(membership_module, "POLL_S", 60.0)
+    older, expiration = a.records.publish_member(_record(3))
+    a.records.publish_member(_record(4))  # the DHT holds round 4's record, signed after round 3's
+    b_own, b_expiration = b.records.publish_member(_record(4))
+    b.membership.refresh()
+    assert {m.peer_id: m.record.averaging_round for m in b.membership.members()} == {a.peer_id: 4}
+    a.averager.push_member(b_own, b_expiration, [b.peer_id])  # b's record, pushed by a: not a's to push
+    a.averager.push_member(older, expiration, [b.peer_id])  # a's own older record, pushed again
+    # b waits for a to start round 5 (it never does) and takes both pushes meanwhile
+    waited = b.membership.wait_for_round(5, 3.0, give_up=lambda: False)
+    assert [(m.peer_id, m.record.averaging_round) for m in waited] == [(a.peer_id, 4)]
+    assert b.faults.take()["records_refused"] == 1
