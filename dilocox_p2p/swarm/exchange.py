@@ -91,6 +91,7 @@ class RoundExchange(CompressedRound, GroupVote):
         self.sw, self.averager, self.membership = stage.sw, stage.averager, stage.membership
         self._control: Any = None  # hivemind's StepControl while the all-reduce runs
         self._expected: list[str] = []  # the other members this round's target counts (phase 1)
+        self._started: list[str] = []  # ... those that had started the round when phase 1 ended
         self._gone: set[str] = set()  # members found gone while collecting: nothing listens at their addresses
         self._window_start = 0.0
         self.clock = PhaseClock()
@@ -124,6 +125,7 @@ class RoundExchange(CompressedRound, GroupVote):
         others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self.abandoned)
         self.clock.mark("wait")
         self._expected = [m.peer_id for m in others]
+        self._started = [m.peer_id for m in others if m.record.averaging_round >= self.round]
         if self.abandoned():
             return applies_nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if not others:
@@ -195,11 +197,12 @@ class RoundExchange(CompressedRound, GroupVote):
 
     def _leader(self) -> str:
         """The member this round's group forms around (matchmaking.DesignatedLeader): the smallest peer id of the
-        members this worker expects, itself included. A worker armed with fault injection `abandon_accepted`
+        members this worker expects that had started the round (one still training it, or frozen, would keep its
+        followers waiting for it to look), itself included. A worker armed with fault injection `abandon_accepted`
         names none: the fault is a follower's."""
         if injection.armed("abandon_accepted", quiet=True, round=self.round, stage=self.stage.stage):
             return ""
-        return min([self.stage.peer_id, *self._expected])
+        return min([self.stage.peer_id, *self._started])
 
     def _may_regroup(self) -> bool:
         # while the round's wait lasts: the follower looks again at once and waits round_wait for a group, so the

@@ -48,16 +48,16 @@ target by one for each follower the leader did not count on, so the group waits 
 
 A designated leader (`DesignatedLeader`). hivemind's followers find their leader through the DHT: each
 member declares itself under the round's group key, reads the others' declarations back, and asks them in
-turn. With every member entering the round within a few tens of milliseconds of the others (their member
-records are pushed: member_push.py), that took 0.2-0.3 s after the last one entered on loopback (0.5 s and
-more with the DHT on a real network), and members declaring at once asked each other in a tangle. The stage
-worker names the round's leader instead: the smallest peer id among the members it expects. A follower asks
-it directly, once, with an expiration later than the leader's (hivemind's leader takes only followers that
-declared no earlier than itself: exchange.FOLLOWER_LAG_S); a request that comes before the leader looks
-for the round's group waits for it (averager._wait_to_lead). The leader waits for its followers for a
-quarter of round_wait before it searches the DHT too. Where members' views differ (a leader that follows
-another, one that never comes), each falls back to hivemind's search, which finds the same leaders as
-before: the designated leader declared itself with the earliest expiration.
+turn. With the members entering the round within a few tens of milliseconds of each other (their member
+records are pushed: member_push.py), that took 0.2-0.3 s after the last one entered on loopback (2 busy
+cores), and members that declared at once asked each other in a tangle. The stage worker names the round's
+leader instead: the smallest peer id among the members it expects that have started the round. A follower
+asks it directly, once, declaring a later expiration than the leader's (hivemind's leader takes only
+followers that declared no earlier than itself: exchange.FOLLOWER_LAG_S); a request that comes before the
+leader looks for the round's group waits for that (group_admission._wait_to_lead). The leader waits for
+its followers for a quarter of round_wait before it searches the DHT too. Where members' views differ (a
+leader that follows another, one that never comes), each falls back to hivemind's search, which finds the
+leaders it found before: the designated leader declared itself with the earliest expiration.
 
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
