@@ -16,7 +16,10 @@ Per run, over the steady rounds (1 .. R-2, every member averaged in one group of
 - ideal: 2 (N-1)/N x the message (a butterfly or ring), and the all-gather's (N-1) x the message;
 - wire: what crossed each member's interface per round, both directions (veth counters), and the part of it
   that is not the counted exchange (DHT, matchmaking, signed requests, phase 5, framing, TCP/IP headers);
-- the ratio of the wire bytes to an fp32 ring all-reduce of the stage.
+- the ratio of the wire bytes to an fp32 ring all-reduce of the stage;
+- time: an exchange's seconds (metrics.jsonl `exchange_phases`, its `wait` for slower members left out), its
+  fixed cost (those seconds minus its counted bytes at the link's rate: what is not moving the message) and
+  the median of each phase.
 Writes benchmarks/results/<name>.json, .md and .png. Quantized kinds ride the compressed butterfly
 (compression/butterfly.py), low-rank both its phases.
 """
@@ -79,6 +82,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
                     peers=n, rate_mbit=args.rate, run_dirs=dirs, announces=True, timeout=args.timeout, env=env)  # fmt: skip
     steady = range(1, args.rounds - 1)
     sent, received, wire, full = [], [], [], True
+    exchange, fixed, phases = [], [], {}
     for host, records in enumerate(run.records):
         by_round = {r["round"]: r for r in records}
         for t in steady:
@@ -88,6 +92,12 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
                 continue
             sent.append(r["bytes_sent"])
             received.append(r["bytes_received"])
+            clock = (r.get("exchange_phases") or [None])[0] or {}
+            seconds = sum(v for k, v in clock.items() if k != "wait")  # the members' own pace left out
+            exchange.append(seconds)
+            fixed.append(seconds - max(r["bytes_sent"], r["bytes_received"]) * 8 / (args.rate * 1e6))
+            for k, v in clock.items():
+                phases.setdefault(k, []).append(v)
         ends = [by_round[t]["time"] for t in (steady.start - 1, steady.stop - 1) if t in by_round]
         if len(ends) == 2:
             rx, tx = run.wire(host, ends[0], ends[1])
@@ -107,6 +117,9 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
         "wire_vs_fp32_ring": wire_per_round / fp32_ring if wire_per_round else None,
         "counted_vs_fp32_ring": counted / fp32_ring if counted else None,
         "every_steady_round_full": full, "hashes_equal": len(hashes) == 1, "seconds": run.seconds,
+        "exchange_s": statistics.median(exchange) if exchange else None,
+        "fixed_s": statistics.median(fixed) if fixed else None,
+        "phases_median_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},
     }  # fmt: skip
 
 
@@ -117,12 +130,14 @@ def _with_capability(cmd: list[str], host: int) -> list[str]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| kind | N | message | counted sent / 2(N-1)/N | all-gather would send | wire per direction / 2(N-1)/N | "
-             "wire not counted | wire vs fp32 ring | hashes equal |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "wire not counted | wire vs fp32 ring | exchange s | fixed s | hashes equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         fmt = lambda v, f, unit="": "-" if v is None else format(v, f) + unit  # noqa: E731
         lines.append(f"| {r['kind']} | {r['peers']} | {r['message_bytes']:,} B | {fmt(r['counted_vs_butterfly'], '.3f')} | "
                      f"{r['all_gather_bytes'] / r['butterfly_bytes']:.2f}x | {fmt(r['wire_vs_butterfly'], '.2f')} | "
-                     f"{fmt(r['wire_not_counted'], ',.0f', ' B')} | {fmt(r['wire_vs_fp32_ring'], '.4f')} | {r['hashes_equal']} |")  # fmt: skip
+                     f"{fmt(r['wire_not_counted'], ',.0f', ' B')} | {fmt(r['wire_vs_fp32_ring'], '.4f')} | "
+                     f"{fmt(r.get('exchange_s'), '.3f')} | {fmt(r.get('fixed_s'), '.3f')} | {r['hashes_equal']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -178,7 +193,8 @@ def main() -> int:
                 row = measure(args, kind, n, message, fp32_ring, Path(tmp))
                 rows.append(row)
                 print(f"[bytes] {kind} N={n}: counted {row['counted_vs_butterfly']} x 2(N-1)/N, wire "
-                      f"{row['wire_vs_butterfly']} x, {row['wire_vs_fp32_ring']} x fp32 ring, hashes equal "
+                      f"{row['wire_vs_butterfly']} x, {row['wire_vs_fp32_ring']} x fp32 ring, exchange "
+                      f"{row['exchange_s']} s, fixed {row['fixed_s']} s {row['phases_median_s']}, hashes equal "
                       f"{row['hashes_equal']} ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out / f"{args.name}.png")

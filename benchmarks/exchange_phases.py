@@ -9,7 +9,9 @@ run is counted once) and, per phase (swarm/phase_clock.py: wait, encode, matchma
 decode, mend, borrow, agree, other), gives the number of exchanges, the median, the 90th percentile,
 the largest and the total seconds, and the slowest exchanges with their run, round, stage and kind.
 Writes benchmarks/results/NAME.json (default `exchange_phases`). The fixed cost of an exchange is what
-a lean exchange has to cut (issue 37): the phases say which part of it to cut first.
+a lean exchange has to cut (issue 37): the phases say which part of it to cut first. With `allreduce_windows`
+it also says how fast each round's group came together (`groups`): from the last member's start of the round
+to the last one entering the group search, to the group formed, and to the last exchange's end (phase 5 left out).
 """
 
 from __future__ import annotations
@@ -37,12 +39,45 @@ def exchanges(folders: list[Path]) -> list[dict[str, Any]]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut short by a killed peer
+                windows = record.get("allreduce_windows") or []
                 for stage, phases in enumerate(record.get("exchange_phases") or []):
                     if phases:
                         kind = (record.get("kinds") or [None] * (stage + 1))[stage]
+                        window = windows[stage] if stage < len(windows) else None
                         out.append({"run": str(path.parent), "round": record["round"], "stage": stage, "kind": kind,
-                                    "phases": phases})  # fmt: skip
+                                    "phases": phases, "window": window})  # fmt: skip
     return out
+
+
+def groups(found: list[dict[str, Any]]) -> dict[str, Any]:
+    """How fast each round's group came together, from its members' clocks (one machine: one clock). Per run
+    folder's parent (the swarm), round and stage, over groups whose members all averaged (rounds from 1): from
+    the moment the last member started the round to its entering the group search (`entered`: phase 1's lag in
+    seeing it), to the group formed on every member (`formed`), and to the last member's exchange end before
+    phase 5 (`ended`). Medians and 90th percentiles, seconds."""
+    by_group: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for e in found:
+        if e["window"] and e["kind"] == "averaged" and e["round"] >= 1:
+            by_group.setdefault((str(Path(e["run"]).parent), e["round"], e["stage"]), []).append(e)
+    lags: dict[str, list[float]] = {"entered": [], "formed": [], "ended": []}
+    for members in by_group.values():
+        if len(members) < 2:
+            continue
+        start = max(m["window"][0] - m["phases"].get("wait", 0.0) for m in members)
+        entered = max(m["window"][0] for m in members)
+        formed = max(m["window"][0] + m["phases"].get("matchmaking", 0.0) for m in members)
+        ended = max(m["window"][0] + sum(v for k, v in m["phases"].items() if k not in ("wait", "agree")) for m in members)
+        for name, t in (("entered", entered), ("formed", formed), ("ended", ended)):
+            lags[name].append(t - start)
+    return {
+        "groups": len(lags["entered"]),
+        **{f"last_start_to_{k}": _spread(v) for k, v in lags.items() if v},
+    }
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    values = sorted(values)
+    return {"median": round(statistics.median(values), 3), "p90": round(values[int(0.9 * (len(values) - 1))], 3)}
 
 
 def summarize(found: list[dict[str, Any]], slowest: int = 20) -> dict[str, Any]:
@@ -61,6 +96,7 @@ def summarize(found: list[dict[str, Any]], slowest: int = 20) -> dict[str, Any]:
     return {
         "exchanges": len(found),
         "phases": phases,
+        "groups": groups(found),
         "slowest": [{"seconds": s, "phase": p, **{k: e[k] for k in ("run", "round", "stage", "kind")}} for s, p, e in ranked],
     }
 
@@ -80,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     for phase, s in sorted(report["phases"].items(), key=lambda kv: -kv[1]["total"]):
         print(f"[phases] {phase:12s} n={s['n']:5d} median {s['median']:.3f} s  p90 {s['p90']:.3f} s  "
               f"max {s['max']:.2f} s  total {s['total']:.1f} s")  # fmt: skip
-    print(f"[phases] {report['exchanges']} exchanges; results: {path}")
+    g = report["groups"]
+    for name in ("entered", "formed", "ended"):
+        if f"last_start_to_{name}" in g:
+            s = g[f"last_start_to_{name}"]
+            print(f"[groups] last member's start to the last {name:8s} median {s['median']:.3f} s  p90 {s['p90']:.3f} s")
+    print(f"[phases] {report['exchanges']} exchanges, {g['groups']} whole groups; results: {path}")
     return 0
 
 

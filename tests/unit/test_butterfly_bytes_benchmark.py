@@ -25,4 +25,6 @@ def test_the_table_shows_each_runs_ratios_and_a_dash_where_a_run_measured_nothin
            "counted_vs_butterfly": 1.01, "wire_vs_butterfly": None, "wire_not_counted": None,
            "wire_vs_fp32_ring": None, "hashes_equal": True}  # fmt: skip
     line = table([row]).splitlines()[-1]
-    assert line.startswith("| int8 | 4 | 1,000 B | 1.010 | 2.00x | - | - | - | True |")
+    assert line == "| int8 | 4 | 1,000 B | 1.010 | 2.00x | - | - | - | - | - | True |"
+    row.update(exchange_s=0.3, fixed_s=0.26446896)
+    assert table([row]).splitlines()[-1] == "| int8 | 4 | 1,000 B | 1.010 | 2.00x | - | - | - | 0.300 | 0.264 | True |"

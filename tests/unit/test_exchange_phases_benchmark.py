@@ -48,3 +48,23 @@ def test_the_script_writes_its_report_and_says_so_when_no_run_holds_phases(tmp_p
     assert written["phases"]["agree"]["total"] == 0.2 and "machine" in written and "date" in written
     assert exchange_phases.main([str(tmp_path / "empty")]) == 1
     assert "no exchange_phases" in capsys.readouterr().err
+
+
+def test_a_groups_lags_run_from_its_last_members_start_of_the_round_on_every_members_clock(tmp_path):
+    # three members of one round's group: each started the round at window[0] - wait, entered the search at
+    # window[0], had its group at window[0] + matchmaking and ended before phase 5 after its other phases
+    for peer, (start, wait, matchmaking) in enumerate([(100.0, 0.5, 0.3), (100.25, 0.35, 0.2), (100.4, 0.1, 0.2)]):
+        run = tmp_path / "swarm" / f"peer{peer}"
+        run.mkdir(parents=True)
+        phases = {"wait": wait, "matchmaking": matchmaking, "transfer": 0.1, "agree": 0.5}
+        window = [start + wait, start + wait + 1.0]
+        (run / "metrics.jsonl").write_text("\n".join([
+            json.dumps({"round": 1, "exchange_phases": [phases], "kinds": ["averaged"], "allreduce_windows": [window]}),
+            json.dumps({"round": 2, "exchange_phases": [phases], "kinds": ["borrowed"], "allreduce_windows": [window]}),
+        ]) + "\n")  # fmt: skip
+    report = exchange_phases.summarize(exchange_phases.exchanges([tmp_path]))
+    g = report["groups"]
+    assert g["groups"] == 1  # round 2's group holds a borrower: not a whole group
+    assert g["last_start_to_entered"]["median"] == pytest.approx(0.2)  # 100.6 (peer 1) - 100.4 (peer 2)
+    assert g["last_start_to_formed"]["median"] == pytest.approx(0.4)  # 100.8 (peers 0 and 1)
+    assert g["last_start_to_ended"]["median"] == pytest.approx(0.5)  # 100.9 (peers 0 and 1), agree left out
