@@ -17,6 +17,8 @@ Per run, over the steady rounds (1 .. R-2, every member averaged in one group of
 - wire: what crossed each member's interface per round, both directions (veth counters), and the part of it
   that is not the counted exchange (DHT, matchmaking, signed requests, phase 5, framing, TCP/IP headers);
 - the ratio of the wire bytes to an fp32 ring all-reduce of the stage;
+- metered: what the peers' own `wire_bytes` records say their p2p daemons moved per round (every kind of
+  traffic, TCP payload: swarm/wire_meter.py), and its share of the interface's bytes;
 - time: an exchange's seconds (metrics.jsonl `exchange_phases`, its `wait` for slower members left out), its
   fixed cost (those seconds minus its counted bytes at the link's rate: what is not moving the message) and
   the median of each phase.
@@ -82,7 +84,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
                     peers=n, rate_mbit=args.rate, run_dirs=dirs, announces=True, timeout=args.timeout, env=env)  # fmt: skip
     steady = range(1, args.rounds - 1)
     sent, received, wire, full = [], [], [], True
-    exchange, fixed, phases = [], [], {}
+    exchange, fixed, phases, metered = [], [], {}, []
     for host, records in enumerate(run.records):
         by_round = {r["round"]: r for r in records}
         for t in steady:
@@ -98,6 +100,8 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
             fixed.append(seconds - max(r["bytes_sent"], r["bytes_received"]) * 8 / (args.rate * 1e6))
             for k, v in clock.items():
                 phases.setdefault(k, []).append(v)
+            if r.get("wire_bytes") and r["wire_bytes"][0] is not None:
+                metered.append(sum(r["wire_bytes"][0]) / 2)  # per direction, as `wire`
         ends = [by_round[t]["time"] for t in (steady.start - 1, steady.stop - 1) if t in by_round]
         if len(ends) == 2:
             rx, tx = run.wire(host, ends[0], ends[1])
@@ -120,6 +124,8 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
         "exchange_s": statistics.median(exchange) if exchange else None,
         "fixed_s": statistics.median(fixed) if fixed else None,
         "phases_median_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},
+        "wire_metered_per_direction": statistics.median(metered) if metered else None,
+        "metered_vs_wire": statistics.median(metered) / wire_per_round if metered and wire_per_round else None,
     }  # fmt: skip
 
 
@@ -193,7 +199,8 @@ def main() -> int:
                 row = measure(args, kind, n, message, fp32_ring, Path(tmp))
                 rows.append(row)
                 print(f"[bytes] {kind} N={n}: counted {row['counted_vs_butterfly']} x 2(N-1)/N, wire "
-                      f"{row['wire_vs_butterfly']} x, {row['wire_vs_fp32_ring']} x fp32 ring, exchange "
+                      f"{row['wire_vs_butterfly']} x, {row['wire_vs_fp32_ring']} x fp32 ring, metered {row['metered_vs_wire']} "
+                      f"x the interface's, exchange "
                       f"{row['exchange_s']} s, fixed {row['fixed_s']} s {row['phases_median_s']}, hashes equal "
                       f"{row['hashes_equal']} ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

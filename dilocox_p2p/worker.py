@@ -127,6 +127,11 @@ class StageWorker:
         """This stage's compression state for the metrics record (low-rank: ranks and captured energy)."""
         return {}
 
+    def take_wire_bytes(self) -> tuple[int, int] | None:
+        """(sent, received) bytes this stage moved through the swarm since the last call, every kind of traffic
+        (swarm/wire_meter.py); None without a swarm or where they cannot be read."""
+        return None
+
     def extra_state(self) -> dict[str, Any]:
         """This worker's own state beyond theta_g and the inner optimizer, for its checkpoints."""
         return {}
@@ -351,6 +356,7 @@ class StageWorker:
             "seconds_round": seconds_round,
             "compute_window": compute_window,
             "faults": self.take_fault_counts(),
+            "wire": self.take_wire_bytes(),
             "compression": self.compression_facts(),
             "fp32_bytes": 4 * sum(self.trainer.params[i].numel() for i in of_round(self.fragments, t)),
             "members": self.group_members(),
@@ -391,6 +397,9 @@ class StageWorker:
             "bytes_received": sum(o.bytes_received for o in outcomes),
             # the stages' exchanges run side by side on the peer's link: their rates add up
             "bytes_per_s": sum(o.bytes_per_s for o in outcomes),
+            # per stage, [sent, received]: every byte its p2p daemon's sockets moved since the last record (DHT,
+            # matchmaking, requests, phase 5, state downloads: swarm/wire_meter.py); null where unknown
+            "wire_bytes": [list(s["wire"]) if s["wire"] is not None else None for s in stages],
             "fp32_bytes": [s["fp32_bytes"] for s in stages],  # each stage's pseudo-gradient averaged this round
             "params": self.n_params_peer,
             "stage_hashes": [s["hash"] for s in stages],

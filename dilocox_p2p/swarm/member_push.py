@@ -31,6 +31,7 @@ __all__ = ["MemberPushes", "Pushed", "take_pushed"]
 logger = logging.getLogger(__name__)
 
 PUSH_TIMEOUT_S = 2.0  # a push that takes longer is dropped: the member reads the record from the DHT
+HAND_OVER_S = 2.0  # the heartbeat waits at most this long for a starved averager process to take a push
 QUEUED = 256  # pushes waiting for the stage worker; more are dropped (a flood costs the flooder's pushes only)
 
 Pushed = tuple[str, bytes, float]
@@ -48,8 +49,10 @@ class MemberPushes:
         self._pushing: set[asyncio.Task] = set()
 
     def push_member(self, value: bytes, expiration: float, peers: Sequence[str]) -> None:
-        """Send the sealed member record `value` to `peers` (their averagers), in the background."""
-        self._call("_push_member", 30.0, value=value, expiration=expiration, peers=list(peers))  # type: ignore[attr-defined]
+        """Send the sealed member record `value` to `peers` (their averagers), in the background; raises
+        TimeoutError if the averager process did not take it within HAND_OVER_S (the heartbeat's next beat must
+        not wait for a starved process: the record is in the DHT already)."""
+        self._call("_push_member", HAND_OVER_S, value=value, expiration=expiration, peers=list(peers))  # type: ignore[attr-defined]
 
     async def _push_member(self, value: bytes, expiration: float, peers: list[str], future: MPFuture) -> None:
         request = swarm_pb2.MemberPush(record=value, expiration=expiration)

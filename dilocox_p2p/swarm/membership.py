@@ -238,8 +238,9 @@ class Membership:
 
     # ----- waiting ---------------------------------------------------------------------------
     def wait_for_round(self, round: int, timeout: float, *, give_up: Callable[[], bool]) -> list[Member]:
-        """Wait (at most `timeout`, one lookup per POLL_S) until every live training member of the stage that
-        takes part in this round's all-reduce has started it; return those members.
+        """Wait (at most `timeout`, one lookup per POLL_S, woken at once by a record a member pushed) until every
+        live training member of the stage that takes part in this round's all-reduce has started it; return those
+        members.
 
         A member takes part if it started the round before (it trains this round or waits for that exchange:
         its record's averaging_round) or holds this round's boundary (it took the swarm's state there), and

@@ -12,6 +12,7 @@
       agreement           round records, hash checks, verified state downloads (agreement.py)
       routes              routes back into the DHT after this worker lost them (reconnect.py)
       faults              counted faults, handed to metrics.jsonl every round (faults.py)
+      wire                bytes the worker's p2p daemon moved, every kind of traffic (wire_meter.py)
       signer, gate        this worker's signature on what it sends, and the checks on what it takes
                           (envelope.py); strikes and bans of misbehaving peers (`strike`)
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -48,6 +50,7 @@ from .hello import serve_hello
 from .hivemind_patches import check_version
 from .membership import Membership
 from .reconnect import RouteKeeper, join_lead
+from .wire_meter import WireMeter, daemons_below
 
 __all__ = ["SwarmStage"]
 
@@ -152,6 +155,9 @@ class SwarmStage:
             members=lambda: {m.peer_id: m.record.training for m in self.membership.members()},
         )  # fmt: skip
         self.membership.prober = self.routes.gone
+        self._daemon: int | None = None
+        # every byte the stage moves through the swarm, for the metrics; the peer's stages fork from one process
+        self.wire = WireMeter(self._daemon_pid, own=lambda: daemons_below(os.getppid()))
         self._closed = False
 
     def fragment_indices(self, round: int) -> list[int]:
@@ -169,6 +175,11 @@ class SwarmStage:
         self.exchanges.start()
         self.agreement.start()
         self.routes.start()
+
+    def _daemon_pid(self) -> int | None:
+        if self._daemon is None and self.dht.pid is not None:
+            self._daemon = min(daemons_below(self.dht.pid), default=None)
+        return self._daemon
 
     def _push_member(self, value: bytes, expiration: float) -> None:
         """Send this worker's changed member record (sealed, as stored) to the stage's other members."""

@@ -125,6 +125,9 @@ class SwarmStageWorker(StageWorker):
     def take_fault_counts(self) -> dict[str, int]:
         return self.swarm.take_faults()
 
+    def take_wire_bytes(self) -> tuple[int, int] | None:
+        return self.swarm.wire.take()
+
     def peer_facts(self) -> dict[str, Any]:
         return {"peer_id": self.swarm.peer_id, "peer_key": self.swarm.peer_key_hex, "multiaddrs": self.swarm.maddrs()}
 

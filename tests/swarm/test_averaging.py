@@ -57,6 +57,13 @@ def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
     full = [r for r in applied if set(r["kinds"]) <= FULL and r["coverage"] == 1.0 and r["group_sizes"] == [3, 3]]
     assert len(full) >= len(applied) - 3, [(r["round"], r["kinds"], r["group_sizes"]) for r in applied]
     assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full)
+    # every byte each stage moved through the swarm (swarm/wire_meter.py): the exchanges' payload and all the rest
+    for peer in peers:
+        records = peer.metrics()
+        assert all(w is not None and w[0] > 0 and w[1] > 0 for r in records for w in r["wire_bytes"]), records
+        wire = [sum(w[i] for r in records for w in r["wire_bytes"]) for i in (0, 1)]
+        counted = [sum(r[k] for r in records) for k in ("bytes_sent", "bytes_received")]
+        assert wire[0] > counted[0] > 0 and wire[1] > counted[1] > 0, (wire, counted)
     # where each exchange's time went, phase by phase (metrics.jsonl: exchange_phases)
     for r in full:
         for phases in r["exchange_phases"]:
