@@ -389,12 +389,13 @@ class RunRecords:
         return [m for peer_id, (opened, exp) in found if (m := self._member(peer_id, opened, exp)) is not None]
 
     def open_member(self, sender: str, value: bytes, expiration: float) -> Member | None:
-        """A member record `sender` pushed (member_push.py), checked as one read from the DHT; None (counted) if
-        refused or expired. Its expiration is capped at a fresh record's: the push carries it unsigned."""
+        """A member record `sender` pushed (member_push.py), checked as one read from the DHT; None if refused
+        (counted as a refused request: a push is one) or expired. Its expiration is capped at a fresh record's: the
+        push carries it unsigned."""
         try:
             opened = self.gate.open(value, swarm_pb2.MemberRecord, sender=sender, topic=self.members_key)
         except WireRejected as e:
-            self.faults.count("records_refused", "refused a member record %s pushed: %s", sender, e)
+            self.faults.count("requests_refused", "refused a member record %s pushed: %s", sender, e)
             return None
         self._owners[sender] = bytes(opened.peer_key)
         return self._member(sender, opened, min(expiration, get_dht_time() + MEMBER_TTL_S))

@@ -38,7 +38,8 @@ FAULTS = {
     "messages_left_out": "a member's compressed message was not received or did not decode: left out of the average",
     "contributions_refused": "a member's contribution was not finite or its norm far above the group's median, or a "
     "message failed its author's signed digest: left out, and the sender struck",
-    "requests_refused": "a request from another worker failed its envelope checks (signature, run, admission, replay...)",
+    "requests_refused": "a request from another worker failed its envelope checks (signature, run, admission, replay...), "
+    "or a member record it pushed did",
     "peers_banned": "a member was banned for the rest of the run after swarm.ban_after strikes",
     "routes_lost": "this worker's DHT node lost its route to every other node (a stopped process, a network outage); "
     "it asked its initial peers and known members again until one answered (swarm/reconnect.py)",

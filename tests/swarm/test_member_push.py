@@ -82,7 +82,7 @@ def test_a_members_round_start_wakes_the_others_wait_at_once_though_their_dht_po
     took = time.monotonic() - started
     assert [(m.peer_id, m.record.averaging_round) for m in found] == [(a.peer_id, 1)]
     assert took < 10.0, f"b saw a start the round after {took:.1f} s (its DHT poll: 60 s, its wait: 30 s)"
-    assert b.faults.take()["records_refused"] == 0
+    assert b.faults.take()["requests_refused"] == 0
 
 
 def _record(averaging_round: int) -> swarm_pb2.MemberRecord:
@@ -105,4 +105,4 @@ def test_a_pushed_record_signed_by_another_worker_is_refused_and_an_older_copy_n
     # b waits for a to start round 5 (it never does) and takes both pushes meanwhile
     waited = b.membership.wait_for_round(5, 3.0, give_up=lambda: False)
     assert [(m.peer_id, m.record.averaging_round) for m in waited] == [(a.peer_id, 4)]
-    assert b.faults.take()["records_refused"] == 1
+    assert b.faults.take()["requests_refused"] == 1
