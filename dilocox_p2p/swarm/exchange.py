@@ -430,6 +430,14 @@ class ExchangeQueue:
         self._jobs.put(None)
         self._thread.join(timeout=timeout)
 
+    def _meter(self) -> None:
+        """Read the stage's byte counters now, before the group's members leave and close their connections
+        (wire_meter.py); a failure costs the metrics their bytes, never the exchange."""
+        try:
+            self.stage.wire.totals()
+        except Exception as e:  # noqa: BLE001
+            logger.debug("could not read the byte counters: %r", e)
+
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, exchange = job
@@ -438,6 +446,7 @@ class ExchangeQueue:
                 self._running = exchange
             try:
                 average = exchange.run()
+                self._meter()
                 if average.kind.applies and average.group_size >= 2:
                     startup.mark("first_group")
                 future.set_result(average)

@@ -10,8 +10,10 @@ retransmissions, without TCP/IP headers and pure acknowledgements, which an inte
 Counted are the sockets the daemon alone holds (one a process passed on to it, unknowingly, when it started
 it, such as a socket of the pipeline's gloo process group, is not its traffic), except the connections to
 the daemons of this peer's other stages (on one machine: that traffic crosses no network). A socket that
-closed between two readings keeps what it had at the last one: the bytes after that are not counted
-(libp2p keeps one connection per peer open, so that is little). Without `ss` (or on a system that does not
+closed between two readings keeps what it had at the last one: the bytes after that are not counted. So
+the stage reads the counters when each exchange ends too (exchange.ExchangeQueue), not only at its round
+record: peers that leave after the last exchange close their connections before the record (the last
+record of a 3-peer run in CI counted nothing at first). Without `ss` (or on a system that does not
 say which process owns a socket) the meter reads nothing, and the metrics say `null`.
 """
 
@@ -21,6 +23,7 @@ import logging
 import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +106,7 @@ class WireMeter:
         read: Callable[[], list[Socket] | None] = read_sockets,
     ):
         self._daemon, self._own, self._read = daemon, own, read
+        self._lock = threading.Lock()  # read at a round's record and at an exchange's end, in two threads
         self._open: dict[tuple[str, str], tuple[int, int]] = {}
         self._closed = (0, 0)  # what sockets that closed had moved at the last reading that saw them
         self._taken = (0, 0)
@@ -119,6 +123,10 @@ class WireMeter:
 
     def totals(self) -> tuple[int, int] | None:
         """(sent, received) bytes so far, or None if the counters cannot be read."""
+        with self._lock:
+            return self._totals()
+
+    def _totals(self) -> tuple[int, int] | None:
         now = self._counted()
         if now is None:
             return None
@@ -131,9 +139,10 @@ class WireMeter:
 
     def take(self) -> tuple[int, int] | None:
         """(sent, received) bytes since the last call (the first: since the daemon's sockets opened)."""
-        totals = self.totals()
-        if totals is None:
-            return None
-        delta = (totals[0] - self._taken[0], totals[1] - self._taken[1])
-        self._taken = totals
-        return delta
+        with self._lock:
+            totals = self._totals()
+            if totals is None:
+                return None
+            delta = (totals[0] - self._taken[0], totals[1] - self._taken[1])
+            self._taken = totals
+            return delta
