@@ -4,79 +4,131 @@ All of a stage's traffic with other peers goes through its p2p daemon (hivemind'
 DHT node and its averager share): the exchange's parts and messages, signed requests and replies,
 matchmaking, DHT lookups and stores, phase 5, mending and borrowing, state downloads, pushed records, and
 libp2p's own framing and keep-alives. The exchange records count only the payload they send and receive
-(protobuf message sizes: `bytes_sent`); this counts what the daemon's TCP sockets moved, `bytes_sent` and
-`bytes_received` of each (Linux's tcp_info, as `ss -tinp` of iproute2 prints it: TCP payload with
-retransmissions, without TCP/IP headers and pure acknowledgements, which an interface's counters add).
-Counted are the sockets the daemon alone holds (one a process passed on to it, unknowingly, when it started
-it, such as a socket of the pipeline's gloo process group, is not its traffic), except the connections to
-the daemons of this peer's other stages (on one machine: that traffic crosses no network). A socket that
-closed between two readings keeps what it had at the last one: the bytes after that are not counted. So
-the stage reads the counters when each exchange ends too (exchange.ExchangeQueue), not only at its round
-record: peers that leave after the last exchange close their connections before the record (the last
-record of a 3-peer run in CI counted nothing at first). Without `ss` (or on a system that does not
-say which process owns a socket) the meter reads nothing, and the metrics say `null`.
+(protobuf message sizes: `bytes_sent`); this counts what the daemon's TCP sockets moved: Linux's tcp_info
+`bytes_sent` and `bytes_received` of each (TCP payload with retransmissions, without TCP/IP headers and
+pure acknowledgements, which an interface's counters add), asked of the kernel over netlink (sock_diag, as
+iproute2's `ss` does; no process is started) and matched to the daemon by the socket inodes in its
+/proc/PID/fd. Counted are the sockets the daemon holds and its parent does not (one its parent passed on to
+it, unknowingly, when it started it, such as a socket of the pipeline's gloo process group, is not its
+traffic), except the connections to the daemons of this peer's other stages (on one machine: that traffic
+crosses no network). A socket that closed between two readings keeps what it had at the last one: the bytes
+after that are not counted, so the stage reads the counters when each exchange ends too
+(exchange.ExchangeQueue), not only at its round record: peers that leave after the last exchange close
+their connections before the record (the last record of a 3-peer run in CI counted nothing at first).
+Where netlink or /proc cannot be read, the meter reads nothing, and the metrics say `null`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import shutil
-import subprocess
+import os
+import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Socket", "WireMeter", "daemons_below", "parse_ss", "read_sockets"]
+__all__ = ["Socket", "WireMeter", "daemons_below", "fd_inodes", "read_sockets"]
 
 logger = logging.getLogger(__name__)
 
-SS_TIMEOUT_S = 5.0
-_OWNER = re.compile(r"pid=(\d+),")
-_SENT = re.compile(r"\bbytes_sent:(\d+)")
-_RECEIVED = re.compile(r"\bbytes_received:(\d+)")
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_DUMP_REQUEST = 0x301  # NLM_F_REQUEST | NLM_F_DUMP
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+INET_DIAG_INFO = 2
+# struct tcp_info (linux/tcp.h): tcpi_bytes_received at 128 (Linux 4.1), tcpi_bytes_sent at 200 (Linux 4.19)
+BYTES_RECEIVED_AT, BYTES_SENT_AT = 128, 200
 
 
 @dataclass(frozen=True)
 class Socket:
-    """A TCP socket as `ss -tinp` shows it."""
+    """A TCP socket as the kernel reports it."""
 
+    inode: int
     local: str
     remote: str
-    owners: frozenset[int]
-    sent: int = 0
-    received: int = 0
+    sent: int
+    received: int
 
 
 def read_sockets() -> list[Socket] | None:
-    """This machine's (this network namespace's) TCP sockets with their owners and counters; None if `ss` is
-    missing or failed."""
-    if shutil.which("ss") is None:
-        return None
+    """This network namespace's TCP sockets (IPv4 and IPv6) with their counters; None if netlink cannot say."""
     try:
-        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=SS_TIMEOUT_S, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.debug("ss failed: %r", e)
+        return [s for family in (socket.AF_INET, socket.AF_INET6) for s in _dump(family)]
+    except OSError as e:
+        logger.debug("sock_diag failed: %r", e)
         return None
-    return parse_ss(out)
 
 
-def parse_ss(out: str) -> list[Socket]:
-    """`ss -tinpH`'s output: each socket a line (state, queues, local and remote address, its owners), its
-    tcp_info on the indented line after it."""
-    found: list[Socket] = []
-    for line in out.splitlines():
-        if line and not line[0].isspace():
-            fields = line.split()
-            if len(fields) >= 5:
-                found.append(Socket(fields[3], fields[4], frozenset(int(p) for p in _OWNER.findall(line))))
-        elif found:
-            sent, received = _SENT.search(line), _RECEIVED.search(line)
-            last = found[-1]
-            found[-1] = Socket(last.local, last.remote, last.owners, int(sent.group(1)) if sent else last.sent,
-                               int(received.group(1)) if received else last.received)  # fmt: skip
+def _dump(family: int) -> list[Socket]:
+    request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), 0, 0xFFFFFFFF) + bytes(48)
+    header = struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_DUMP_REQUEST, 1, 0)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(5.0)
+        nl.sendto(header + request, (0, 0))
+        found: list[Socket] = []
+        while True:
+            data, offset = nl.recv(1 << 20), 0
+            while offset + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, offset)
+                if kind == NLMSG_DONE:
+                    return found
+                if kind == NLMSG_ERROR or length < 16:
+                    raise OSError("sock_diag answered with an error")
+                parsed = _socket(family, data[offset + 16 : offset + length])
+                if parsed is not None:
+                    found.append(parsed)
+                offset += (length + 3) & ~3
+
+
+def _socket(family: int, body: bytes) -> Socket | None:
+    """One inet_diag_msg and its attributes; None without a tcp_info that holds the byte counters."""
+    if len(body) < 72:
+        return None
+    sport, dport = struct.unpack_from("!HH", body, 4)
+    width = 4 if family == socket.AF_INET else 16
+    src, dst = socket.inet_ntop(family, body[8 : 8 + width]), socket.inet_ntop(family, body[24 : 24 + width])
+    inode = struct.unpack_from("=I", body, 68)[0]
+    at = 72
+    while at + 4 <= len(body):
+        size, kind = struct.unpack_from("=HH", body, at)
+        if size < 4:
+            break
+        if kind == INET_DIAG_INFO and size - 4 >= BYTES_SENT_AT + 8:
+            info = body[at + 4 : at + size]
+            (received,) = struct.unpack_from("=Q", info, BYTES_RECEIVED_AT)
+            (sent,) = struct.unpack_from("=Q", info, BYTES_SENT_AT)
+            return Socket(inode, f"{src}:{sport}", f"{dst}:{dport}", sent, received)
+        at += (size + 3) & ~3
+    return None
+
+
+def fd_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` holds (empty if it is gone or not ours to read)."""
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                found.add(int(target[8:-1]))
+    except OSError:
+        pass
     return found
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def daemons_below(root: int) -> set[int]:
@@ -104,22 +156,25 @@ class WireMeter:
         daemon: Callable[[], int | None],
         own: Callable[[], set[int]],
         read: Callable[[], list[Socket] | None] = read_sockets,
+        holds: Callable[[int], set[int]] = fd_inodes,
+        parent: Callable[[int], int | None] = _parent,
     ):
-        self._daemon, self._own, self._read = daemon, own, read
+        self._daemon, self._own, self._read, self._holds, self._parent_of = daemon, own, read, holds, parent
         self._lock = threading.Lock()  # read at a round's record and at an exchange's end, in two threads
-        self._open: dict[tuple[str, str], tuple[int, int]] = {}
+        self._open: dict[int, tuple[int, int]] = {}
         self._closed = (0, 0)  # what sockets that closed had moved at the last reading that saw them
         self._taken = (0, 0)
 
-    def _counted(self) -> dict[tuple[str, str], tuple[int, int]] | None:
+    def _counted(self) -> dict[int, tuple[int, int]] | None:
         pid = self._daemon()
         sockets = self._read() if pid is not None else None
-        if sockets is None:
+        if pid is None or sockets is None:
             return None
-        own = self._own() | {pid}
-        inside = {(s.remote, s.local) for s in sockets if s.owners & own}  # the other end is this peer's too
-        return {(s.local, s.remote): (s.sent, s.received) for s in sockets
-                if s.owners == {pid} and (s.local, s.remote) not in inside}  # fmt: skip
+        parent = self._parent_of(pid)
+        mine = self._holds(pid) - (self._holds(parent) if parent is not None else set())
+        others = set().union(*(self._holds(d) for d in self._own() - {pid}))
+        inside = {s.local for s in sockets if s.inode in others}  # endpoints of this peer's other daemons
+        return {s.inode: (s.sent, s.received) for s in sockets if s.inode in mine and s.remote not in inside}
 
     def totals(self) -> tuple[int, int] | None:
         """(sent, received) bytes so far, or None if the counters cannot be read."""
@@ -131,8 +186,8 @@ class WireMeter:
         if now is None:
             return None
         sent, received = self._closed
-        for key, (s, r) in self._open.items():
-            if key not in now or now[key][0] < s or now[key][1] < r:  # closed (its address pair reused since)
+        for inode, (s, r) in self._open.items():
+            if inode not in now:  # closed since: what it had moved at the last reading stays counted
                 sent, received = sent + s, received + r
         self._closed, self._open = (sent, received), now
         return sent + sum(s for s, _ in now.values()), received + sum(r for _, r in now.values())
