@@ -106,15 +106,19 @@ def test_quantizing_peers_reduce_in_a_butterfly_at_2_n_minus_1_over_n_of_a_messa
     hashes = [_hashes(p) for p in peers]
     for t in range(rounds):
         assert len({tuple(h[t]) for h in hashes}) == 1, f"peers differ at round {t}"
+    # a part whose stream was cut short is asked for again (gather.py): its sender serves it twice, and counts it
+    again = sum(peer.stage_log(0).count("before the stream ended: asking again") for peer in peers)
     for peer in peers:
         records = peer.metrics()
         full = [r for r in records if r["group_size"] == n and r["kinds"] == ["averaged"]]
         assert len(full) >= rounds - 1, [(r["round"], r["kinds"], r["group_sizes"]) for r in records]
         message = records[0]["params"] * (1 + 2 / 64)  # int8 codes and a bf16 scale per block of 64
         flat = 2 * (n - 1) / n * message
+        resent = again * 1.05 * message / n
         for r in full:
-            assert 0.95 * flat <= r["bytes_sent"] <= 1.15 * flat, (r["round"], r["bytes_sent"] / message)
-            assert 0.95 * flat <= r["bytes_received"] <= 1.15 * flat, (r["round"], r["bytes_received"] / message)
+            sent, received = r["bytes_sent"], r["bytes_received"]
+            assert 0.95 * flat <= sent <= 1.15 * flat + resent, (r["round"], sent / message, again)
+            assert 0.95 * flat <= received <= 1.15 * flat + resent, (r["round"], received / message, again)
         assert any("phase2" in dict(r["exchange_phases"][0]) for r in full)  # the reduced parts' all-gather
 
 
