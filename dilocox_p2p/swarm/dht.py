@@ -41,6 +41,7 @@ from ..identity import peer_id_of, worker_identity
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .faults import FaultCounter, RefusalLog
+from .hivemind_patches import guard_unary_replies
 from .priority import lower_priority
 
 __all__ = ["EnvelopeValidator", "Member", "RunRecords", "dht_result", "node_id_of", "run_keys", "start_dht"]
@@ -68,6 +69,7 @@ class HelperDHT(hivemind.DHT):
 
     def __init__(self, *, nice: int, **kwargs: Any):
         self.nice = nice
+        guard_unary_replies()  # before the fork: the DHT process and the averager forked later run the guarded reader
         super().__init__(**kwargs)
 
     def run(self) -> None:

@@ -14,6 +14,7 @@ accepts anyway.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -22,8 +23,11 @@ import multiprocessing as mp
 import sys
 import types
 from typing import Any
+from uuid import UUID
 
-__all__ = ["CHECKED_VERSIONS", "PATCHES", "check_version", "defer_scipy_optimize", "own_process_locks"]
+__all__ = [
+    "CHECKED_VERSIONS", "PATCHES", "check_version", "defer_scipy_optimize", "guard_unary_replies", "own_process_locks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,10 @@ PATCHES: dict[str, str] = {
     # dht/node.py, protocol.py, routing.py (our swarm/reconnect.py): the DHT asks its initial peers only at start
     "DHTNode.protocol.routing_table.peer_id_to_uid": "read: which peers the DHT node still has a route to",
     "DHTProtocol.call_ping": "pings a lost peer; its answer puts it back in both routing tables",
+    # p2p/p2p_daemon_bindings/control.py: the persistent connection to the p2p daemon (unary calls, both ways)
+    "ControlClient._read_from_persistent_conn": "replaced (guard_unary_replies below): a reply to a call cancelled a "
+    "moment before no longer ends the reader; _pending_calls / _handler_tasks / _handle_persistent_request used as "
+    "hivemind does",
     # utils/mpfuture.py, utils/asyncio.py: process-wide locks made at import (own_process_locks below)
     "MPFuture.reset_backend": "called in each stage process forked from a process that imported hivemind",
     "_AsyncContextWrapper.EXECUTOR_LOCK": "replaced by a lock of the stage process's own, as reset_backend does its",
@@ -164,6 +172,58 @@ def own_process_locks() -> None:
     asyncio_utils = sys.modules.get("hivemind.utils.asyncio")
     if asyncio_utils is not None:
         asyncio_utils._AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+
+
+async def _read_from_persistent_conn(self: Any, reader: asyncio.StreamReader) -> None:
+    """hivemind's reader of the p2p daemon's persistent connection (ControlClient), which ends only with it.
+
+    hivemind's sets the result of the call each reply answers, also of a call cancelled a moment before (its
+    caller's timeout fired in the same turn of the event loop as the reply was read): `set_result` on a
+    cancelled future raises InvalidStateError, which ended the reader for good. Every unary call of that
+    process then waited out its timeout, and no request to it was answered: a DHT process hit that way lost
+    every route and trained its stage alone for the rest of the run (churn soak under load, 2026-11-29;
+    tests/unit/test_hivemind_patches.py makes the race happen). Here a reply to a call that is done is
+    dropped, as one to an unknown call is."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError, read_pbmsg_safe
+    from hivemind.proto import p2pd_pb2
+    from hivemind.utils.asyncio import cancel_task_if_running
+
+    while True:
+        resp = p2pd_pb2.PersistentConnectionResponse()
+        try:
+            await read_pbmsg_safe(reader, resp)
+        except asyncio.IncompleteReadError:
+            break
+        call_id = UUID(bytes=resp.callId)
+        pending = self._pending_calls.get(call_id)
+        if pending is not None and pending.done():
+            logger.debug("a reply to unary call %s came after the call ended: dropped", call_id)
+        elif resp.HasField("callUnaryResponse"):
+            if pending is not None and resp.callUnaryResponse.HasField("response"):
+                pending.set_result(resp.callUnaryResponse.response)
+            elif pending is not None and resp.callUnaryResponse.HasField("error"):
+                pending.set_exception(P2PHandlerError(resp.callUnaryResponse.error.decode(errors="ignore")))
+            else:
+                logger.debug("received an unexpected unary call: %s", resp)
+        elif resp.HasField("requestHandling"):
+            self._handler_tasks[call_id] = asyncio.create_task(
+                self._handle_persistent_request(call_id, resp.requestHandling)
+            )
+        elif call_id in self._handler_tasks and resp.HasField("cancel"):
+            cancel_task_if_running(self._handler_tasks[call_id])
+        elif pending is not None and resp.HasField("daemonError"):
+            pending.set_exception(P2PDaemonError(resp.daemonError.message))
+        elif pending is not None:
+            pending.set_result(None)
+        else:
+            logger.debug("received an unexpected response from the p2p daemon: %s", resp)
+
+
+def guard_unary_replies() -> None:
+    """Replace ControlClient._read_from_persistent_conn (above) in this process and those it forks after."""
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+
+    ControlClient._read_from_persistent_conn = _read_from_persistent_conn
 
 
 def check_version() -> None:
