@@ -308,7 +308,8 @@ class DilocoxAverager(
     def hold_buffers(
         self, round: int, kind: AverageKind, group: Sequence[str], group_id: bytes, missing: Spans = ()
     ) -> None:
-        """Keep (and serve to the group) the average the worker wrote into the averaged tensors."""
+        """Keep (and serve to the group) the average the worker wrote into the averaged tensors; called holding
+        their lock (`get_tensors()`), which the averager process does not take for it (held.py)."""
         kwargs = dict(round=round, kind=kind, group=tuple(group), group_id=group_id, missing=tuple(missing))
         self._call("_hold_buffers", 30.0, **kwargs)
 

@@ -309,11 +309,14 @@ class RoundExchange(CompressedRound, GroupVote):
     def _hold(
         self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans = ()
     ) -> None:
-        """Keep `tensors` as this round's average, served to members that ask for it."""
+        """Keep `tensors` as this round's average, served to members that ask for it. The buffers' lock is held
+        until the averager has its copy: an all-reduce of a step cancelled after its group formed still runs (it
+        writes its output into the buffers at its end, and waits for the lock to start), and it must not overwrite
+        them in between."""
         with self.averager.get_tensors() as buffers:
             for buf, t in zip(self._buffers(buffers), tensors, strict=True):
                 buf.copy_(t)
-        self.averager.hold_buffers(self.round, kind, group, group_id, missing)
+            self.averager.hold_buffers(self.round, kind, group, group_id, missing)
 
     def _buffers(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """The averager's buffers of the tensors this round averages (a streaming fragment's, or all)."""

@@ -90,9 +90,10 @@ class AverageService:
     async def _hold_buffers(
         self, round: int, kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans, future: MPFuture
     ) -> None:
-        try:
-            with self.lock_averaged_tensors:
-                tensors = [t.clone() for t in self._of_round(round, self._averaged_tensors)]
+        try:  # the host holds the buffers' lock meanwhile (exchange._hold): taken here, in the event loop, it
+            # blocked the loop for good whenever an all-reduce of this process held it (a step cancelled after its
+            # group formed), and with it every request this averager serves (seen: a survivor of a crash stalled)
+            tensors = [t.clone() for t in self._of_round(round, self._averaged_tensors)]
             self._hold(HeldAverage(round, kind, tensors, missing, group, group_id))
             future.set_result(None)
         except Exception as e:  # pragma: no cover - reported to the caller

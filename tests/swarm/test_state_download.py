@@ -93,3 +93,23 @@ def test_a_joiner_takes_the_state_at_once_and_the_pending_average_once_the_donor
     assert pending.state_hash == now.state_hash and pending.state.pending.round == BOUNDARY - 1
     assert pending.state.pending.average.kind is AverageKind.AVERAGED
     assert all(torch.equal(a, b) for a, b in zip(pending.state.pending.average.tensors, donor.average.tensors))
+
+
+def test_an_average_handed_over_while_the_host_holds_the_buffers_is_kept_and_served_at_once(pair):
+    # The host keeps the buffers locked until the averager has its copy (exchange._hold: a stray all-reduce must
+    # not overwrite them in between). The averager took the same lock in its event loop, and a lock held elsewhere
+    # (by the host, or by an all-reduce of its own process: then for good) stood its whole loop still: the call
+    # timed out after 30 s, and nothing it serves was answered meanwhile.
+    (holder, asker), (holder_id, _) = pair
+    gen = torch.Generator().manual_seed(5)
+    average = [torch.randn(s, generator=gen) for s in SHAPES]
+    with holder.get_tensors() as buffers:
+        for buf, t in zip(buffers, average):
+            buf.copy_(t)
+        started = time.monotonic()
+        holder.hold_buffers(4, AverageKind.AVERAGED, (holder_id,), b"group-4")
+        assert time.monotonic() - started < 5.0, "the averager waited for the buffers the host holds"
+        with ThreadPoolExecutor(1) as pool:  # asked by another member while the buffers are still locked
+            collected = pool.submit(asker.collect, 4, [holder_id], start=None, wait_s=5.0, deadline_s=10.0).result(20)
+    assert collected.average is not None, collected.failures
+    assert all(torch.equal(a, b) for a, b in zip(collected.average.tensors, average))
