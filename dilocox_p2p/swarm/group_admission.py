@@ -40,12 +40,16 @@ class GroupAdmission:
     gate: Any
     _refused: Any
 
+    def _sealed_ticket(self, gathered: bytes) -> Any:
+        """The signed ticket in a JoinRequest.gather: hivemind's (bandwidth, mode, user data), ours the user data."""
+        _, _, user = self.serializer.loads(gathered)
+        return self.serializer.loads(user)
+
     def _ticket_round(self, gathered: bytes) -> int | None:
         """The round a JoinRequest.gather's ticket names, unverified (None: not a ticket of ours; the group's
         checks refuse it)."""
-        try:  # hivemind's data for gather: (bandwidth, mode, user data), our signed ticket the user data
-            _, _, user = self.serializer.loads(gathered)
-            signed = envelope_pb2.SignedEnvelope.FromString(self.serializer.loads(user))
+        try:
+            signed = envelope_pb2.SignedEnvelope.FromString(self._sealed_ticket(gathered))
             return envelope_pb2.Envelope.FromString(signed.body).round
         except Exception:  # noqa: BLE001
             return None
@@ -62,10 +66,8 @@ class GroupAdmission:
     def _read_ticket(self, peer: str, gathered: bytes, *, even_banned: bool) -> tuple[envelope_pb2.GroupTicket | None, str]:
         """`peer`'s group ticket from its JoinRequest.gather, opened (signed by `peer`, for this round), or why not."""
         try:
-            _, _, user = self.serializer.loads(gathered)
-            ticket = self.serializer.loads(user)
-            opened = self.gate.open(ticket, envelope_pb2.GroupTicket, sender=peer, round=self._current_round,
-                                    even_banned=even_banned)  # fmt: skip
+            opened = self.gate.open(self._sealed_ticket(gathered), envelope_pb2.GroupTicket, sender=peer,
+                                    round=self._current_round, even_banned=even_banned)  # fmt: skip
         except WireRejected as e:
             return None, str(e)
         except Exception as e:

@@ -174,10 +174,15 @@ def track_join_requests(matchmaking: Any) -> None:
     async def request_join_group_tracked(leader: Any, *args: Any, **kwargs: Any) -> Any:
         matchmaking._dilocox_asked.append(leader.to_base58())
         matchmaking._dilocox_joining += 1
+        asked, group = time.monotonic(), None
         try:
-            return await request_join_group(leader, *args, **kwargs)
+            group = await request_join_group(leader, *args, **kwargs)
+            return group
         finally:
             matchmaking._dilocox_joining -= 1
+            if group is None:  # hivemind says why at debug level only; a leader that counted it in anyway splits the round
+                logger.info("asked %s to take this worker into its group: no group after %.2f s", leader,
+                            time.monotonic() - asked)  # fmt: skip
 
     matchmaking._request_join_group = request_join_group_tracked
 

@@ -147,6 +147,14 @@ class Membership:
             self._members = self._with_pushed(self._members)
         return True
 
+    def _look_unless_news(self, news: bool, looked: float, poll: float) -> float:
+        """Read the stage's records from the DHT, unless a member's push (`news`) came less than `poll` after the
+        last look (`looked`, time.monotonic()): pushes alone never stand in for long. When the view was last read."""
+        if news and time.monotonic() - looked < poll:
+            return looked
+        self.refresh()
+        return time.monotonic()
+
     def members(self, *, training_only: bool = False, others_only: bool = True, suspects_too: bool = False) -> list[Member]:
         """Live members of this stage with this run's config (from the last refresh), suspects left out unless
         `suspects_too` (a suspect is not grouped with, but its state still counts: agreement.py)."""
@@ -257,9 +265,7 @@ class Membership:
         started = time.monotonic()
         deadline, probed, said_sitting, news, looked = started + timeout, False, False, False, 0.0
         while True:
-            if not news or time.monotonic() - looked >= POLL_S:  # pushes alone never stand in for long
-                self.refresh()
-                looked = time.monotonic()
+            looked = self._look_unless_news(news, looked, POLL_S)
             training = self.members(training_only=True)
             sitting = [m.peer_id for m in training if self.sits_out(m, round)]
             if sitting and not said_sitting:
@@ -284,9 +290,7 @@ class Membership:
         deadline = time.monotonic() + timeout
         last_log, news, looked = 0.0, False, 0.0
         while True:
-            if not news or time.monotonic() - looked >= BARRIER_POLL_S:
-                self.refresh()
-                looked = time.monotonic()
+            looked = self._look_unless_news(news, looked, BARRIER_POLL_S)
             self.refuse_another_release()  # the run may start training while this peer waits
             here = [m.peer_id for m in self.members(others_only=False) if m.record.training or m.record.boundary >= 0]
             if len(here) >= count or time.monotonic() >= deadline or give_up():
@@ -305,9 +309,7 @@ class Membership:
         that had moved on."""
         deadline, news, looked = time.monotonic() + timeout, False, 0.0
         while time.monotonic() < deadline and not give_up():
-            if not news or time.monotonic() - looked >= BARRIER_POLL_S:
-                self.refresh()
-                looked = time.monotonic()
+            looked = self._look_unless_news(news, looked, BARRIER_POLL_S)
             live = {m.peer_id: m for m in self.members(others_only=False)}
             if all(p not in live or live[p].record.training for p in peer_ids):
                 return
