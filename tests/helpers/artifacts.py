@@ -23,6 +23,8 @@ SKIP_DIRS = {"checkpoints", "identity", "cache0", "corpus"}
 MAX_FILE_BYTES = 2_000_000  # a longer file keeps its tail
 DIGEST_TAIL = 15
 DIGEST_MAX_LINES = 400
+# INFO lines that explain a split or a lost part (matchmaking.py, allreduce.py, exchange.py): kept with the warnings
+NOTED_INFO = ("to take this worker into its group: no group", "is not in this group", "counted this worker into")
 
 
 def artifacts_dir() -> Path:
@@ -96,13 +98,14 @@ def shortened(line: str) -> str:
 
 
 def digest(folder: Path) -> str:
-    """Every warning and error of each stage log under `folder`, then its last lines, then each peer's round
-    records in short (last: CI shows the end of its output); bounded."""
+    """Every warning and error of each stage log under `folder` (and its NOTED_INFO lines), then its last lines,
+    then each peer's round records in short (last: CI shows the end of its output); bounded."""
     lines: list[str] = []
     for log in sorted(folder.rglob("stage*.log")):
         text = log.read_text(errors="replace").splitlines()
         lines.append(f"--- {log.relative_to(folder)} ({len(text)} lines)")
-        noted = [line for line in text if " WARN" in line or " ERROR" in line or '"level": "WARN' in line]
+        noted = [line for line in text if " WARN" in line or " ERROR" in line or '"level": "WARN' in line
+                 or any(marker in line for marker in NOTED_INFO)]
         tail = [f"--- last {DIGEST_TAIL} lines of {log.name}", *text[-DIGEST_TAIL:]]
         lines += [shortened(line) for line in (*noted, *tail)]
     if len(lines) > DIGEST_MAX_LINES:

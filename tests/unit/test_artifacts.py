@@ -31,13 +31,17 @@ def test_rounds_alike_are_one_line_and_a_fault_or_a_gap_starts_another(tmp_path)
     ]
 
 
-def test_the_digest_ends_with_each_peers_rounds_after_the_warnings_of_its_logs(tmp_path):
+def test_the_digest_ends_with_each_peers_rounds_after_the_warnings_and_split_rounds_of_its_logs(tmp_path):
     peer = tmp_path / "peer0"
     (peer / "logs").mkdir(parents=True)
-    (peer / "logs" / "stage0.log").write_text("10:00 INFO started\n10:01 WARN lost a route\n10:02 INFO round 1\n")
+    (peer / "logs" / "stage0.log").write_text(
+        "10:00 INFO started\n10:01 WARN lost a route\n"
+        "10:01 INFO asked ..x to take this worker into its group: no group after 4.10 s\n10:02 INFO round 1\n"
+    )
     (peer / "metrics.jsonl").write_text(_record(0, "averaged", 2) + "\n")
     text = digest(tmp_path).splitlines()
     assert "10:01 WARN lost a route" in text[:3]
+    assert "10:01 INFO asked ..x to take this worker into its group: no group after 4.10 s" in text[:3]
     assert text[-2:] == ["--- round records of peer0", "  round 0: ['averaged'] groups [2]"]
 
 
