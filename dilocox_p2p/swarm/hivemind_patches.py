@@ -183,10 +183,9 @@ async def _read_from_persistent_conn(self: Any, reader: asyncio.StreamReader) ->
     process then waited out its timeout, and no request to it was answered: a DHT process hit that way lost
     every route and trained its stage alone for the rest of the run (churn soak under load, 2026-11-29;
     tests/unit/test_hivemind_patches.py makes the race happen). Here a reply to a call that is done is
-    dropped, as one to an unknown call is."""
+    dropped, as one to an unknown call is. Otherwise as hivemind's of 1.1.11 and 1.1.12 (compared)."""
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError, read_pbmsg_safe
     from hivemind.proto import p2pd_pb2
-    from hivemind.utils.asyncio import cancel_task_if_running
 
     while True:
         resp = p2pd_pb2.PersistentConnectionResponse()
@@ -210,7 +209,8 @@ async def _read_from_persistent_conn(self: Any, reader: asyncio.StreamReader) ->
                 self._handle_persistent_request(call_id, resp.requestHandling)
             )
         elif call_id in self._handler_tasks and resp.HasField("cancel"):
-            cancel_task_if_running(self._handler_tasks[call_id])
+            if not self._handler_tasks[call_id].done():
+                self._handler_tasks[call_id].cancel()
         elif pending is not None and resp.HasField("daemonError"):
             pending.set_exception(P2PDaemonError(resp.daemonError.message))
         elif pending is not None:
