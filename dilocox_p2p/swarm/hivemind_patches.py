@@ -182,7 +182,7 @@ async def _read_from_persistent_conn(self: Any, reader: asyncio.StreamReader) ->
     cancelled future raises InvalidStateError, which ended the reader for good. Every unary call of that
     process then waited out its timeout, and no request to it was answered: a DHT process hit that way lost
     every route and trained its stage alone for the rest of the run (churn soak under load, 2026-11-29;
-    tests/unit/test_hivemind_patches.py makes the race happen). Here a reply to a call that is done is
+    tests/swarm/test_p2p_replies.py makes the race happen). Here a reply to a call that is done is
     dropped, as one to an unknown call is. Otherwise as hivemind's of 1.1.11 and 1.1.12 (compared)."""
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError, read_pbmsg_safe
     from hivemind.proto import p2pd_pb2

@@ -180,7 +180,7 @@ def track_join_requests(matchmaking: Any) -> None:
             return group
         finally:
             matchmaking._dilocox_joining -= 1
-            if group is None:  # hivemind says why at debug level only; a leader that counted it in anyway splits the round
+            if group is None:  # hivemind says why at debug level only; a leader that counts it in anyway splits a round
                 logger.info("asked %s to take this worker into its group: no group after %.2f s", leader,
                             time.monotonic() - asked)  # fmt: skip
 

@@ -81,8 +81,11 @@ def test_a_reply_to_a_call_cancelled_as_it_arrives_leaves_the_daemon_connection_
             await asyncio.sleep(0.05)
         peer, maddrs = ready[0]
         caller = await P2P.create(initial_peers=[f"{m}/p2p/{peer}" for m in maddrs])
+
+        def ping():
+            return caller.call_protobuf_handler(peer, "ping", dht_pb2.PingRequest(), dht_pb2.PingResponse)
+
         try:
-            ping = lambda: caller.call_protobuf_handler(peer, "ping", dht_pb2.PingRequest(), dht_pb2.PingResponse)  # noqa: E731
             assert (await asyncio.wait_for(ping(), WAIT_S)).available
             asked.clear()
             replied.clear()
