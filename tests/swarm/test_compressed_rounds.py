@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from dilocox_p2p.swarm.gather import CUT_SHORT
+
 pytestmark = pytest.mark.swarm
 
 
@@ -106,11 +108,11 @@ def test_quantizing_peers_reduce_in_a_butterfly_at_2_n_minus_1_over_n_of_a_messa
     hashes = [_hashes(p) for p in peers]
     for t in range(rounds):
         assert len({tuple(h[t]) for h in hashes}) == 1, f"peers differ at round {t}"
-    # a part whose stream was cut short is asked for again (gather.py): its sender serves it twice, and counts it
-    # every retry of a pull cut short (gather._pull_whole), whatever its reason: a stream that ended after part of
-    # the message, or before any reply (CI of d52855f: that form was not counted and the bound failed at 1.68)
+    # a part whose stream was cut short is asked for again (gather._pull_whole): its sender serves it twice, and
+    # counts it. Every such retry, whatever its reason: a stream that ended after part of the message, or before
+    # any reply (CI of d52855f: that form was not counted and the bound failed at 1.68)
     lines = [line for peer in peers for line in peer.stage_log(0).splitlines()]
-    again = sum(line.endswith(": asking again") and "cut short" in line for line in lines)
+    again = sum(line.endswith(": asking again") and CUT_SHORT in line for line in lines)
     for peer in peers:
         records = peer.metrics()
         full = [r for r in records if r["group_size"] == n and r["kinds"] == ["averaged"]]
