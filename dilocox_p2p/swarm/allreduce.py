@@ -215,6 +215,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                     logger.info("%s is not in this group (it never took the leader's answer): left out", peer_id)
                     self.outsiders.add(peer_id)
                     await self._ban_sender(peer_id)
+                else:
+                    self._log_failed_reducer(peer_id, e)
+                raise
+            except Exception as e:
+                self._log_failed_reducer(peer_id, e)
                 raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
@@ -227,6 +232,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             logger.warning("local reduction failed: %r", e)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+    def _log_failed_reducer(self, peer_id: PeerID, error: BaseException) -> None:
+        """Say why a reducer's averaged parts stopped coming (hivemind says so at debug level only): its span is
+        then missing here and mended after the round, and a test that expected `averaged` needs the reason."""
+        index = self.ordered_peer_ids.index(peer_id)
+        received = self.failed_from.get(index, self.tensor_part_container._outputs_registered_by_peer[index])
+        logger.info(
+            "reducer %s failed: %d of its %d averaged parts came before %r",
+            peer_id, received, self.tensor_part_container.num_parts_by_peer[index], error,
+        )  # fmt: skip
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -275,6 +290,15 @@ class ExactAllReduceRunner(AllReduceRunner):
                 message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self.bytes_sent += message.ByteSize()
                 yield message
+        except Exception as e:
+            logger.info("the parts of sender %s failed after %d: %r", self.sender_peer_ids[sender_index], part_index, e)
+            raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+                sender = self.sender_peer_ids[sender_index]
+                if sender not in self.banned_senders and not self.tensor_part_reducer.finished.is_set():
+                    logger.info(
+                        "sender %s sent %d of its %d parts: banned from this all-reduce",
+                        sender, part_index, self.tensor_part_reducer.num_parts,
+                    )  # fmt: skip
+                await self._ban_sender(sender)

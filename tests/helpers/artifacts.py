@@ -24,7 +24,14 @@ MAX_FILE_BYTES = 2_000_000  # a longer file keeps its tail
 DIGEST_TAIL = 15
 DIGEST_MAX_LINES = 400
 # INFO lines that explain a split or a lost part (matchmaking.py, allreduce.py, exchange.py): kept with the warnings
-NOTED_INFO = ("to take this worker into its group: no group", "is not in this group", "counted this worker into")
+NOTED_INFO = (
+    "to take this worker into its group: no group",
+    "is not in this group",
+    "counted this worker into",
+    "averaged parts came before",  # allreduce.py: why a reducer's or a sender's stream failed
+    "the parts of sender",
+    "parts: banned from this all-reduce",
+)
 
 
 def artifacts_dir() -> Path:
