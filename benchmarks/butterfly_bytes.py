@@ -22,8 +22,9 @@ Per run, over the steady rounds (1 .. R-2, every member averaged in one group of
 - time: an exchange's seconds (metrics.jsonl `exchange_phases`, its `wait` for slower members left out), its
   fixed cost (those seconds minus its counted bytes at the link's rate: what is not moving the message) and
   the median of each phase.
-Writes benchmarks/results/<name>.json, .md and .png. Quantized kinds ride the compressed butterfly
-(compression/butterfly.py), low-rank both its phases.
+Writes benchmarks/results/<name>.json, .md and .png. Quantized kinds and top-k ride the compressed butterfly
+(compression/butterfly.py), low-rank both its phases; `topk:gather` is top-k all-gathered
+(compression.topk_transport=gather), side by side.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def message_bytes(kind: str, shapes: list[torch.Size]) -> int:
     from dilocox_p2p.compression.codec import StageCodec
     from dilocox_p2p.config import CompressionConfig
 
-    cfg = CompressionConfig(kind=kind, energy_target=0.0)
+    cfg = CompressionConfig(kind=kind.partition(":")[0], energy_target=0.0)
     names = [f"t{i}" for i in range(len(shapes))]
     gen = torch.Generator().manual_seed(0)
     codec = StageCodec(cfg, names, shapes, run_id="bytes")
@@ -66,7 +67,8 @@ def message_bytes(kind: str, shapes: list[torch.Size]) -> int:
 
 
 def peer_cmd(args: argparse.Namespace, kind: str, n: int, host: int, ip: str, run_dir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", f"bytes-{kind}-{n}", "--run-dir", str(run_dir),
+    kind, _, transport = kind.partition(":")
+    cmd = [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", f"bytes-{kind}{transport and '-' + transport}-{n}", "--run-dir", str(run_dir),
            "--preset", args.preset, "--stages", "1", "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
            "--batch-size", str(args.batch_size), "--mode", "sync", "--compression", kind, "--min-peers", str(n),
            "--device", "cpu", "--progress", "lines", "--log-level", "warning", "--data-seed", str(host),
@@ -74,6 +76,8 @@ def peer_cmd(args: argparse.Namespace, kind: str, n: int, host: int, ip: str, ru
            "--set", "swarm.chunk_timeout=60", "--set", f"inner.threads={1 if host % 2 == 0 else 2}"]  # fmt: skip
     if kind == "lowrank":
         cmd += ["--set", "compression.energy_target=0"]
+    if transport:
+        cmd += ["--set", f"compression.topk_transport={transport}"]
     return cmd
 
 
@@ -173,7 +177,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peers", type=int, nargs="+", default=[3, 4, 6, 8], help="group sizes")
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=["fp16", *KINDS, "topk"])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=["fp16", *KINDS, "topk", "topk:gather"],
+                   help="topk: through the butterfly (its default transport); topk:gather: all-gathered")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--rounds", type=int, default=5, help="rounds per run (steady: 1 .. R-2)")
     p.add_argument("--inner-steps", type=int, default=5)

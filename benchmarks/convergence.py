@@ -9,9 +9,9 @@ Three peers (--peers) train the same model in one process, with the project's ow
 data sampler and inner trainer (inner.py), the outer loop and its Nesterov step (outer.py)
 and each peer's compression codec (compression/codec.py) with its error feedback. Only the
 network is left out: the group's messages are handed from codec to codec in memory, in
-group order, exactly as the swarm delivers them: fp16, int8, fp4 and low-rank through the
-compressed butterfly (compression/butterfly.py: 2 (N-1)/N of a message out per member), top-k
-and the "all-gather" configurations all-gathered (N-1 messages out). Every configuration sees the same tokens (rounds x H x batch x
+group order, exactly as the swarm delivers them: fp16, int8, fp4, low-rank and top-k through the
+compressed butterfly (compression/butterfly.py: 2 (N-1)/N of a message out per member), top-k with
+compression.topk_transport=gather and the "all-gather" configurations all-gathered (N-1 messages out). Every configuration sees the same tokens (rounds x H x batch x
 seq per peer) and the same data order per peer; each is swept over a few outer learning
 rates (outer lr and momentum must be tuned per mode and compression: notes/outer-loop-
 variants.md) and reported at its best. With --jobs, the sweep's runs go to that many worker
@@ -75,9 +75,13 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     "sync lowrank": ({"outer.mode": "sync", "compression.kind": "lowrank"}, [(0.7, 0.7)]),
     "sync lowrank all-gather": ({"outer.mode": "sync", "compression.kind": "lowrank", EXCHANGE: "all-gather"},
                                 [(0.7, 0.7)]),
+    # top-k through the butterfly (a reducer keeps the top-k of its span's mean, the rest in its own error feedback;
+    # "sync topk" above) against its all-gather (every member's kept values averaged as sent), each swept
+    "sync topk all-gather": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "gather"},
+                             [(3.0, 0.0), (4.0, 0.0), (5.0, 0.0)]),
 }  # fmt: skip
 BUTTERFLY_CHECK = {"sync int8", "sync int8 all-gather", "sync fp4", "sync fp4 all-gather", "sync lowrank",
-                   "sync lowrank all-gather"}  # fmt: skip
+                   "sync lowrank all-gather", "sync topk all-gather"}  # fmt: skip
 
 
 class GroupAverager:
@@ -88,7 +92,7 @@ class GroupAverager:
     def __init__(self, codecs: list, fragments: int = 1, *, butterfly: bool = True):
         self.codecs = codecs  # per member: one codec per fragment (None: fp32)
         self.fragments = fragments
-        self.butterfly = butterfly  # quantizers and low-rank through the compressed butterfly (top-k is all-gathered)
+        self.butterfly = butterfly  # through the compressed butterfly as the swarm runs them (False: all-gathered)
         self.lock = threading.Lock()
         self.pending: dict[int, dict[int, tuple[list, Future]]] = {}
         self.bytes_sent = [0] * len(codecs)
@@ -129,7 +133,7 @@ class GroupAverager:
     def _exchange(self, rounds: list) -> tuple[list, list[float]]:
         """Each member's decoded average and the bytes it sent: through the compressed butterfly (its parts and
         its reduced part, 2 (N-1)/N of a message), or all-gathered (its message N-1 times)."""
-        from dilocox_p2p.compression.butterfly import BUTTERFLY_KINDS, low_rank_average, low_rank_second
+        from dilocox_p2p.compression.butterfly import low_rank_average, low_rank_second
 
         n, kind = len(rounds), rounds[0].codec.cfg.kind
         if self.butterfly and kind == "lowrank":  # the group's ranks: every member's here (one shared history)
@@ -140,7 +144,7 @@ class GroupAverager:
             averages = [low_rank_average(r, a, reduced[i].energies) for i, (r, a) in enumerate(zip(rounds, second))]
             return averages, [a + b for a, b in zip(sent, more)]
         messages = [r.message(1) for r in rounds]
-        if self.butterfly and kind in BUTTERFLY_KINDS:
+        if self.butterfly and rounds[0].codec.reduce_scatters:  # quantizers; top-k unless its transport is gather
             assembled, _, sent = _butterfly_phase(rounds, messages, phase=1)
             return [a.tensors for a in assembled], sent
         sizes = [len(m) for m in messages]

@@ -284,8 +284,9 @@ class OuterConfig:
 class CompressionConfig:
     kind: Literal["none", "fp16", "int8", "fp4", "lowrank", "topk"] = "none"
     """How pseudo-gradients travel: none = fp32 through the exact butterfly; fp16, int8 (blockwise), fp4
-    (E3M0 with blockwise scales, Streaming DiLoCo's outer-gradient format), lowrank (PowerSGD, quantized factors, adaptive rank) and topk (SparseLoCo) are gathered as
-    compressed messages that every member decodes to the same bits."""
+    (E3M0 with blockwise scales, Streaming DiLoCo's outer-gradient format), lowrank (PowerSGD, quantized factors,
+    adaptive rank) and topk (SparseLoCo) travel as compressed messages through the compressed butterfly
+    (compression/butterfly.py; topk as topk_transport says), and every member applies the same bits."""
     block: int = 64
     """Values per quantization block (int8, fp4, low-rank factors, low-rank's other tensors), one bf16 scale each."""
     factor_bits: Literal[4, 8] = 4
@@ -304,6 +305,11 @@ class CompressionConfig:
     topk_chunk: int = 4096
     topk_bits: Literal[2, 3, 4] = 2
     """Top-k: bits per kept value (a sign bit and the rest for one of 2^(bits-1) magnitudes per chunk)."""
+    topk_transport: Literal["butterfly", "gather"] = "butterfly"
+    """Top-k: how a group's messages are averaged. butterfly: each member reduces its chunk-aligned span of the
+    others' messages, keeps the top-k of their mean (the rest stays in its own error feedback) and serves it to
+    all: about 2 (N-1)/N messages out and in per member, flat in the group size N. gather: every member sends
+    its whole message to every other and averages all N: N-1 messages out and in, each value as sent."""
     feedback_decay: float = -1.0
     """Error feedback: e <- decay * e + delta before compressing; -1 means the kind's default
     (topk 0.95, where it stands in for outer momentum; 1.0 otherwise); 0 turns error feedback off."""

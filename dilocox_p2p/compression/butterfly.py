@@ -38,24 +38,23 @@ import torch
 
 from ..average import Spans, screen
 from ..proto_gen import compression_pb2 as pb
-from .codec import NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
+from .codec import BUTTERFLY_KINDS, NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
 from .lowrank import basis_digest
 from .payload import FlatLayout, PayloadReader, encode_payload, frame, slice_step, streamed_mean, unframe
+from .topk import Kept, SparseChunks, TopKLayout, pack_topk, unpack_topk
 
 __all__ = ["BUTTERFLY_KINDS", "REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "low_rank_average", "low_rank_second", "part_spans",
            "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "span_unit", "unpadded"]  # fmt: skip
 
-BUTTERFLY_KINDS = frozenset({"fp16", "int8", "fp4"})
-"""Compression kinds whose one message rides the butterfly as the round's first step (low-rank rides it for both
-its phases once the group agreed its ranks: swarm/compressed_round.py; top-k is all-gathered: gather.py)."""
 REDUCED = 3
 """The phase of a reduced part (phases 1 and 2 are a message's own: codec.py)."""
 
 
 def rides_butterfly(blob: bytes) -> bool:
-    """Whether a framed phase-1 message is of a kind the butterfly reduces (BUTTERFLY_KINDS)."""
+    """Whether a framed phase-1 message rides the butterfly (its author's codec said so: StageCodec.reduce_scatters),
+    rather than the all-gather."""
     message, _ = unframe(blob)
-    return message.codec in BUTTERFLY_KINDS
+    return message.reduce_scatter
 
 
 def span_unit(encoding: pb.EncodedTensor) -> int:
@@ -68,6 +67,8 @@ def span_unit(encoding: pb.EncodedTensor) -> int:
         return 2 * encoding.fp4.block
     if which == "fp16":
         return 64
+    if which == "sparse":
+        return encoding.sparse.chunk
     raise ValueError(f"a {which or 'bare'} payload cannot be cut into parts")
 
 
@@ -83,13 +84,37 @@ def reducer_spans(numel: int, n: int, unit: int) -> list[tuple[int, int]]:
 
 def cut(blob: bytes, lo: int, hi: int, *, parts: int) -> bytes:
     """The part of a framed message (payload.frame) that holds its values [lo, hi), framed on its own: the
-    header of the message with the span, then the slices of its sections (`lo` on a span unit)."""
+    header of the message with the span, then the slices of its sections (`lo` on a span unit; top-k: the
+    chunks of the span, packed on their own)."""
     message, sections = unframe(blob)
+    return _cut(message, sections, lo, hi, parts=parts, kept=_kept(message, sections))
+
+
+def _kept(message: pb.CompressedMessage, sections: Sequence[memoryview]) -> Kept | None:
+    """A top-k message's kept values, unpacked (None for other encodings)."""
+    if message.payload.WhichOneof("encoding") != "sparse" or not sections:
+        return None
+    s = message.payload.sparse
+    return unpack_topk(SparseChunks(TopKLayout(int(message.payload.shape[0]), s.chunk, s.k), s.bits, *sections))
+
+
+def _cut(
+    message: pb.CompressedMessage, sections: Sequence[memoryview], lo: int, hi: int, *, parts: int, kept: Kept | None
+) -> bytes:
     numel = int(message.payload.shape[0])
     if not 0 <= lo <= hi <= numel or lo % span_unit(message.payload):
         raise ValueError(f"values [{lo}, {hi}) of a {numel}-value message")
     which = message.payload.WhichOneof("encoding")
-    if which == "fp16":
+    if which == "sparse":
+        s = message.payload.sparse
+        cut_sections = []
+        if hi > lo and kept is not None:  # chunks [first, stop): repacked (a chunk's index bits are not whole bytes)
+            first, stop = lo // s.chunk, -(-hi // s.chunk)
+            part = Kept(kept.index[first:stop], kept.levels[first:stop], kept.negative[first:stop],
+                        kept.magnitudes[first:stop])  # fmt: skip
+            packed = pack_topk([part], TopKLayout(hi - lo, s.chunk, s.k), s.bits)
+            cut_sections = [[packed.signs], [packed.levels], [packed.magnitudes], [packed.low], [packed.high]]
+    elif which == "fp16":
         cut_sections = [[sections[0][2 * lo : 2 * hi]]]
     else:
         block = message.payload.quantized.block if which == "quantized" else message.payload.fp4.block
@@ -112,7 +137,9 @@ def part_spans(blob: bytes, n: int) -> list[tuple[int, int]]:
 
 def cut_all(blob: bytes, n: int) -> list[bytes]:
     """A framed message's parts for a group of `n`, in reducer order."""
-    return [cut(blob, lo, hi, parts=n) for lo, hi in part_spans(blob, n)]
+    message, sections = unframe(blob)
+    kept = _kept(message, sections)
+    return [_cut(message, sections, lo, hi, parts=n, kept=kept) for lo, hi in part_spans(blob, n)]
 
 
 
@@ -166,6 +193,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
     error-feedback buffer (for low-rank's factors, as B times it)."""
     codec, (lo, hi), n = rc.codec, span, len(parts)
     ranks = expected_ranks(rc, phase)
+    whole = FlatLayout(codec.pieces(phase, ranks), codec.pad).numel
     readers: dict[int, PayloadReader] = {}
     energies: dict[int, tuple[list[float], list[float]]] = {}
     rejected: dict[int, str] = {}
@@ -175,7 +203,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
             continue
         try:
             message, readers[index] = receive_part(codec, blob, round=rc.round, phase=phase, span=span, parts=n,
-                                                   ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
+                                                   ranks=ranks, basis=rc.basis if phase == 2 else b"", whole=whole)  # fmt: skip
             energies[index] = (list(message.energy_total), list(message.energy_kept))
         except MessageRejected as e:
             rejected[index] = str(e)
@@ -187,7 +215,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
     mean = streamed_mean([readers[i] for i in used], FlatLayout([torch.Size((hi - lo,))], 1), step)[0]
     message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=reduced_phase(phase), span_lo=lo,
                                    span_hi=hi, parts=n, used=used, ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
-    sections, decoded = encode_payload(codec.cfg, [mean], pad=1, out=message.payload, keep=True)
+    sections, decoded = encode_payload(codec.cfg, [mean], pad=1, out=message.payload, keep=True, whole=whole)
     assert decoded is not None
     with codec.lock:
         if rc.from_buffer and used and rc.generation == codec.generation:
@@ -222,7 +250,8 @@ def assemble(
             if blob is None:
                 raise MessageRejected(NOT_RECEIVED)
             message, reader = receive_part(codec, blob, round=rc.round, phase=reduced_phase(phase), span=(lo, hi),
-                                           parts=len(spans), ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
+                                           parts=len(spans), ranks=ranks, basis=rc.basis if phase == 2 else b"",
+                                           whole=layout.numel)  # fmt: skip
         except MessageRejected as e:
             refused[index] = str(e)
             missing.append((lo, hi))
@@ -266,10 +295,11 @@ def low_rank_average(rc: RoundCodec, phase2: Assembled, energies: Sequence[tuple
 
 def receive_part(
     codec: StageCodec, blob: bytes, *, round: int, phase: int, span: tuple[int, int], parts: int,
-    ranks: Sequence[int] = (), basis: bytes = b"",
+    ranks: Sequence[int] = (), basis: bytes = b"", whole: int | None = None,
 ) -> tuple[pb.CompressedMessage, PayloadReader]:  # fmt: skip
     """Parse and check a part of a `phase` message or a reduced part (`reduced_phase`) of `span`, cut for a group
-    of `parts`, at `ranks` and (low-rank phase 2) in `basis`. Raises MessageRejected."""
+    of `parts`, at `ranks` and (low-rank phase 2) in `basis`, from a message of `whole` values (top-k's chunks are
+    the message's). Raises MessageRejected."""
     lo, hi = span
     message, sections = codec.parse(blob)
     said = (message.codec, message.round, message.phase, message.span_lo, message.span_hi, message.parts)
@@ -282,7 +312,8 @@ def receive_part(
         raise MessageRejected(OTHER_BASIS)
     if list(message.used) != sorted(set(message.used)) or any(not 0 <= i < parts for i in message.used):
         raise MessageRejected(f"members {list(message.used)} are not indices of a group of {parts}")
-    return message, codec.payload_reader(message, sections, hi - lo, factors=len(ranks) if phase == 2 else None)
+    return message, codec.payload_reader(message, sections, hi - lo, factors=len(ranks) if phase == 2 else None,
+                                         whole=whole)  # fmt: skip
 
 
 def unpadded(layout: FlatLayout, spans: Sequence[tuple[int, int]]) -> Spans:

@@ -78,7 +78,7 @@ from .payload import (
 )
 from .settlement import Settlement
 
-__all__ = ["NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
+__all__ = ["BUTTERFLY_KINDS", "NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
 
 NOT_RECEIVED = "not received"
 """Why a message a member never got is left out (`Decoded.rejected`)."""
@@ -86,6 +86,9 @@ OTHER_BASIS = "its factors are in the basis of another set of phase-1 messages"
 """Why a low-rank phase-2 message of a member that averaged other phase-1 messages is left out: a set that
 differs is a loss on the way (the gather relays what it can), not its author's fault. Every other reason is."""
 NO_FAULT = frozenset({NOT_RECEIVED, OTHER_BASIS})
+BUTTERFLY_KINDS = frozenset({"fp16", "int8", "fp4"})
+"""Compression kinds whose one message always rides the compressed butterfly (compression/butterfly.py); top-k
+rides it by default (`compression.topk_transport`), low-rank for both its phases once the group agreed its ranks."""
 
 
 
@@ -141,6 +144,13 @@ class StageCodec:
             return min(self.cfg.rank_max, n, m)
         factor_bytes_per_rank = (n + m) * self.cfg.factor_bits / 8 * (1 + 16 / (self.cfg.factor_bits * self.cfg.block))
         return max(1, min(n, m, int(4 * n * m / 100 / factor_bytes_per_rank)))
+
+    @property
+    def reduce_scatters(self) -> bool:
+        """Whether this stage's phase-1 messages ride the compressed butterfly from the group's first step (low-rank
+        is encoded once the group formed, and scattered then)."""
+        kind = self.cfg.kind
+        return kind in BUTTERFLY_KINDS or (kind == "topk" and self.cfg.topk_transport == "butterfly")
 
     @property
     def phases(self) -> int:
@@ -242,12 +252,13 @@ class StageCodec:
             raise MessageRejected(f"malformed ({e})") from None
 
     def payload_reader(
-        self, message: pb.CompressedMessage, sections: Sequence[memoryview], numel: int, *, factors: int | None = None
-    ) -> PayloadReader:
+        self, message: pb.CompressedMessage, sections: Sequence[memoryview], numel: int, *, factors: int | None = None,
+        whole: int | None = None,
+    ) -> PayloadReader:  # fmt: skip
         """The reader of a parsed message's payload of `numel` values, once it is encoded as this run encodes them
-        and its energies are finite (`factors`: a low-rank phase-2 message, one energy pair per factored matrix).
-        Raises MessageRejected."""
-        described, expected = pb.EncodedTensor(), encoding_of(self.cfg, numel)
+        and its energies are finite (`factors`: a low-rank phase-2 message, one energy pair per factored matrix;
+        `whole`: a butterfly part's, the length of the message it was cut from). Raises MessageRejected."""
+        described, expected = pb.EncodedTensor(), encoding_of(self.cfg, numel, whole=whole)
         described.CopyFrom(message.payload)
         del described.sections[:]
         if described != expected:  # e.g. fp16 values labelled int8: decodable, but not what this run sends
@@ -364,7 +375,8 @@ class RoundCodec(Settlement):
             (x @ codec._q_for(i, self.round)).T.contiguous() if codec.lowrank[i] else x
             for i, x in enumerate(self.target)
         ]  # fmt: skip
-        message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, ranks=ranks)
+        message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, ranks=ranks,
+                                       reduce_scatter=codec.reduce_scatters)  # fmt: skip
         sections, _ = codec.encode(message, pieces)  # the buffer gives it up once it is averaged (settle)
         self.sent = frame(message, sections)
         return self.sent

@@ -124,13 +124,15 @@ def encode_payload(
     out: pb.EncodedTensor,
     feedback: Sequence[torch.Tensor | None] | None = None,
     keep: bool = False,
+    whole: int | None = None,
 ) -> tuple[list[Section], list[torch.Tensor] | None]:
     """Encode `pieces` as one payload: its description goes into `out`, its bytes come back as raw
     sections (for `frame`). What they decode to is subtracted from `feedback` (per piece a buffer, or
-    None) and, if `keep`, returned as tensors shaped like the pieces."""
+    None) and, if `keep`, returned as tensors shaped like the pieces. `whole`: the length of the message
+    these pieces are a span of (a reduced part of the compressed butterfly), which sets top-k's chunks."""
     layout = FlatLayout([p.shape for p in pieces], pad)
     kept = [torch.empty(p.shape, dtype=torch.float32) for p in pieces] if keep else None
-    encoder = _Encoder(cfg, layout.numel)
+    encoder = _Encoder(cfg, layout.numel, whole=whole)
     for lo, hi in layout.slices(slice_step(cfg, layout.numel)):
         decoded = encoder.add(layout.read(pieces, lo, hi))
         if feedback is not None:
@@ -173,14 +175,16 @@ def unframe(blob: bytes) -> tuple[pb.CompressedMessage, list[memoryview]]:
     return message, sections
 
 
-def encoding_of(cfg: CompressionConfig, numel: int) -> pb.EncodedTensor:
+def encoding_of(cfg: CompressionConfig, numel: int, *, whole: int | None = None) -> pb.EncodedTensor:
     """The description (no section lengths) of every payload of `numel` values under `cfg`: what the
-    encoder writes, and what a receiver requires (a payload of another encoding is not this run's)."""
+    encoder writes, and what a receiver requires (a payload of another encoding is not this run's).
+    `whole`: the length of the message a part of `numel` values was cut from (its top-k chunks are the
+    message's, the last one cut short)."""
     out = pb.EncodedTensor(shape=[numel])
     if cfg.kind == "fp16":
         out.fp16.SetInParent()
     elif cfg.kind == "topk":
-        layout = TopKLayout.of(max(numel, 1), chunk=cfg.topk_chunk, density=cfg.topk_density)
+        layout = _topk_layout(cfg, numel, whole)
         out.sparse.CopyFrom(pb.SparseTensor(chunk=layout.chunk, k=layout.k, bits=cfg.topk_bits))
     elif cfg.kind == "fp4":
         out.fp4.CopyFrom(pb.Fp4Tensor(block=cfg.block))
@@ -190,13 +194,20 @@ def encoding_of(cfg: CompressionConfig, numel: int) -> pb.EncodedTensor:
     return out
 
 
+def _topk_layout(cfg: CompressionConfig, numel: int, whole: int | None) -> TopKLayout:
+    """Top-k's chunks of `numel` values: those of a message of `whole` values (default: `numel`) that they are
+    a span of, starting on a chunk."""
+    of_whole = TopKLayout.of(max(numel if whole is None else whole, 1), chunk=cfg.topk_chunk, density=cfg.topk_density)
+    return TopKLayout(numel, of_whole.chunk, of_whole.k)
+
+
 class _Encoder:
     """Encodes consecutive slices of one vector; `finish` gives the payload of them all."""
 
-    def __init__(self, cfg: CompressionConfig, numel: int):
-        self.cfg, self.numel = cfg, numel
+    def __init__(self, cfg: CompressionConfig, numel: int, *, whole: int | None = None):
+        self.cfg, self.numel, self.whole = cfg, numel, whole
         self.bits = cfg.factor_bits if cfg.kind == "lowrank" else 8
-        self.topk = TopKLayout.of(max(numel, 1), chunk=cfg.topk_chunk, density=cfg.topk_density)
+        self.topk = _topk_layout(cfg, numel, whole)
         self.parts: list = []
         self.scales: list[bytes] = []
         self.half = np.empty(numel if cfg.kind == "fp16" else 0, dtype=np.float16)
@@ -226,7 +237,7 @@ class _Encoder:
 
     def finish(self, out: pb.EncodedTensor) -> list[Section]:
         """Describe the payload in `out`; return its raw sections."""
-        out.CopyFrom(encoding_of(self.cfg, self.numel))
+        out.CopyFrom(encoding_of(self.cfg, self.numel, whole=self.whole))
         if self.cfg.kind == "fp16":
             return [[self.half]]
         if self.cfg.kind == "topk":
@@ -321,7 +332,8 @@ class _QuantizedReader(PayloadReader):
 class _SparseReader(PayloadReader):
     def __init__(self, s: pb.SparseTensor, sections: Sequence[memoryview], numel: int):
         super().__init__(numel)
-        if not (1 <= s.k <= s.chunk <= min(max(numel, 1), TOPK_MAX_CHUNK) and s.bits in (2, 3, 4)):
+        # a part of a message (the compressed butterfly) may be shorter than one of its chunks
+        if not (1 <= s.k <= s.chunk <= TOPK_MAX_CHUNK and s.bits in (2, 3, 4)):
             raise ValueError(f"chunk {s.chunk}, k {s.k}, bits {s.bits}")
         self.layout = TopKLayout(numel, s.chunk, s.k)
         self.kept: Kept | None = None

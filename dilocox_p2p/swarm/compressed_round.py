@@ -1,12 +1,12 @@
 """Phases 2-4 of a compressed round (a mixin of exchange.RoundExchange).
 
-Quantized kinds (fp16, int8, fp4) ride the compressed butterfly (compression/butterfly.py): the
-averager cuts this worker's message into one part per member and hands it the group's parts of
-its own span (gather.py's scatter); it reduces them, the reduced parts are all-gathered, and
-every member assembles the same average. A reduced part that never reached this worker leaves
+Quantized kinds (fp16, int8, fp4) and top-k (unless `compression.topk_transport` is gather) ride
+the compressed butterfly (compression/butterfly.py): the averager cuts this worker's message into
+one part per member and hands it the group's parts of its own span (gather.py's scatter); it
+reduces them, the reduced parts are all-gathered, and every member assembles the same average. A reduced part that never reached this worker leaves
 its span missing, mended from members that hold it, as in the fp32 butterfly. Low-rank rides
 it twice once the group formed: P at the ranks most members' group tickets named, then Q' in
-the basis of the assembled P. Top-k all-gathers the members' whole messages, which every
+the basis of the assembled P. Top-k with transport gather all-gathers the members' whole messages, which every
 member decodes alike (codec.py).
 
 Either way a refused contribution strikes its author: a part or message that came intact (behind
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..average import Average, AverageKind, applies_nothing
 from ..compression.butterfly import (
-    BUTTERFLY_KINDS,
     Assembled,
     Reduced,
     assemble,
@@ -100,7 +99,7 @@ class CompressedRound:
             # its message leaves the error-feedback buffer only if the average it took counted it
             round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
             return average
-        if codec.cfg.kind in BUTTERFLY_KINDS:
+        if codec.reduce_scatters:
             return self._butterfly(round_codec, message, result, expected)
         return self._gathered(round_codec, result, expected)
 

@@ -20,11 +20,13 @@ def _hashes(peer):
     return {r["round"]: r["stage_hashes"] for r in peer.metrics()}
 
 
-@pytest.mark.parametrize("kind", ["topk", "lowrank"])
-def test_three_compressing_peers_agree_every_round_at_a_hundredth_of_the_fp32_bytes(swarm, kind):
+@pytest.mark.parametrize("transport", ["topk:butterfly", "topk:gather", "lowrank"])
+def test_three_compressing_peers_agree_every_round_at_a_hundredth_of_the_fp32_bytes(swarm, transport):
     rounds = 6
+    kind, _, topk_transport = transport.partition(":")
     args = ("--mode", "delayed", "--rounds", str(rounds), "--min-peers", "3", "--stages", "1", "--compression", kind,
-            "--set", "compression.rank=1", "--set", "compression.energy_target=0")  # fmt: skip
+            "--set", "compression.rank=1", "--set", "compression.energy_target=0",
+            *(("--set", f"compression.topk_transport={topk_transport}") if topk_transport else ()))  # fmt: skip
     peers = [swarm.start_peer(*args) for _ in range(3)]
     for peer in peers:
         assert peer.wait(timeout=300) == 0, peer.output()
@@ -39,7 +41,9 @@ def test_three_compressing_peers_agree_every_round_at_a_hundredth_of_the_fp32_by
         full = [r for r in records if r["group_size"] == 3 and r["kinds"] == ["averaged"]]
         assert len(full) >= rounds - 2, [(r["round"], r["kinds"], r["group_sizes"]) for r in records]
         ring_fp32 = 2 * (3 - 1) / 3 * 4 * records[0]["params"]  # bytes each peer sends in an fp32 ring all-reduce
-        steps = ["wait", "encode", "matchmaking", "transfer", *(["phase2"] if kind == "lowrank" else []), "decode", "agree"]
+        # phase2: low-rank's second message, or the butterfly's all-gather of the reduced parts
+        steps = ["wait", "encode", "matchmaking", "transfer", *(["phase2"] if topk_transport != "gather" else []), "decode",
+                 "agree"]  # fmt: skip
         assert all(list(r["exchange_phases"][0])[: len(steps)] == steps for r in full), [r["exchange_phases"] for r in full]
         for r in full[:-1]:  # the last record also holds the drained last exchange
             assert 0 < r["bytes_sent"] <= ring_fp32 / 100, (r["round"], r["bytes_sent"], ring_fp32)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dilocox_p2p.compression.butterfly import assemble, cut, cut_all, part_spans, reduce, reducer_spans
+from dilocox_p2p.compression.butterfly import assemble, cut, cut_all, part_spans, reduce, reducer_spans, rides_butterfly
 from dilocox_p2p.compression.codec import NOT_RECEIVED, StageCodec
 from dilocox_p2p.compression.payload import FlatLayout, PayloadReader, frame, unframe
 from dilocox_p2p.config import CompressionConfig
@@ -279,3 +279,76 @@ def test_the_groups_ranks_are_per_matrix_the_ones_most_tickets_name_ties_to_the_
     assert agreed_ranks([[4, 8], [5, 6]]) == [5, 8]  # one each: the larger
     assert agreed_ranks([[4, 8], [4, 8], [3]]) == [4, 8]  # a ticket of another length (another fragment) is left out
     assert agreed_ranks([[], []]) == [] and agreed_ranks([]) == []  # quantizers: no ranks
+
+
+# ----- top-k through the butterfly: chunk-aligned spans, the reducer keeps the top-k of its span's mean ----------
+def _topk(**overrides) -> CompressionConfig:
+    return CompressionConfig(**{"kind": "topk", "topk_chunk": 1024, "topk_density": 1 / 16, **overrides})
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_top_k_part_holds_the_kept_values_of_its_chunks_packed_on_their_own(n):
+    codec = StageCodec(_topk(), NAMES, SHAPES, run_id="r")
+    message = codec.begin(0, _deltas(0)).message(1)
+    assert rides_butterfly(message)
+    head, sections = unframe(message)
+    numel = int(head.payload.shape[0])
+    whole = codec.payload_reader(head, sections, numel).read_all()
+    total = 0
+    spans = part_spans(message, n)
+    assert all(lo % 1024 == 0 for lo, _ in spans) and spans[-1][1] == numel and numel % 1024  # the last chunk cut short
+    for lo, hi in spans:
+        part_head, part_sections = unframe(cut(message, lo, hi, parts=n))
+        reader = codec.payload_reader(part_head, part_sections, hi - lo, whole=numel)
+        assert torch.equal(reader.read_all(), whole[lo:hi])
+        total += sum(len(s) for s in part_sections)
+    assert total <= sum(len(s) for s in sections) + 2 * n  # each part's index bits end on a byte of their own
+
+
+def test_top_k_rides_the_butterfly_to_the_same_bits_on_every_member_k_values_a_chunk_near_the_gathered_mean():
+    n = 4
+    codecs = [StageCodec(_topk(), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    deltas = [_deltas(seed) for seed in range(n)]
+    results, reduced, spans = _butterfly(codecs, deltas)
+    assert all(r.used == list(range(n)) and not r.missing for r in results)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0].tensors, r.tensors))
+    flat = torch.cat([t.reshape(-1) for t in results[0].tensors])
+    assert all(int(chunk.count_nonzero()) <= 64 for chunk in flat.split(1024))  # the reducer kept k of each chunk
+    # against the all-gather of the same messages (every value as sent): the top-k of that mean, to its quantization
+    gathered = [StageCodec(_topk(topk_transport="gather"), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    rounds = [c.begin(0, d) for c, d in zip(gathered, deltas)]
+    messages = [r.message(1) for r in rounds]
+    assert not rides_butterfly(messages[0])
+    mean = torch.cat([t.reshape(-1) for t in rounds[0].average(messages, own=0).tensors])
+    cosine = float(torch.dot(flat, mean) / (torch.linalg.norm(flat) * torch.linalg.norm(mean)))
+    assert cosine > 0.5, cosine  # independent random deltas: 0.64 (their top-k sets barely overlap)
+
+
+def test_top_k_error_feedback_telescopes_through_the_butterfly_the_reducers_dropped_values_included():
+    """N * the average applied + the members' buffers = the sum of their pseudo-gradients: what a reducer's top-k
+    of its span's mean left out waits in its own buffer (times the members it averaged)."""
+    n = 3
+    codecs = [StageCodec(_topk(feedback_decay=1.0), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    sent = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    applied = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for round in range(4):
+        deltas = [_deltas(100 * round + seed) for seed in range(n)]
+        results, _, _ = _butterfly(codecs, deltas, round=round)
+        for i in range(len(SHAPES)):
+            sent[i] += sum(d[i].double() for d in deltas)
+            applied[i] += n * results[0].tensors[i].double()
+    for i in range(len(SHAPES)):
+        buffers = sum(c.feedback.buffers[i].double() for c in codecs)
+        assert float((applied[i] + buffers - sent[i]).abs().max()) < 1e-4 * float(sent[i].abs().max()), NAMES[i]
+
+
+def test_a_top_k_part_cut_at_other_chunks_is_refused_by_its_reducer():
+    n = 3
+    codecs = [StageCodec(_topk(), NAMES, SHAPES, run_id="r") for _ in range(2)]
+    other = StageCodec(_topk(topk_chunk=512), NAMES, SHAPES, run_id="r")  # what a peer of another setting sends
+    rounds = [c.begin(0, _deltas(seed)) for seed, c in enumerate([*codecs, other])]
+    messages = [r.message(1) for r in rounds]
+    spans = part_spans(messages[0], n)
+    parts = [cut_all(m, n)[1] for m in messages[:2]] + [cut(messages[2], *spans[1], parts=n)]
+    out = reduce(rounds[1], parts, span=spans[1])
+    assert out.used == [0, 1] and "encoded otherwise" in out.rejected[2]
