@@ -78,10 +78,15 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     # top-k through the butterfly (a reducer keeps the top-k of its span's mean, the rest in its own error feedback;
     # "sync topk" above) against its all-gather (every member's kept values averaged as sent), each swept
     "sync topk all-gather": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "gather"},
-                             [(3.0, 0.0), (4.0, 0.0), (5.0, 0.0)]),
+                             [(2.0, 0.0), (3.0, 0.0), (4.0, 0.0), (5.0, 0.0)]),
+    # the reducer keeping 2 or 3 times k values of each chunk of its span's mean: (N-1)/N x (1 + m) messages
+    "sync topk x2": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_reduced_multiple": 2},
+                     [(3.0, 0.0), (4.0, 0.0)]),
+    "sync topk x3": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_reduced_multiple": 3},
+                     [(3.0, 0.0), (4.0, 0.0)]),
 }  # fmt: skip
 BUTTERFLY_CHECK = {"sync int8", "sync int8 all-gather", "sync fp4", "sync fp4 all-gather", "sync lowrank",
-                   "sync lowrank all-gather", "sync topk all-gather"}  # fmt: skip
+                   "sync lowrank all-gather", "sync topk all-gather", "sync topk x2", "sync topk x3"}  # fmt: skip
 
 
 class GroupAverager:
@@ -96,6 +101,7 @@ class GroupAverager:
         self.lock = threading.Lock()
         self.pending: dict[int, dict[int, tuple[list, Future]]] = {}
         self.bytes_sent = [0] * len(codecs)
+        self.left_out = 0  # messages or parts some member or reducer left out (norm screen, malformed): none expected
 
     def member(self, index: int) -> "Member":
         return Member(self, index)
@@ -139,19 +145,24 @@ class GroupAverager:
         if self.butterfly and kind == "lowrank":  # the group's ranks: every member's here (one shared history)
             for r in rounds:
                 r.use_ranks([rounds[0].codec.ranks[i] for i in rounds[0].codec.factored])
-            first, _, sent = _butterfly_phase(rounds, [r.message(1) for r in rounds], phase=1)
+            first, reduced, sent = _butterfly_phase(rounds, [r.message(1) for r in rounds], phase=1)
+            self.left_out += sum(len(r.rejected) for r in reduced)
             second, reduced, more = _butterfly_phase(rounds, [low_rank_second(r, a) for r, a in zip(rounds, first)], phase=2)
+            self.left_out += sum(len(r.rejected) for r in reduced)
             averages = [low_rank_average(r, a, reduced[i].energies) for i, (r, a) in enumerate(zip(rounds, second))]
             return averages, [a + b for a, b in zip(sent, more)]
         messages = [r.message(1) for r in rounds]
         if self.butterfly and rounds[0].codec.reduce_scatters:  # quantizers; top-k unless its transport is gather
-            assembled, _, sent = _butterfly_phase(rounds, messages, phase=1)
+            assembled, reduced, sent = _butterfly_phase(rounds, messages, phase=1)
+            self.left_out += sum(len(r.rejected) for r in reduced)
             return [a.tensors for a in assembled], sent
         sizes = [len(m) for m in messages]
         if rounds[0].codec.phases == 2:
             messages = [r.message(2, messages) for r in rounds]
             sizes = [a + len(m) for a, m in zip(sizes, messages)]
-        return [r.average(messages, own=i).tensors for i, r in enumerate(rounds)], [s * (n - 1) for s in sizes]
+        decoded = [r.average(messages, own=i) for i, r in enumerate(rounds)]
+        self.left_out += len(decoded[0].rejected)
+        return [d.tensors for d in decoded], [s * (n - 1) for s in sizes]
 
 
 def _butterfly_phase(rounds: list, messages: list[bytes], *, phase: int) -> tuple[list, list, list[float]]:
@@ -243,6 +254,7 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
         "val_curve": curve,
         "final_val": curve[-1],
         "bytes_sent_per_peer": group.bytes_sent[0],
+        "left_out": group.left_out,
         "ratio_vs_fp32_ring": ring / group.bytes_sent[0],
         "seconds": time.perf_counter() - started,
         "codec_metrics": codecs[0][0].metrics() if codecs[0] is not None else {},

@@ -310,6 +310,9 @@ class CompressionConfig:
     others' messages, keeps the top-k of their mean (the rest stays in its own error feedback) and serves it to
     all: about 2 (N-1)/N messages out and in per member, flat in the group size N. gather: every member sends
     its whole message to every other and averages all N: N-1 messages out and in, each value as sent."""
+    topk_reduced_multiple: int = 1
+    """Top-k through the butterfly: a reducer keeps this many times k values of each chunk of its span's mean (up to
+    the chunk), where N members' parts bring up to N k: bytes per member (N-1)/N x (1 + this) messages each way."""
     feedback_decay: float = -1.0
     """Error feedback: e <- decay * e + delta before compressing; -1 means the kind's default
     (topk 0.95, where it stands in for outer momentum; 1.0 otherwise); 0 turns error feedback off."""
@@ -326,6 +329,8 @@ class CompressionConfig:
             fail("compression.energy_target", self.energy_target, "must be in [0, 1)")
         if not 0.0 < self.topk_density <= 1.0:
             fail("compression.topk_density", self.topk_density, "must be in (0, 1]")
+        if not 1 <= self.topk_reduced_multiple <= 64:
+            fail("compression.topk_reduced_multiple", self.topk_reduced_multiple, "must be in [1, 64]")
         if not 1 <= self.topk_chunk <= TOPK_MAX_CHUNK:
             fail("compression.topk_chunk", self.topk_chunk, f"must be in [1, {TOPK_MAX_CHUNK}]")
         if self.feedback_decay != -1.0 and not 0.0 <= self.feedback_decay <= 1.0:

@@ -1,4 +1,4 @@
-"""The compressed butterfly: quantized messages reduce-scattered, then the reduced parts all-gathered.
+"""The compressed butterfly: compressed messages reduce-scattered, then the reduced parts all-gathered.
 
     spans = part_spans(message, n)                     # member i of the group reduces values spans[i]
     parts = cut_all(message, n)                        # parts[i]: values spans[i] of the message, its own bytes
@@ -18,13 +18,21 @@ Bytes per member and round: (N - 1)/N of a message out to the reducers and (N - 
 them, the same again for the reduced parts: 2 (N - 1)/N of a message each way, flat in N, against
 N - 1 messages for the all-gather (gather.py).
 
+Top-k (topk.py) is cut at its chunks (a part holds its author's kept values of the span's chunks, packed
+on their own: a chunk's index bits are not whole bytes; a part's chunks are the whole message's, the last
+one cut short). The reducer averages the parts' values as for the quantizers, keeps the top-k of each
+chunk of that mean at the run's density and bits, and serves those bytes: up to N k values of a chunk
+come in, k go out, and what it dropped waits in its own error feedback (below). Bytes as above: 2 (N-1)/N
+of a message each way, where the all-gather (`compression.topk_transport = "gather"`) sends N - 1
+messages but averages every member's kept values as sent.
+
 Low-rank (lowrank.py) is linear in both phases, so each rides the butterfly in turn: P = M Q at
 the group's ranks (`low_rank_second` takes the assembled mean of P to the basis B and this
 worker's Q' = M^T B), then Q'; every part of phase 2 names the reduced phase-1 parts its basis
 came from (`Assembled.digest`), and a part in another basis is left out at no fault.
 
-Nothing is lost to the second quantization: the reducer keeps the rounding of its mean in its own
-error-feedback buffer on its span, times the number of members averaged (the mean's rounding,
+Nothing is lost to the second quantization (or top-k's second selection): the reducer keeps the rounding
+of its mean in its own error-feedback buffer on its span, times the number of members averaged (the mean's rounding,
 spread over the next group, adds back what this one missed), so that what every member applied
 plus every buffer adds up to what was sent, to rounding (`test_butterfly.py`).
 """
@@ -215,7 +223,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
     mean = streamed_mean([readers[i] for i in used], FlatLayout([torch.Size((hi - lo,))], 1), step)[0]
     message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=reduced_phase(phase), span_lo=lo,
                                    span_hi=hi, parts=n, used=used, ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
-    sections, decoded = encode_payload(codec.cfg, [mean], pad=1, out=message.payload, keep=True, whole=whole)
+    sections, decoded = encode_payload(codec.reduced_cfg, [mean], pad=1, out=message.payload, keep=True, whole=whole)
     assert decoded is not None
     with codec.lock:
         if rc.from_buffer and used and rc.generation == codec.generation:
@@ -313,7 +321,7 @@ def receive_part(
     if list(message.used) != sorted(set(message.used)) or any(not 0 <= i < parts for i in message.used):
         raise MessageRejected(f"members {list(message.used)} are not indices of a group of {parts}")
     return message, codec.payload_reader(message, sections, hi - lo, factors=len(ranks) if phase == 2 else None,
-                                         whole=whole)  # fmt: skip
+                                         whole=whole, reduced=phase >= REDUCED)  # fmt: skip
 
 
 def unpadded(layout: FlatLayout, spans: Sequence[tuple[int, int]]) -> Spans:

@@ -2,7 +2,7 @@
 
     codec = StageCodec(cfg, names, shapes, run_id=...)
     round_codec = codec.begin(round, delta)          # delta joins the error-feedback buffer
-    m1 = round_codec.message(1)                       # bytes for the stage group (all-gathered)
+    m1 = round_codec.message(1)                       # bytes for the stage group (butterfly.py cuts it, or all-gathered)
     m2 = round_codec.message(2, gathered_1)           # low-rank only: from the group's phase-1 messages
     average = round_codec.average(gathered_last, own=i)  # the decoded mean of the group's last messages
     round_codec.settle(counted)                       # without an average of its own (borrowed, stranded)
@@ -40,6 +40,7 @@ group's ranks from the messages it receives.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -144,6 +145,15 @@ class StageCodec:
             return min(self.cfg.rank_max, n, m)
         factor_bytes_per_rank = (n + m) * self.cfg.factor_bits / 8 * (1 + 16 / (self.cfg.factor_bits * self.cfg.block))
         return max(1, min(n, m, int(4 * n * m / 100 / factor_bytes_per_rank)))
+
+    @property
+    def reduced_cfg(self) -> CompressionConfig:
+        """How a reducer of the compressed butterfly encodes its span's mean: as a message, but top-k keeps
+        `topk_reduced_multiple` times as many values of each chunk."""
+        cfg = self.cfg
+        if cfg.kind != "topk" or cfg.topk_reduced_multiple == 1:
+            return cfg
+        return dataclasses.replace(cfg, topk_density=min(1.0, cfg.topk_density * cfg.topk_reduced_multiple))
 
     @property
     def reduce_scatters(self) -> bool:
@@ -253,12 +263,14 @@ class StageCodec:
 
     def payload_reader(
         self, message: pb.CompressedMessage, sections: Sequence[memoryview], numel: int, *, factors: int | None = None,
-        whole: int | None = None,
+        whole: int | None = None, reduced: bool = False,
     ) -> PayloadReader:  # fmt: skip
         """The reader of a parsed message's payload of `numel` values, once it is encoded as this run encodes them
         and its energies are finite (`factors`: a low-rank phase-2 message, one energy pair per factored matrix;
-        `whole`: a butterfly part's, the length of the message it was cut from). Raises MessageRejected."""
-        described, expected = pb.EncodedTensor(), encoding_of(self.cfg, numel, whole=whole)
+        `whole`: a butterfly part's, the length of the message it was cut from; `reduced`: a reducer's mean,
+        encoded as `reduced_cfg` says). Raises MessageRejected."""
+        cfg = self.reduced_cfg if reduced else self.cfg
+        described, expected = pb.EncodedTensor(), encoding_of(cfg, numel, whole=whole)
         described.CopyFrom(message.payload)
         del described.sections[:]
         if described != expected:  # e.g. fp16 values labelled int8: decodable, but not what this run sends

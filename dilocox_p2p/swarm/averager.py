@@ -9,7 +9,8 @@ Runs in its own process (hivemind's), beside the stage worker. What it adds:
 3. A joining or repairing worker downloads the stage's state at a round boundary (theta_g,
    momentum, pending average) from a live worker (state_service.py: StateService).
 4. With compression, the round's group exchanges compressed messages instead of running the
-   fp32 butterfly (group_round.py: the compressed butterfly, or top-k's all-gather; gather.py).
+   fp32 butterfly (group_round.py: the compressed butterfly, or an all-gather for top-k with
+   compression.topk_transport = "gather"; gather.py).
 5. Trust (envelope.py, docs/security.md): requests and replies are signed (transfer.py:
    SignedReplies). Matchmaking carries a signed GroupTicket in hivemind's JoinRequest.gather:
    a leader takes only members with a valid ticket that this round admits (live, not banned),

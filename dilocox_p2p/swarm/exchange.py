@@ -3,8 +3,8 @@
     Phase 1: wait (at most round_wait) until the stage's live members that take part in this round
              have started it (not for one still training an earlier round: membership.py)
     Phase 2: all-reduce with them (hivemind matchmaking, then the exact butterfly), or with
-             compression, all-gather the members' compressed messages (gather.py; low-rank
-             gathers twice in the same group) and decode them (compression/codec.py)
+             compression, the compressed butterfly (compressed_round.py, compression/butterfly.py;
+             low-rank rides it twice in the same group) or top-k's all-gather (gather.py)
     Phase 3: mend the spans that missed this worker from the group's other members, or,
              if the all-reduce failed, take the whole average from members that finished it
     Phase 4: suspect the members that failed, and say what happened: the Average's kind

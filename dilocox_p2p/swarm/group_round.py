@@ -1,12 +1,13 @@
 """What a worker does in its group once matchmaking formed it (the averager process's side).
 
 fp32: the exact butterfly (allreduce.py), whose average this worker then holds and serves to
-members that mend or borrow it (held.py). Quantized (fp16, int8, fp4): the first step of the
+members that mend or borrow it (held.py). Quantized (fp16, int8, fp4) and top-k: the first step of the
 compressed butterfly, each member's message cut into parts for the group's reducers
 (compression/butterfly.py, gather.py's scatter); the stage worker reduces its span and the
 reduced parts are all-gathered. Low-rank: only the group, and the ranks most members' tickets
 name; the worker then encodes and sends both phases through the butterfly (`scatter_phase`).
-Top-k: the all-gather of the round's messages (gather.py), decoded by the stage worker. Either
+Top-k with compression.topk_transport = "gather": the all-gather of the round's messages (gather.py),
+decoded by the stage worker. Either
 way the round's `RoundResult` goes back to the worker. The averager (averager.py) mixes this in
 before hivemind's DecentralizedAverager, whose `_run_allreduce_inplace_` it replaces
 (hivemind_patches.py).

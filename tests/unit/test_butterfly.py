@@ -352,3 +352,21 @@ def test_a_top_k_part_cut_at_other_chunks_is_refused_by_its_reducer():
     parts = [cut_all(m, n)[1] for m in messages[:2]] + [cut(messages[2], *spans[1], parts=n)]
     out = reduce(rounds[1], parts, span=spans[1])
     assert out.used == [0, 1] and "encoded otherwise" in out.rejected[2]
+
+
+def test_a_reducer_keeps_the_configured_multiple_of_k_values_a_chunk_and_members_refuse_another_density():
+    n = 4
+    codecs = [StageCodec(_topk(topk_reduced_multiple=3), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    deltas = [_deltas(seed) for seed in range(n)]
+    results, reduced, spans = _butterfly(codecs, deltas)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0].tensors, r.tensors))
+    flat = torch.cat([t.reshape(-1) for t in results[0].tensors])
+    counts = [int(chunk.count_nonzero()) for chunk in flat.split(1024)]
+    assert max(counts) <= 3 * 64 and sum(counts) > 64 * len(counts)  # more than one message's k, at most 3 k
+    singles = [StageCodec(_topk(), NAMES, SHAPES, run_id="r") for _ in range(n)]  # k values a chunk, as a message
+    rounds = [c.begin(0, d) for c, d in zip(singles, deltas)]
+    other = reduce(rounds[2], [cut_all(r.message(1), n)[2] for r in rounds], span=spans[2]).blob
+    blobs = [r.blob for r in reduced]
+    member = StageCodec(_topk(topk_reduced_multiple=3), NAMES, SHAPES, run_id="r").begin(0, deltas[0])
+    mixed = assemble(member, [*blobs[:2], other, blobs[3]], spans=spans, own=0)
+    assert list(mixed.refused) == [2] and "encoded otherwise" in mixed.refused[2]
