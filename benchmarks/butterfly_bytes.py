@@ -23,8 +23,8 @@ Per run, over the steady rounds (1 .. R-2, every member averaged in one group of
   fixed cost (those seconds minus its counted bytes at the link's rate: what is not moving the message) and
   the median of each phase.
 Writes benchmarks/results/<name>.json, .md and .png. Quantized kinds and top-k ride the compressed butterfly
-(compression/butterfly.py), low-rank both its phases; `topk:gather` is top-k all-gathered
-(compression.topk_transport=gather), side by side.
+(compression/butterfly.py), low-rank both its phases; `topk:butterfly` and `topk:gather` set
+compression.topk_transport, side by side (`topk` alone: its default, auto).
 """
 
 from __future__ import annotations
@@ -177,8 +177,10 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peers", type=int, nargs="+", default=[3, 4, 6, 8], help="group sizes")
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=["fp16", *KINDS, "topk", "topk:gather"],
-                   help="topk: through the butterfly (its default transport); topk:gather: all-gathered")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS),
+                   choices=["fp16", *KINDS, "topk", "topk:butterfly", "topk:gather"],
+                   help="topk: its default transport (auto: all-gathered in groups of up to 3, the butterfly from 4); "
+                        "topk:butterfly, topk:gather: that transport at every N")  # fmt: skip
     p.add_argument("--preset", default="tiny")
     p.add_argument("--rounds", type=int, default=5, help="rounds per run (steady: 1 .. R-2)")
     p.add_argument("--inner-steps", type=int, default=5)

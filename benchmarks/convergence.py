@@ -152,7 +152,7 @@ class GroupAverager:
             averages = [low_rank_average(r, a, reduced[i].energies) for i, (r, a) in enumerate(zip(rounds, second))]
             return averages, [a + b for a, b in zip(sent, more)]
         messages = [r.message(1) for r in rounds]
-        if self.butterfly and rounds[0].codec.reduce_scatters:  # quantizers; top-k unless its transport is gather
+        if self.butterfly and rounds[0].codec.rides_butterfly(n):  # quantizers; top-k as its transport says
             assembled, reduced, sent = _butterfly_phase(rounds, messages, phase=1)
             self.left_out += sum(len(r.rejected) for r in reduced)
             return [a.tensors for a in assembled], sent

@@ -305,14 +305,17 @@ class CompressionConfig:
     topk_chunk: int = 4096
     topk_bits: Literal[2, 3, 4] = 2
     """Top-k: bits per kept value (a sign bit and the rest for one of 2^(bits-1) magnitudes per chunk)."""
-    topk_transport: Literal["butterfly", "gather"] = "butterfly"
-    """Top-k: how a group's messages are averaged. butterfly: each member reduces its chunk-aligned span of the
-    others' messages, keeps the top-k of their mean (the rest stays in its own error feedback) and serves it to
-    all: about 2 (N-1)/N messages out and in per member, flat in the group size N. gather: every member sends
-    its whole message to every other and averages all N: N-1 messages out and in, each value as sent."""
-    topk_reduced_multiple: int = 1
+    topk_transport: Literal["auto", "butterfly", "gather"] = "auto"
+    """Top-k: how a group's messages are averaged. auto: gather in groups of up to 3, the butterfly from 4 (where
+    it sends fewer bytes: docs/benchmarks.md, section 5). butterfly: each member reduces its chunk-aligned span of the
+    others' messages, keeps the top values of their mean (topk_reduced_multiple; the rest stays in its own error
+    feedback) and serves them to all: bytes per member nearly flat in the group size N. gather: every member
+    sends its whole message to every other and averages all N: N-1 messages out and in, each value as sent."""
+    topk_reduced_multiple: int = 3
     """Top-k through the butterfly: a reducer keeps this many times k values of each chunk of its span's mean (up to
-    the chunk), where N members' parts bring up to N k: bytes per member (N-1)/N x (1 + this) messages each way."""
+    the chunk), where N members' parts bring up to N k: bytes per member (N-1)/N x (1 + this) messages each way
+    (a little less: denser chunks take fewer index bits). At 4 `tiny` peers the all-gather's loss at 3, +2.0% at
+    2, +5.9% at 1; at 8 peers +1.4% at 3 (docs/benchmarks.md, section 6)."""
     feedback_decay: float = -1.0
     """Error feedback: e <- decay * e + delta before compressing; -1 means the kind's default
     (topk 0.95, where it stands in for outer momentum; 1.0 otherwise); 0 turns error feedback off."""

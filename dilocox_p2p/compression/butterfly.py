@@ -58,11 +58,11 @@ REDUCED = 3
 """The phase of a reduced part (phases 1 and 2 are a message's own: codec.py)."""
 
 
-def rides_butterfly(blob: bytes) -> bool:
-    """Whether a framed phase-1 message rides the butterfly (its author's codec said so: StageCodec.reduce_scatters),
-    rather than the all-gather."""
+def rides_butterfly(blob: bytes, group_size: int) -> bool:
+    """Whether a framed phase-1 message rides the butterfly in a group of `group_size` (its author's codec says from
+    which size: StageCodec.butterfly_from), rather than the all-gather."""
     message, _ = unframe(blob)
-    return message.reduce_scatter
+    return 0 < message.butterfly_from <= group_size
 
 
 def span_unit(encoding: pb.EncodedTensor) -> int:

@@ -79,7 +79,7 @@ from .payload import (
 )
 from .settlement import Settlement
 
-__all__ = ["BUTTERFLY_KINDS", "NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
+__all__ = ["BUTTERFLY_KINDS", "TOPK_BUTTERFLY_FROM", "NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
 
 NOT_RECEIVED = "not received"
 """Why a message a member never got is left out (`Decoded.rejected`)."""
@@ -87,6 +87,9 @@ OTHER_BASIS = "its factors are in the basis of another set of phase-1 messages"
 """Why a low-rank phase-2 message of a member that averaged other phase-1 messages is left out: a set that
 differs is a loss on the way (the gather relays what it can), not its author's fault. Every other reason is."""
 NO_FAULT = frozenset({NOT_RECEIVED, OTHER_BASIS})
+TOPK_BUTTERFLY_FROM = 4
+"""compression.topk_transport = "auto": the smallest group where top-k rides the butterfly. Below it the all-gather's
+N-1 messages are fewer bytes than the butterfly's (N-1)/N (1 + 2.4) at topk_reduced_multiple 3 (2 against 2.27)."""
 BUTTERFLY_KINDS = frozenset({"fp16", "int8", "fp4"})
 """Compression kinds whose one message always rides the compressed butterfly (compression/butterfly.py); top-k
 rides it by default (`compression.topk_transport`), low-rank for both its phases once the group agreed its ranks."""
@@ -156,11 +159,20 @@ class StageCodec:
         return dataclasses.replace(cfg, topk_density=min(1.0, cfg.topk_density * cfg.topk_reduced_multiple))
 
     @property
-    def reduce_scatters(self) -> bool:
-        """Whether this stage's phase-1 messages ride the compressed butterfly from the group's first step (low-rank
-        is encoded once the group formed, and scattered then)."""
-        kind = self.cfg.kind
-        return kind in BUTTERFLY_KINDS or (kind == "topk" and self.cfg.topk_transport == "butterfly")
+    def butterfly_from(self) -> int:
+        """The smallest group whose phase-1 messages of this stage ride the compressed butterfly from the group's
+        first step; 0: none (low-rank is encoded once the group formed, and scattered then). Top-k's auto: from 4,
+        where the butterfly sends fewer bytes than the all-gather (docs/benchmarks.md, section 5)."""
+        cfg = self.cfg
+        if cfg.kind in BUTTERFLY_KINDS:
+            return 1
+        if cfg.kind == "topk":
+            return {"butterfly": 1, "auto": TOPK_BUTTERFLY_FROM}.get(cfg.topk_transport, 0)
+        return 0
+
+    def rides_butterfly(self, group_size: int) -> bool:
+        """Whether this stage's phase-1 messages ride the compressed butterfly in a group of `group_size`."""
+        return 0 < self.butterfly_from <= group_size
 
     @property
     def phases(self) -> int:
@@ -388,7 +400,7 @@ class RoundCodec(Settlement):
             for i, x in enumerate(self.target)
         ]  # fmt: skip
         message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, ranks=ranks,
-                                       reduce_scatter=codec.reduce_scatters)  # fmt: skip
+                                       butterfly_from=codec.butterfly_from)  # fmt: skip
         sections, _ = codec.encode(message, pieces)  # the buffer gives it up once it is averaged (settle)
         self.sent = frame(message, sections)
         return self.sent

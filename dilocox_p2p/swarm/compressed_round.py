@@ -99,7 +99,7 @@ class CompressedRound:
             # its message leaves the error-feedback buffer only if the average it took counted it
             round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
             return average
-        if codec.reduce_scatters:
+        if codec.rides_butterfly(len(result.group)):
             return self._butterfly(round_codec, message, result, expected)
         return self._gathered(round_codec, result, expected)
 

@@ -152,7 +152,7 @@ class GroupRound:
         deadline = time.monotonic() + GATHER_SHARE * self._allreduce_timeout
         payload, me = self._payload, self.peer_id.to_base58()
         assert payload is not None
-        if rides_butterfly(payload):  # each member reduces its span of the others' messages (butterfly.py)
+        if rides_butterfly(payload, len(peers)):  # each member reduces its span of the others' messages (butterfly.py)
             gathered = await self._scatter(group_id, 1, peers, me, cut_all(payload, len(peers)), deadline)
         else:
             gathered = await self._all_gather(group_id, 1, peers, me, payload, deadline)

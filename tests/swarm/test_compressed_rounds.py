@@ -20,13 +20,15 @@ def _hashes(peer):
     return {r["round"]: r["stage_hashes"] for r in peer.metrics()}
 
 
-@pytest.mark.parametrize("transport", ["topk:butterfly", "topk:gather", "lowrank"])
+@pytest.mark.parametrize("transport", ["topk:butterfly", "topk", "lowrank"])
 def test_three_compressing_peers_agree_every_round_at_a_hundredth_of_the_fp32_bytes(swarm, transport):
+    # top-k's default (auto) all-gathers a group of 3; its butterfly there keeps 2 k values a chunk of each span's
+    # mean: (N-1)/N (1 + 1.8) messages, 1.87 (the default's 3 k: 2.27, more than the all-gather's 2)
     rounds = 6
     kind, _, topk_transport = transport.partition(":")
+    butterfly = ("--set", "compression.topk_transport=butterfly", "--set", "compression.topk_reduced_multiple=2")
     args = ("--mode", "delayed", "--rounds", str(rounds), "--min-peers", "3", "--stages", "1", "--compression", kind,
-            "--set", "compression.rank=1", "--set", "compression.energy_target=0",
-            *(("--set", f"compression.topk_transport={topk_transport}") if topk_transport else ()))  # fmt: skip
+            "--set", "compression.rank=1", "--set", "compression.energy_target=0", *(butterfly if topk_transport else ()))  # fmt: skip
     peers = [swarm.start_peer(*args) for _ in range(3)]
     for peer in peers:
         assert peer.wait(timeout=300) == 0, peer.output()
@@ -42,8 +44,8 @@ def test_three_compressing_peers_agree_every_round_at_a_hundredth_of_the_fp32_by
         assert len(full) >= rounds - 2, [(r["round"], r["kinds"], r["group_sizes"]) for r in records]
         ring_fp32 = 2 * (3 - 1) / 3 * 4 * records[0]["params"]  # bytes each peer sends in an fp32 ring all-reduce
         # phase2: low-rank's second message, or the butterfly's all-gather of the reduced parts
-        steps = ["wait", "encode", "matchmaking", "transfer", *(["phase2"] if topk_transport != "gather" else []), "decode",
-                 "agree"]  # fmt: skip
+        gathered = transport == "topk"
+        steps = ["wait", "encode", "matchmaking", "transfer", *([] if gathered else ["phase2"]), "decode", "agree"]
         assert all(list(r["exchange_phases"][0])[: len(steps)] == steps for r in full), [r["exchange_phases"] for r in full]
         for r in full[:-1]:  # the last record also holds the drained last exchange
             assert 0 < r["bytes_sent"] <= ring_fp32 / 100, (r["round"], r["bytes_sent"], ring_fp32)

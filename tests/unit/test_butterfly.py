@@ -283,14 +283,16 @@ def test_the_groups_ranks_are_per_matrix_the_ones_most_tickets_name_ties_to_the_
 
 # ----- top-k through the butterfly: chunk-aligned spans, the reducer keeps the top-k of its span's mean ----------
 def _topk(**overrides) -> CompressionConfig:
-    return CompressionConfig(**{"kind": "topk", "topk_chunk": 1024, "topk_density": 1 / 16, **overrides})
+    settings = {"kind": "topk", "topk_chunk": 1024, "topk_density": 1 / 16, "topk_reduced_multiple": 1,
+                "topk_transport": "butterfly", **overrides}
+    return CompressionConfig(**settings)
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_a_top_k_part_holds_the_kept_values_of_its_chunks_packed_on_their_own(n):
     codec = StageCodec(_topk(), NAMES, SHAPES, run_id="r")
     message = codec.begin(0, _deltas(0)).message(1)
-    assert rides_butterfly(message)
+    assert rides_butterfly(message, n)
     head, sections = unframe(message)
     numel = int(head.payload.shape[0])
     whole = codec.payload_reader(head, sections, numel).read_all()
@@ -318,7 +320,7 @@ def test_top_k_rides_the_butterfly_to_the_same_bits_on_every_member_k_values_a_c
     gathered = [StageCodec(_topk(topk_transport="gather"), NAMES, SHAPES, run_id="r") for _ in range(n)]
     rounds = [c.begin(0, d) for c, d in zip(gathered, deltas)]
     messages = [r.message(1) for r in rounds]
-    assert not rides_butterfly(messages[0])
+    assert not rides_butterfly(messages[0], n)
     mean = torch.cat([t.reshape(-1) for t in rounds[0].average(messages, own=0).tensors])
     cosine = float(torch.dot(flat, mean) / (torch.linalg.norm(flat) * torch.linalg.norm(mean)))
     assert cosine > 0.5, cosine  # independent random deltas: 0.64 (their top-k sets barely overlap)
@@ -370,3 +372,19 @@ def test_a_reducer_keeps_the_configured_multiple_of_k_values_a_chunk_and_members
     member = StageCodec(_topk(topk_reduced_multiple=3), NAMES, SHAPES, run_id="r").begin(0, deltas[0])
     mixed = assemble(member, [*blobs[:2], other, blobs[3]], spans=spans, own=0)
     assert list(mixed.refused) == [2] and "encoded otherwise" in mixed.refused[2]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "rides"),
+    [
+        (CompressionConfig(kind="int8"), {2: True, 3: True, 8: True}),
+        (CompressionConfig(kind="topk"), {2: False, 3: False, 4: True, 8: True}),  # auto: where it sends fewer bytes
+        (CompressionConfig(kind="topk", topk_transport="butterfly"), {2: True, 3: True}),
+        (CompressionConfig(kind="topk", topk_transport="gather"), {4: False, 8: False}),
+    ],
+)
+def test_a_message_says_from_which_group_size_it_rides_the_butterfly_and_its_codec_agrees(cfg, rides):
+    codec = StageCodec(cfg, NAMES, SHAPES, run_id="r")
+    message = codec.begin(0, _deltas(0)).message(1)
+    for n, expected in rides.items():
+        assert rides_butterfly(message, n) == codec.rides_butterfly(n) == expected, n
