@@ -75,18 +75,21 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     "sync lowrank": ({"outer.mode": "sync", "compression.kind": "lowrank"}, [(0.7, 0.7)]),
     "sync lowrank all-gather": ({"outer.mode": "sync", "compression.kind": "lowrank", EXCHANGE: "all-gather"},
                                 [(0.7, 0.7)]),
-    # top-k through the butterfly (a reducer keeps the top-k of its span's mean, the rest in its own error feedback;
-    # "sync topk" above) against its all-gather (every member's kept values averaged as sent), each swept
+    # top-k through the butterfly (a reducer keeps the top m k values of each chunk of its span's mean, the rest in
+    # its own error feedback) against its all-gather (every member's kept values averaged as sent), each swept.
+    # (Until 5f6bf01 "sync topk" above was the butterfly at m = 1: results/convergence_butterfly_topk.json.)
     "sync topk all-gather": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "gather"},
                              [(2.0, 0.0), (3.0, 0.0), (4.0, 0.0), (5.0, 0.0)]),
-    # the reducer keeping 2 or 3 times k values of each chunk of its span's mean: (N-1)/N x (1 + m) messages
-    "sync topk x2": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_reduced_multiple": 2},
-                     [(3.0, 0.0), (4.0, 0.0)]),
-    "sync topk x3": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_reduced_multiple": 3},
-                     [(3.0, 0.0), (4.0, 0.0)]),
+    "sync topk x1": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "butterfly",
+                      "compression.topk_reduced_multiple": 1}, [(3.0, 0.0), (4.0, 0.0), (5.0, 0.0), (2.0, 0.5)]),
+    "sync topk x2": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "butterfly",
+                      "compression.topk_reduced_multiple": 2}, [(3.0, 0.0), (4.0, 0.0)]),
+    "sync topk x3": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "butterfly",
+                      "compression.topk_reduced_multiple": 3}, [(3.0, 0.0), (4.0, 0.0)]),
 }  # fmt: skip
 BUTTERFLY_CHECK = {"sync int8", "sync int8 all-gather", "sync fp4", "sync fp4 all-gather", "sync lowrank",
-                   "sync lowrank all-gather", "sync topk all-gather", "sync topk x2", "sync topk x3"}  # fmt: skip
+                   "sync lowrank all-gather", "sync topk all-gather", "sync topk x1", "sync topk x2",
+                   "sync topk x3"}  # fmt: skip
 
 
 class GroupAverager:
