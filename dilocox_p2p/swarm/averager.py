@@ -136,6 +136,8 @@ class DilocoxAverager(
         self._state_ready = mp.Value(ctypes.c_bool, False)
         self._kept_boundary = mp.Value(ctypes.c_int64, -1)  # a complete earlier state kept for a joiner
         self._state_wanted = mp.Value(ctypes.c_int64, 0)  # state downloads waiting in the averager process
+        self._pending_owed = mp.Value(ctypes.c_int64, -1)  # a boundary served without its pending average (STATE_NOW)
+        self._pending_owed_until = mp.Value(ctypes.c_double, 0.0)  # ... whose taker may ask for it until (time.time())
         self._state_asked = mp.Value(ctypes.c_int64, -1)  # the boundary a state fetch from the host is for
         self._state_now = mp.Value(ctypes.c_bool, False)  # ... and whether it may leave out an average in flight
         self._state_fetch: asyncio.Lock | None = None  # one fetch at a time (averager process): _state_asked is shared
@@ -199,9 +201,14 @@ class DilocoxAverager(
         """Requests and join requests refused by the averager process so far."""
         return self._refused_total.value
 
-    def state_wanted(self) -> bool:
-        """Whether a peer is waiting to download this worker's state (so a complete one should be kept)."""
-        return self._state_wanted.value > 0
+    def state_wanted(self, boundary: int | None = None) -> bool:
+        """Whether a peer is waiting to download this worker's state, or (`boundary`) will ask for the pending average
+        of that boundary's state it took without it (StateService: STATE_NOW): a complete state of it should be
+        kept past the boundary. A taker asks for that average only after it installed the state (its stages agree
+        first), and a donor faster than that moved on meanwhile: the taker, stranded, took the state again."""
+        if self._state_wanted.value > 0:
+            return True
+        return boundary is not None and self._pending_owed.value == boundary and time.time() < self._pending_owed_until.value
 
     def set_kept_boundary(self, boundary: int) -> None:
         """Tell the averager process that the complete state of `boundary` is kept (-1: none)."""

@@ -67,6 +67,8 @@ class StateService:
             metadata, tensors, status = await self._wait_for_state(request, deadline)
             if status == swarm_pb2.STATE_OK and request.part == swarm_pb2.STATE_PENDING:
                 tensors = tensors[2 * len(self._averaged_tensors) :]
+            if status == swarm_pb2.STATE_OK:
+                self._owe_pending(request, metadata)
         finally:
             with self._state_wanted.get_lock():
                 self._state_wanted.value -= 1
@@ -99,6 +101,18 @@ class StateService:
         yield self._head(header, nonce=nonce)
         for chunk in chunks:
             yield chunk
+
+    def _owe_pending(self, request: swarm_pb2.StateRequest, metadata: dict[str, Any]) -> None:
+        """A state served without its pending average (STATE_NOW) owes that average to its taker: the worker keeps
+        the complete state of that boundary past it until the taker asks (averager.state_wanted), for as long as
+        the request was willing to wait; served (STATE_PENDING), it is owed no more."""
+        boundary = metadata["boundary"]
+        if request.part == swarm_pb2.STATE_NOW and metadata.get("follows", -1) >= 0:
+            with self._pending_owed.get_lock():
+                self._pending_owed.value = boundary
+                self._pending_owed_until.value = time.time() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
+        elif request.part == swarm_pb2.STATE_PENDING and self._pending_owed.value == boundary:
+            self._pending_owed.value = -1
 
     async def _wait_for_state(self, request: swarm_pb2.StateRequest, deadline: float) -> tuple[Any, Any, int]:
         """This worker's complete state at `request.boundary`: the current one once its pending average is

@@ -105,9 +105,10 @@ class SwarmStageWorker(StageWorker):
         """Runs under the outer lock just before the state moves on. Where the all-reduce is slower
         than training (delayed mode on a slow link), the state of a boundary is complete only for
         the moment between its average's arrival and this step, too short for a joiner to take it:
-        while one is waiting, keep that complete state until the next step."""
+        while one is waiting, or one that took it without its pending average will ask for that, keep
+        that complete state until the next step."""
         self._kept = None
-        if self.swarm.averager.state_wanted():
+        if self.swarm.averager.state_wanted(self.outer.boundary):
             state = self.outer.state()
             if state is not None and state.boundary == self.outer.boundary:
                 self._kept = state

@@ -113,3 +113,31 @@ def test_an_average_handed_over_while_the_host_holds_the_buffers_is_kept_and_ser
             collected = pool.submit(asker.collect, 4, [holder_id], start=None, wait_s=5.0, deadline_s=10.0).result(20)
     assert collected.average is not None, collected.failures
     assert all(torch.equal(a, b) for a, b in zip(collected.average.tensors, average))
+
+
+def test_a_donor_keeps_a_state_it_served_without_its_pending_average_until_the_taker_asks_for_that_average(pair):
+    # A taker asks for the pending average only once it installed the state (its stages agree first: seconds under
+    # load). A donor training alone moved past the boundary meanwhile, with no request waiting, kept nothing and
+    # answered STATE_GONE: the taker was stranded and took the state again (CI of 5f6bf01, test_agreement's split
+    # pair: one repair, then a catch-up).
+    (joiner, donor_averager), (_, donor_id) = pair
+    donor = Donor()
+    donor_averager.set_state_provider(donor.offered_state)
+    donor_averager.set_state_boundary(BOUNDARY, ready=False)
+    assert not donor_averager.state_wanted(BOUNDARY)
+
+    now = joiner.download_round(donor_id, BOUNDARY, wait_s=10.0, timeout=10.0, part=swarm_pb2.STATE_NOW)
+    assert now.status == swarm_pb2.STATE_OK and now.state.follows == BOUNDARY - 1, now
+    assert donor_averager.state_wanted(BOUNDARY) and not donor_averager.state_wanted(BOUNDARY + 1)
+
+    # the donor's average arrives and it steps past the boundary, as SwarmWorker._keep_for_joiner does it
+    donor.ready = True
+    donor_averager.set_state_boundary(BOUNDARY, ready=True)
+    donor_averager.set_kept_boundary(BOUNDARY if donor_averager.state_wanted(BOUNDARY) else -1)
+    donor_averager.set_state_boundary(BOUNDARY + 1, ready=False)
+
+    pending = joiner.download_round(donor_id, BOUNDARY, wait_s=5.0, timeout=10.0, part=swarm_pb2.STATE_PENDING)
+    assert pending.status == swarm_pb2.STATE_OK, pending
+    assert pending.state_hash == now.state_hash and pending.state.pending.round == BOUNDARY - 1
+    assert all(torch.equal(a, b) for a, b in zip(pending.state.pending.average.tensors, donor.average.tensors))
+    assert not donor_averager.state_wanted(BOUNDARY)  # served: the donor need not keep it past its next step
