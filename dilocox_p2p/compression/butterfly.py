@@ -46,12 +46,13 @@ import torch
 
 from ..average import Spans, screen
 from ..proto_gen import compression_pb2 as pb
-from .codec import BUTTERFLY_KINDS, NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
+from .codec import NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
 from .lowrank import basis_digest
 from .payload import FlatLayout, PayloadReader, encode_payload, frame, slice_step, streamed_mean, unframe
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, unpack_topk
+from .transport import reduced_config
 
-__all__ = ["BUTTERFLY_KINDS", "REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "low_rank_average", "low_rank_second", "part_spans",
+__all__ = ["REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "low_rank_average", "low_rank_second", "part_spans",
            "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "span_unit", "unpadded"]  # fmt: skip
 
 REDUCED = 3
@@ -60,7 +61,7 @@ REDUCED = 3
 
 def rides_butterfly(blob: bytes, group_size: int) -> bool:
     """Whether a framed phase-1 message rides the butterfly in a group of `group_size` (its author's codec says from
-    which size: StageCodec.butterfly_from), rather than the all-gather."""
+    which size: transport.butterfly_from), rather than the all-gather."""
     message, _ = unframe(blob)
     return 0 < message.butterfly_from <= group_size
 
@@ -223,7 +224,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
     mean = streamed_mean([readers[i] for i in used], FlatLayout([torch.Size((hi - lo,))], 1), step)[0]
     message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=reduced_phase(phase), span_lo=lo,
                                    span_hi=hi, parts=n, used=used, ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
-    sections, decoded = encode_payload(codec.reduced_cfg, [mean], pad=1, out=message.payload, keep=True, whole=whole)
+    sections, decoded = encode_payload(reduced_config(codec.cfg), [mean], pad=1, out=message.payload, keep=True, whole=whole)
     assert decoded is not None
     with codec.lock:
         if rc.from_buffer and used and rc.generation == codec.generation:

@@ -40,7 +40,6 @@ group's ranks from the messages it receives.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -78,8 +77,9 @@ from .payload import (
     unframe,
 )
 from .settlement import Settlement
+from .transport import butterfly_from, reduced_config, rides_butterfly
 
-__all__ = ["BUTTERFLY_KINDS", "TOPK_BUTTERFLY_FROM", "NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
+__all__ = ["NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
 
 NOT_RECEIVED = "not received"
 """Why a message a member never got is left out (`Decoded.rejected`)."""
@@ -87,12 +87,6 @@ OTHER_BASIS = "its factors are in the basis of another set of phase-1 messages"
 """Why a low-rank phase-2 message of a member that averaged other phase-1 messages is left out: a set that
 differs is a loss on the way (the gather relays what it can), not its author's fault. Every other reason is."""
 NO_FAULT = frozenset({NOT_RECEIVED, OTHER_BASIS})
-TOPK_BUTTERFLY_FROM = 4
-"""compression.topk_transport = "auto": the smallest group where top-k rides the butterfly. Below it the all-gather's
-N-1 messages are fewer bytes than the butterfly's (N-1)/N (1 + 2.4) at topk_reduced_multiple 3 (2 against 2.27)."""
-BUTTERFLY_KINDS = frozenset({"fp16", "int8", "fp4"})
-"""Compression kinds whose one message always rides the compressed butterfly (compression/butterfly.py); top-k
-rides it by default (`compression.topk_transport`), low-rank for both its phases once the group agreed its ranks."""
 
 
 
@@ -149,30 +143,9 @@ class StageCodec:
         factor_bytes_per_rank = (n + m) * self.cfg.factor_bits / 8 * (1 + 16 / (self.cfg.factor_bits * self.cfg.block))
         return max(1, min(n, m, int(4 * n * m / 100 / factor_bytes_per_rank)))
 
-    @property
-    def reduced_cfg(self) -> CompressionConfig:
-        """How a reducer of the compressed butterfly encodes its span's mean: as a message, but top-k keeps
-        `topk_reduced_multiple` times as many values of each chunk."""
-        cfg = self.cfg
-        if cfg.kind != "topk" or cfg.topk_reduced_multiple == 1:
-            return cfg
-        return dataclasses.replace(cfg, topk_density=min(1.0, cfg.topk_density * cfg.topk_reduced_multiple))
-
-    @property
-    def butterfly_from(self) -> int:
-        """The smallest group whose phase-1 messages of this stage ride the compressed butterfly from the group's
-        first step; 0: none (low-rank is encoded once the group formed, and scattered then). Top-k's auto: from 4,
-        where the butterfly sends fewer bytes than the all-gather (docs/benchmarks.md, section 5)."""
-        cfg = self.cfg
-        if cfg.kind in BUTTERFLY_KINDS:
-            return 1
-        if cfg.kind == "topk":
-            return {"butterfly": 1, "auto": TOPK_BUTTERFLY_FROM}.get(cfg.topk_transport, 0)
-        return 0
-
     def rides_butterfly(self, group_size: int) -> bool:
         """Whether this stage's phase-1 messages ride the compressed butterfly in a group of `group_size`."""
-        return 0 < self.butterfly_from <= group_size
+        return rides_butterfly(self.cfg, group_size)
 
     @property
     def phases(self) -> int:
@@ -280,8 +253,8 @@ class StageCodec:
         """The reader of a parsed message's payload of `numel` values, once it is encoded as this run encodes them
         and its energies are finite (`factors`: a low-rank phase-2 message, one energy pair per factored matrix;
         `whole`: a butterfly part's, the length of the message it was cut from; `reduced`: a reducer's mean,
-        encoded as `reduced_cfg` says). Raises MessageRejected."""
-        cfg = self.reduced_cfg if reduced else self.cfg
+        encoded as transport.reduced_config says). Raises MessageRejected."""
+        cfg = reduced_config(self.cfg) if reduced else self.cfg
         described, expected = pb.EncodedTensor(), encoding_of(cfg, numel, whole=whole)
         described.CopyFrom(message.payload)
         del described.sections[:]
@@ -400,7 +373,7 @@ class RoundCodec(Settlement):
             for i, x in enumerate(self.target)
         ]  # fmt: skip
         message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=1, ranks=ranks,
-                                       butterfly_from=codec.butterfly_from)  # fmt: skip
+                                       butterfly_from=butterfly_from(codec.cfg))  # fmt: skip
         sections, _ = codec.encode(message, pieces)  # the buffer gives it up once it is averaged (settle)
         self.sent = frame(message, sections)
         return self.sent
