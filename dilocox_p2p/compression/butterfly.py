@@ -20,10 +20,11 @@ N - 1 messages for the all-gather (gather.py).
 
 Top-k (topk.py) is cut at its chunks (a part holds its author's kept values of the span's chunks, packed
 on their own: a chunk's index bits are not whole bytes; a part's chunks are the whole message's, the last
-one cut short). The reducer averages the parts' values as for the quantizers, keeps the top-k of each
-chunk of that mean at the run's density and bits, and serves those bytes: up to N k values of a chunk
-come in, k go out, and what it dropped waits in its own error feedback (below). Bytes as above: 2 (N-1)/N
-of a message each way, where the all-gather (`compression.topk_transport = "gather"`) sends N - 1
+one cut short). The reducer averages the parts' values as for the quantizers, keeps the largest m k of
+each chunk of that mean (m: `compression.topk_reduced_multiple`, 3 by default; transport.reduced_config)
+and serves those bytes: up to N k values of a chunk come in, m k go out, and what it dropped waits in its
+own error feedback (below). Bytes: (N-1)/N (1 + R) messages each way, R about 2.4 at m = 3 (denser chunks
+take fewer index bits), where the all-gather (`compression.topk_transport`: transport.py) sends N - 1
 messages but averages every member's kept values as sent.
 
 Low-rank (lowrank.py) is linear in both phases, so each rides the butterfly in turn: P = M Q at
