@@ -203,7 +203,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
     error-feedback buffer (for low-rank's factors, as B times it)."""
     codec, (lo, hi), n = rc.codec, span, len(parts)
     ranks = expected_ranks(rc, phase)
-    whole = FlatLayout(codec.pieces(phase, ranks), codec.pad).numel
+    layout = FlatLayout(codec.pieces(phase, ranks), codec.pad)  # the whole message's: top-k's chunks, the feedback
     readers: dict[int, PayloadReader] = {}
     energies: dict[int, tuple[list[float], list[float]]] = {}
     rejected: dict[int, str] = {}
@@ -213,7 +213,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
             continue
         try:
             message, readers[index] = receive_part(codec, blob, round=rc.round, phase=phase, span=span, parts=n,
-                                                   ranks=ranks, basis=rc.basis if phase == 2 else b"", whole=whole)  # fmt: skip
+                                                   ranks=ranks, basis=rc.basis if phase == 2 else b"", whole=layout.numel)  # fmt: skip
             energies[index] = (list(message.energy_total), list(message.energy_kept))
         except MessageRejected as e:
             rejected[index] = str(e)
@@ -225,13 +225,13 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
     mean = streamed_mean([readers[i] for i in used], FlatLayout([torch.Size((hi - lo,))], 1), step)[0]
     message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=reduced_phase(phase), span_lo=lo,
                                    span_hi=hi, parts=n, used=used, ranks=ranks, basis=rc.basis if phase == 2 else b"")  # fmt: skip
-    sections, decoded = encode_payload(reduced_config(codec.cfg), [mean], pad=1, out=message.payload, keep=True, whole=whole)
+    sections, decoded = encode_payload(reduced_config(codec.cfg), [mean], pad=1, out=message.payload, keep=True,
+                                       whole=layout.numel)  # fmt: skip
     assert decoded is not None
     with codec.lock:
         if rc.from_buffer and used and rc.generation == codec.generation:
             # what the second rounding left out of the group's sum, sent again in this worker's later messages
             rounding = decoded[0].sub_(mean).mul_(len(used))  # -(mean - decoded) * members
-            layout = FlatLayout(codec.pieces(phase, ranks), codec.pad)
             if phase == 1:  # never into P's coordinates: P only steers the basis
                 layout.subtract([None if f else b for f, b in zip(codec.lowrank, codec.feedback.buffers)], lo, hi, rounding)
             else:

@@ -208,18 +208,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id != self.peer_id:
             try:
                 return await super()._communicate_with_peer(peer_id)
-            except AllreduceException as e:
+            except Exception as e:
                 # a member that does not know the group never joined it (the leader counted a follower that
                 # had given up on it: matchmaking.py): it sends nothing either, so stop waiting for its parts
-                if "BAD_GROUP_ID" in str(e) and peer_id in self.sender_peer_ids:
+                if isinstance(e, AllreduceException) and "BAD_GROUP_ID" in str(e) and peer_id in self.sender_peer_ids:
                     logger.info("%s is not in this group (it never took the leader's answer): left out", peer_id)
                     self.outsiders.add(peer_id)
                     await self._ban_sender(peer_id)
                 else:
                     self._log_failed_reducer(peer_id, e)
-                raise
-            except Exception as e:
-                self._log_failed_reducer(peer_id, e)
                 raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
