@@ -382,9 +382,13 @@ class RunRecords:
             expires = max(get_dht_time() + ttl, self._member_expires + 0.001)
             if not leaving:
                 self._member_expires = expires  # also if only some nodes took it
-            value = self.signer.seal(record, topic=self.members_key)
+            value = self.seal_member(record)
             self.store_sealed(self.members_key, value, expires, best_effort=leaving)
             return value, expires
+
+    def seal_member(self, record: swarm_pb2.MemberRecord) -> bytes:
+        """This worker's member record sealed as publish_member stores it: what a push to the others sends."""
+        return self.signer.seal(record, topic=self.members_key)
 
     def members(self) -> list[Member]:
         found = self._get(self.members_key, swarm_pb2.MemberRecord).items()

@@ -3,7 +3,8 @@
 The record (swarm.proto MemberRecord) says whether the worker trains, which round's all-reduce it has
 started and where its state is; it lives in the DHT for MEMBER_TTL_S (dht.py), so a worker that stops
 beating drops out of the others' view (membership.py). A record that changed is also handed to
-`on_change`, which pushes it straight to the stage's other members (member_push.py).
+`on_change` at once, which pushes it straight to the stage's other members (member_push.py), however
+long the store takes.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from hivemind.utils import get_dht_time
+
 from ..wire import swarm_pb2
-from .dht import HEARTBEAT_S, RunRecords
+from .dht import HEARTBEAT_S, MEMBER_TTL_S, RunRecords
 
 __all__ = ["Heartbeat"]
 
@@ -23,7 +26,13 @@ logger = logging.getLogger(__name__)
 
 class Heartbeat:
     """Re-publishes this worker's MemberRecord every HEARTBEAT_S seconds in a thread; a record that changed is also
-    handed to `on_change` (sealed, with its expiration), which pushes it to the stage's other members."""
+    handed at once to `on_change` (sealed, with its expiration), which pushes it to the stage's other members.
+
+    The push never waits for a store: a store that meets an unresponsive DHT node (a frozen peer's) takes 6 s
+    (hivemind's wait_timeout, twice), again whenever its blacklist lapses (5 s, then 10, ...). Pushed after the
+    store, the record of the round a worker had started reached the others seconds late all the while a third
+    peer was frozen: they never counted it in, and it borrowed their average round after round instead of
+    averaging with them (busy-core run of 29ae5fa, test_elastic)."""
 
     def __init__(self, records: RunRecords, record: swarm_pb2.MemberRecord):
         self.records = records
@@ -32,10 +41,15 @@ class Heartbeat:
         self._told = b""  # the record last handed to on_change
         self._lock = threading.Lock()
         self._beating = threading.Lock()  # one beat at a time: an older beat never lands after a newer one
+        self._telling = threading.Lock()  # one push at a time, the newest record last
         self._stop = threading.Event()
-        self._now = threading.Event()
+        self._now = threading.Event()  # publish at once
+        self._changed = threading.Event()  # push at once
         self._first: Callable[[], None] | None = None
-        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._loop, name="heartbeat", daemon=True),
+            threading.Thread(target=self._tell_loop, name="member-push", daemon=True),
+        ]
 
     def start(self, *, first: Callable[[], None] | None = None) -> None:
         """Start beating, the first beat at once, in the thread: a stage's start does not wait for the stores (a few
@@ -43,34 +57,51 @@ class Heartbeat:
         once they see this worker (the run's config record, read by a peer that this one refuses)."""
         self._first = first
         self._now.set()
-        self._thread.start()
+        self._changed.set()
+        for thread in self._threads:
+            thread.start()
 
     def update(self, *, wait: bool = True, **fields: Any) -> None:
-        """Change fields of the record and publish it (in the heartbeat thread unless `wait`)."""
+        """Change fields of the record, push it to the others and publish it (both in the threads unless `wait`)."""
         with self._lock:
             for name, value in fields.items():
                 setattr(self._record, name, value)
         if wait:
+            self._tell()
             self.beat()
         else:
+            self._changed.set()
             self._now.set()
 
     def beat(self) -> None:
         with self._beating:
-            with self._lock:
-                record = swarm_pb2.MemberRecord()
-                record.CopyFrom(self._record)
-            self._tell(record, *self.records.publish_member(record))  # a failure is counted there
+            self.records.publish_member(self._copy())  # a failure is counted there
 
-    def _tell(self, record: swarm_pb2.MemberRecord, value: bytes, expiration: float) -> None:
-        body = record.SerializeToString(deterministic=True)
-        if self.on_change is None or body == self._told:
-            return
-        self._told = body
-        try:
-            self.on_change(value, expiration)
-        except Exception as e:  # the DHT holds the record: the others read it there
-            logger.debug("could not push the member record: %r", e)
+    def _copy(self) -> swarm_pb2.MemberRecord:
+        with self._lock:
+            record = swarm_pb2.MemberRecord()
+            record.CopyFrom(self._record)
+        return record
+
+    def _tell(self) -> None:
+        """Hand the record to `on_change` if it changed since the last time, sealed as the DHT stores it."""
+        with self._telling:
+            record = self._copy()
+            body = record.SerializeToString(deterministic=True)
+            if self.on_change is None or body == self._told:
+                return
+            self._told = body
+            try:
+                self.on_change(self.records.seal_member(record), get_dht_time() + MEMBER_TTL_S)
+            except Exception as e:  # the DHT holds the record: the others read it there
+                logger.debug("could not push the member record: %r", e)
+
+    def _tell_loop(self) -> None:
+        while not self._stop.is_set():
+            self._changed.wait()
+            self._changed.clear()
+            if not self._stop.is_set():
+                self._tell()
 
     def _loop(self) -> None:
         if self._first is not None:
@@ -88,9 +119,13 @@ class Heartbeat:
         """Stop beating; with `leave`, tell the others this worker no longer trains."""
         self._stop.set()
         self._now.set()
-        self._thread.join(timeout=5)
+        self._changed.set()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout=5)
         if leave:
             with self._lock:
                 self._record.training = False
                 self._record.state_ready = False
-            self._tell(self._record, *self.records.publish_member(self._record, ttl=1.0, leaving=True))
+            self._tell()
+            self.records.publish_member(self._copy(), ttl=1.0, leaving=True)

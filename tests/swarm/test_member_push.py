@@ -7,8 +7,11 @@ Real hivemind DHT nodes and averager processes on loopback (member_push.py).
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +86,49 @@ def test_a_members_round_start_wakes_the_others_wait_at_once_though_their_dht_po
     assert [(m.peer_id, m.record.averaging_round) for m in found] == [(a.peer_id, 1)]
     assert took < 10.0, f"b saw a start the round after {took:.1f} s (its DHT poll: 60 s, its wait: 30 s)"
     assert b.faults.take()["requests_refused"] == 0
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (a DHT node's process and its p2p daemon)."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return [pid, *(p for child in children for p in _process_tree(child))]
+
+
+def test_a_changed_record_reaches_the_others_at_once_while_its_store_waits_on_a_frozen_dht_node(pair, monkeypatch):
+    # a third peer's machine freezes (SIGSTOP: swapped out, a preempted VM): its DHT node still takes connections
+    # and answers nothing, and a store that meets it waits out hivemind's timeouts (6 s). The record of the round a
+    # has started must reach b at once all the same: b waits for it to start that round's exchange
+    a, b = pair
+    monkeypatch.setattr(membership_module, "POLL_S", 60.0)
+    frozen, _, _ = signed_node(RUN, initial_peers=a.dht.get_visible_maddrs())
+    a.heartbeat.on_change = lambda value, expiration: a.averager.push_member(value, expiration, [b.peer_id])
+    a.heartbeat.update(averaging_round=0)
+    b.membership.refresh()
+    assert [m.record.averaging_round for m in b.membership.members()] == [0]
+    a.heartbeat.start()
+    found, looked = [], threading.Event()
+
+    def wait() -> None:
+        found.extend(b.membership.wait_for_round(1, 30.0, give_up=lambda: looked.set() or False))
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    pids = _process_tree(frozen.pid)
+    try:
+        assert looked.wait(timeout=20.0)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        a.heartbeat.update(averaging_round=1, wait=False)  # what a worker does as it starts a round's exchange
+        waiting.join(timeout=40.0)
+        took = time.monotonic() - started
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        a.heartbeat.stop(leave=False)
+        frozen.shutdown()
+    assert [(m.peer_id, m.record.averaging_round) for m in found] == [(a.peer_id, 1)]
+    assert took < 3.0, f"b saw a start the round after {took:.1f} s (a store to the frozen node takes 6 s)"
 
 
 def _record(averaging_round: int) -> swarm_pb2.MemberRecord:
