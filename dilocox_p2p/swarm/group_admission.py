@@ -5,7 +5,8 @@ a leader takes only members with a valid ticket of its round that the round admi
 `_ticket_refusal`), a follower asks only such leaders (`ask_designated_then_admitted`), and a member whose
 group holds any other leaves it (averager._aggregate_with_group, `_read_ticket`). A follower asks the round's
 designated leader first (matchmaking.DesignatedLeader); a request that comes before its leader looks for the
-round's group waits for that (`_wait_to_lead`).
+round's group waits for that (`_wait_to_lead`), and one from a member this worker is itself asking to lead it
+is refused at once where that member is to lead (matchmaking.py: a mutual ask).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hivemind.proto import averaging_pb2
 
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
-from .matchmaking import looking_for_group
+from .matchmaking import looking_for_group, refuses_mutual_ask
 
 __all__ = ["GroupAdmission", "ask_designated_then_admitted"]
 
@@ -83,6 +84,10 @@ class GroupAdmission:
         if refusal:
             self._refused(f"{peer}'s request to join round {self._current_round}'s group", refusal)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if refuses_mutual_ask(self._matchmaking, peer, request.expiration):  # both waited out request_timeout
+            logger.debug("refused %s's request to lead it: this worker is asking it to lead", peer)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_A_LEADER)
             return
         async for message in super().rpc_join_group(request, context):
             yield message

@@ -60,13 +60,15 @@ PATCHES: dict[str, str] = {
     "search was garbage-collected halfway and left the matchmaking locks held for good; a search whose step is of "
     "an earlier round is cancelled (StepControl.cancel) when a round is prepared",
     "Matchmaking._request_join_group": "wrapped (matchmaking.track_join_requests) to count requests in flight: a "
-    "part that reaches a follower before its leader's ACCEPTED waits for that answer instead of BAD_GROUP_ID",
+    "part that reaches a follower before its leader's ACCEPTED waits for that answer instead of BAD_GROUP_ID; and to "
+    "know whom they ask: a request from one of those is refused at once (a mutual ask, group_admission.py)",
     "Matchmaking.request_timeout": "read: how long a part waits for a request in flight to end",
     "PotentialLeaders.pop_next_leader": "wrapped (averager._ask_designated_then_admitted): a follower asks the round's "
     "designated leader first, a designated leader asks nobody for a quarter of round_wait (matchmaking.DesignatedLeader); "
     "leaders this round does not admit are skipped",
     "DecentralizedAverager.rpc_join_group": "overridden: the signed ticket is checked, and a request that comes before "
-    "this worker looks for its round's group waits for that (averager._wait_to_lead)",
+    "this worker looks for its round's group waits for that (group_admission._wait_to_lead); one from a member this "
+    "worker is asking to lead it is refused (NOT_A_LEADER) without waiting for the join lock",
     "Matchmaking.is_looking_for_group / potential_leaders.declared_group_key / group_key_manager.current_key / "
     "min_matchmaking_time": "read: whether the search of the current round runs and has declared (looking_for_group); "
     "how long a designated leader waits alone",

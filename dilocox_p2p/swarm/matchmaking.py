@@ -59,6 +59,19 @@ its followers for a quarter of round_wait before it searches the DHT too. Where 
 leader that follows another, one that never comes), each falls back to hivemind's search, which finds the
 leaders it found before: the designated leader declared itself with the earliest expiration.
 
+Views that differ may make two members ask each other: each takes the other for the leader (the one a
+member designates follows another, or is armed to follow), or one follows the leader it designated while that
+leader, its time to lead alone up, asks it from hivemind's queue. hivemind's request holds the join lock
+until the leader answers, and the leader's handler of a request waits for that lock: both waited out
+request_timeout (5 s), then each handler took the other's request that its sender had given up on (a
+member counted into a group it never learnt of). hivemind's own queue never asks a member that declared a
+later expiration, so this never happens to it. A request from a member this worker is itself asking to lead
+it is refused at once by the one of the two that hivemind's order makes the follower (the later expiration:
+`refuses_mutual_ask`, group_admission.py): the other's request ends, and its handler takes the refused one
+in. Both refusing sent each on to its next leader, and hivemind's search never asks a leader twice: the two
+waited out their whole declared time alone. (Seen on 2 busy cores: two of three members stranded a round
+after a 5 s mutual wait, test_elastic.)
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
 not the one prepared last (`stale(step)`) finds no group at once instead of looking.
@@ -76,7 +89,7 @@ from typing import Any
 
 from hivemind.p2p import PeerID
 
-__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "looking_for_group", "lower_target",
+__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "refuses_mutual_ask", "cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "looking_for_group", "lower_target",
            "outside_every_group", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
@@ -169,17 +182,23 @@ def track_join_requests(matchmaking: Any) -> None:
         return
     matchmaking._dilocox_joining = 0
     matchmaking._dilocox_asked = collections.deque(maxlen=ASKED_KEPT)
+    matchmaking._dilocox_asking = collections.Counter()
     request_join_group = matchmaking._request_join_group
 
     async def request_join_group_tracked(leader: Any, *args: Any, **kwargs: Any) -> Any:
-        matchmaking._dilocox_asked.append(leader.to_base58())
+        name = leader.to_base58()
+        matchmaking._dilocox_asked.append(name)
         matchmaking._dilocox_joining += 1
+        matchmaking._dilocox_asking[name] += 1
         asked, group = time.monotonic(), None
         try:
             group = await request_join_group(leader, *args, **kwargs)
             return group
         finally:
             matchmaking._dilocox_joining -= 1
+            matchmaking._dilocox_asking[name] -= 1
+            if not matchmaking._dilocox_asking[name]:
+                del matchmaking._dilocox_asking[name]
             if group is None:  # hivemind says why at debug level only; a leader that counts it in anyway splits a round
                 logger.info("asked %s to take this worker into its group: no group after %.2f s", leader,
                             time.monotonic() - asked)  # fmt: skip
@@ -232,6 +251,24 @@ def looking_for_group(matchmaking: Any) -> bool:
 def asked_leaders(matchmaking: Any) -> list[str]:
     """The leaders this worker's latest searches asked to take it, oldest first (`track_join_requests`)."""
     return list(getattr(matchmaking, "_dilocox_asked", ()))
+
+
+def asking(matchmaking: Any) -> set[str]:
+    """The leaders a request of this worker is in flight to (`track_join_requests`)."""
+    return set(getattr(matchmaking, "_dilocox_asking", ()))
+
+
+def refuses_mutual_ask(matchmaking: Any, peer: str, expiration: float) -> bool:
+    """Whether a request from `peer` (declared until `expiration`) to lead it is one of a mutual ask that this
+    worker refuses at once (module docstring): this worker is asking `peer` to lead it, and `peer` is the one
+    hivemind's order makes the leader (the earlier expiration; the smaller peer id if equal). The other side
+    does not refuse: its handler waits for the join lock, which its own request frees as soon as this refusal
+    reaches it, and takes this worker in."""
+    if peer not in asking(matchmaking):
+        return False
+    mine = matchmaking.potential_leaders.declared_expiration_time
+    me = matchmaking.peer_id.to_base58()
+    return mine is None or (expiration, peer) < (mine, me)
 
 
 def joining(matchmaking: Any) -> bool:

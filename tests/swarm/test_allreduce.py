@@ -471,3 +471,27 @@ def test_a_follower_that_looks_before_its_designated_leader_asks_it_once_and_is_
         group.close()
     assert all(sorted(r.group) == sorted(ids) and not r.missing for r in results), [r.group for r in results]
     assert asked == {"follower": [lead], "leader": []}, asked
+
+
+def test_two_members_that_each_take_the_other_for_the_leader_group_at_once_instead_of_waiting_out_each_other():
+    # views that differ (matchmaking.py): each member names the other the round's leader and asks it first. hivemind's
+    # request holds the join lock until the leader answers, and the handler of a request waits for that lock: each
+    # waited out its request (request_timeout, here 10 s), then took the other's request its sender had given up on.
+    # A request from the member being asked is refused at once instead, and hivemind's search groups the two
+    group = Group(2, AskingAverager, min_matchmaking_time=30.0, request_timeout=10.0)
+    try:
+        ids = group.ids
+        controls = []
+        for averager, other in zip(group.averagers, reversed(ids)):
+            ticket = averager.prepare_round(3, 2, admitted=ids, expected=[other], leader=other)
+            late = get_dht_time() + 30.0 + FOLLOWER_LAG_S  # both follow (exchange._scheduled_time)
+            controls.append(averager.step(gather=ticket, timeout=60.0, allow_retries=True, wait=False, scheduled_time=late))
+        started = time.monotonic()
+        results = [control.result(timeout=45.0) for control in controls]
+        took = time.monotonic() - started
+        asked = [averager._call("_asked", 10.0) for averager in group.averagers]
+    finally:
+        group.close()
+    assert all(sorted(r.group) == sorted(ids) and not r.missing for r in results), [r.group for r in results]
+    assert [a[:1] for a in asked] == [[ids[1]], [ids[0]]], asked  # each asked the other first
+    assert took < 5.0, f"grouped after {took:.1f} s (a request waited out: 10 s)"
