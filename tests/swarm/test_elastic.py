@@ -144,8 +144,13 @@ def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
         assert peer.wait(timeout=120) == 128 + signal.SIGTERM, peer.output()
 
     a, b, c = (_hashes(p) for p in (*others, frozen))
-    common = sorted(set(a) & set(b))  # SIGTERM may stop a peer a round earlier
-    assert common[:3] == [0, 1, 2] and all(a[t] == b[t] for t in common), "the peers that kept going disagree"
+    # SIGTERM may stop a peer a round earlier; and one of them may be stranded in the round the third froze in and
+    # take the swarm's state, skipping the rounds its download covered: a request to the frozen peer, whose
+    # declaration stays in the DHT, waits out request_timeout, and on a loaded box two such waits used up its
+    # matchmaking (busy-core run of 29ae5fa). They agree on every round both recorded all the same
+    common = sorted(set(a) & set(b))
+    assert len(common) >= 3 and common[:2] == [0, 1], f"the peers that kept going share rounds {common} only"
+    assert all(a[t] == b[t] for t in common), "the peers that kept going disagree"
     records = {r["round"]: r for r in frozen.metrics()}
     # thawed, it takes the swarm's state through whichever check fires first: that it is rounds behind
     # (a catch-up) or that its state differs from the majority's (a repair)
