@@ -89,8 +89,8 @@ from typing import Any
 
 from hivemind.p2p import PeerID
 
-__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "refuses_mutual_ask", "cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "looking_for_group", "lower_target",
-           "outside_every_group", "set_target_size", "track_join_requests"]
+__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "looking_for_group", "lower_target",
+           "outside_every_group", "refuses_mutual_ask", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
 
