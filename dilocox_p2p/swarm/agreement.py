@@ -47,6 +47,9 @@ RECORDS_KEPT = 2  # a donor may serve the state of the boundary before its curre
 CHECK_ATTEMPTS = 3  # a boundary whose records cannot be read is checked again at this many later rounds
 CHECK_POLL_S = 0.5  # while the latest boundary's check is not settled, its records are read again this often
 EARLY_POLLS = 40  # ... at most this many times; then it waits for the next boundary (the records there are then)
+# a pending average served before its hash shows in the records this worker reads (a DHT node that missed the
+# donor's store): they are read again, every CHECK_POLL_S, this long
+ANNOUNCED_WAIT_S = 5.0
 
 
 def majority_hash(hashes: dict[str, str], rank: Callable[[str], Any] = str) -> str | None:
@@ -384,14 +387,23 @@ class Agreement:
         pending = got.state.pending
         if pending is not None and pending.round != state.follows:
             return f"it served the average of round {pending.round}, not of round {state.follows}"
-        try:
-            records = self._voters_records(state.boundary)
-        except Exception as e:
-            return f"the stage group's round records could not be read: {e!r}"
+        until = time.monotonic() + (ANNOUNCED_WAIT_S if pending is not None else 0.0)
+        while True:
+            try:
+                records = self._voters_records(state.boundary)
+            except Exception as e:
+                return f"the stage group's round records of {state.boundary} could not be read: {e!r}"
+            if self._majority_pending(records) is not None or time.monotonic() >= until:
+                break
+            time.sleep(CHECK_POLL_S)  # the donor announced it before serving it: the record is on its way
         if pending is None:
             want = self._majority_pending(records)
             return "" if want is None else f"it served no average where the stage group announced {want[:12]}"
-        return self._pending_mismatch(records, got.state)
+        problem = self._pending_mismatch(records, got.state)
+        if problem and self._majority_pending(records) is None:  # name the records read, so the next one explains itself
+            read = ", ".join(f"{p[-8:]} {r.state_hash[:8]}/{r.pending_hash[:8] or '-'}" for p, r in sorted(records.items()))
+            problem += f" in {ANNOUNCED_WAIT_S:.0f} s (round records of {state.boundary}, state/pending hash: {read or 'none'})"
+        return problem
 
     def verify(self, state: StageState) -> str:
         """Why `state` is not what most of the stage group announced for its boundary ("" if it is)."""

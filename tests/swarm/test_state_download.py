@@ -14,8 +14,13 @@ import pytest
 import torch
 
 from dilocox_p2p.average import Average, AverageKind
+from dilocox_p2p.config_network import SwarmConfig
 from dilocox_p2p.state import PendingAverage, StageState
+from dilocox_p2p.swarm.agreement import Agreement
 from dilocox_p2p.swarm.averager import DilocoxAverager
+from dilocox_p2p.swarm.dht import RunRecords
+from dilocox_p2p.swarm.faults import FaultCounter
+from dilocox_p2p.swarm.membership import Membership
 from dilocox_p2p.wire import swarm_pb2
 from tests.helpers.signed import signed_node
 
@@ -44,9 +49,13 @@ class Donor:
 
 
 @pytest.fixture
-def pair():
+def nodes():
     first = signed_node("sd")
-    nodes = [first, signed_node("sd", initial_peers=first[0].get_visible_maddrs())]
+    return [first, signed_node("sd", initial_peers=first[0].get_visible_maddrs())]
+
+
+@pytest.fixture
+def pair(nodes):
     averagers = [
         DilocoxAverager(
             [torch.zeros(s) for s in SHAPES], dht, run_id="sd", config_hash="0" * 64, stage=0, prefix="sd_s0",
@@ -141,3 +150,43 @@ def test_a_donor_keeps_a_state_it_served_without_its_pending_average_until_the_t
     assert pending.state_hash == now.state_hash and pending.state.pending.round == BOUNDARY - 1
     assert all(torch.equal(a, b) for a, b in zip(pending.state.pending.average.tensors, donor.average.tensors))
     assert not donor_averager.state_wanted(BOUNDARY)  # served: the donor need not keep it past its next step
+
+
+def test_a_pending_average_served_before_its_announcement_shows_is_taken_once_the_announcement_comes(pair, nodes):
+    # the donor announces its pending average's hash (its round record) before it serves that average, but the
+    # DHT the taker reads may show the record a moment later (a node that missed the store: a peer restarted
+    # under the same key, whose old address the donor's daemon still dialled). The taker refused the average as
+    # announced by nobody, stranded the round and resynced again (busy-core run of 3911798, test_elastic)
+    (joiner, donor_averager), (joiner_id, donor_id) = pair
+    (joiner_dht, joiner_signer, joiner_gate), (donor_dht, donor_signer, donor_gate) = nodes
+    faults = FaultCounter()
+    joiner_records = RunRecords(joiner_dht, "sd", 0, faults, signer=joiner_signer, gate=joiner_gate)
+    donor_records = RunRecords(donor_dht, "sd", 0, FaultCounter(), signer=donor_signer, gate=donor_gate)
+    donor_records.publish_member(swarm_pb2.MemberRecord(run_id="sd", config_hash="0" * 64, stage=0, boundary=BOUNDARY,
+                                                        training=True, joined_at=time.time(), peer_name="donor"))  # fmt: skip
+    membership = Membership(joiner_records, config_hash="0" * 64, faults=faults)
+    membership.refresh()
+    agreement = Agreement(joiner_records, joiner, membership, SwarmConfig(round_wait=5.0, allreduce_timeout=10.0), faults)
+    donor = Donor()
+    donor_averager.set_state_provider(donor.offered_state)
+    donor_averager.set_state_boundary(BOUNDARY, ready=False)
+    complete = StageState(BOUNDARY, donor.theta, donor.momentum, PendingAverage(BOUNDARY - 1, donor.average))
+    record = swarm_pb2.RoundRecord(boundary=BOUNDARY, state_hash=complete.hash())
+    donor_records.publish_round(record)  # announced at the boundary, the average still in flight
+
+    taken = joiner.download_round(donor_id, BOUNDARY, wait_s=10.0, timeout=10.0, part=swarm_pb2.STATE_NOW)
+    assert taken.status == swarm_pb2.STATE_OK and taken.state.follows == BOUNDARY - 1, taken
+    with ThreadPoolExecutor(1) as pool:
+        fetched = pool.submit(agreement.fetch_pending, taken, [donor_id], lambda: False)
+        while not donor_averager.state_wanted():  # the taker's request waits in the donor's averager process
+            assert not fetched.done(), fetched.result()
+            time.sleep(0.05)
+        donor.ready = True
+        donor_averager.set_state_boundary(BOUNDARY, ready=True)  # served now; its announcement shows 1.5 s later
+        time.sleep(1.5)
+        record.pending_hash = complete.pending_hash()
+        donor_records.publish_round(record)
+        average = fetched.result(timeout=60)
+    assert average.kind is AverageKind.AVERAGED, average.note
+    assert all(torch.equal(a, b) for a, b in zip(average.tensors, donor.average.tensors))
+    assert faults.take()["downloads_failed"] == 0
