@@ -145,6 +145,7 @@ class DilocoxAverager(
         self._life_start = mp.Value(ctypes.c_int64, -1)  # the boundary this process started from (set_life_start)
         self._earlier_exchange = mp.Value(ctypes.c_int64, -1)  # the last exchange its earlier life began (same)
         self._counted_out = mp.Value(ctypes.c_int64, -1)  # the latest round a group it never learnt of held it
+        self._asked_to_lead = mp.Value(ctypes.c_int64, -1)  # the latest round a member asked it to lead before it looked
         # the groups this worker found itself counted into without joining them (averager process, _outside_group)
         self._outside_groups: collections.deque[bytes] = collections.deque(maxlen=OUTSIDE_GROUPS_KEPT)
         self._grouped_at: float | None = None  # when the group of the all-reduce running now formed (unix time)
@@ -196,6 +197,11 @@ class DilocoxAverager(
         looked for a group: a leader counted it in after it had given up on the leader (matchmaking.py). That
         group averages without it; looking on for another finds nobody (the others are in it)."""
         return self._counted_out.value == round
+
+    def asked_to_lead(self, round: int) -> bool:
+        """A member asked this worker to lead the group of round `round` (or a later one) before this worker looked
+        for it (group_admission._wait_to_lead): that member is in matchmaking already and waits for this one."""
+        return self._asked_to_lead.value >= round
 
     def refused_total(self) -> int:
         """Requests and join requests refused by the averager process so far."""

@@ -121,11 +121,18 @@ class RoundExchange(CompressedRound, GroupVote):
                 level=logging.ERROR,
             )
         self._play_hostile()
-        # Phase 1: wait until the stage's live members have started this round
-        others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self.abandoned)
+        # Phase 1: wait until the stage's live members have started this round, or until one that has asks this
+        # worker to lead its group (it waits for that in matchmaking: averager.asked_to_lead). On 2 busy cores a
+        # designated leader still waiting for a frozen member it took for late kept its follower's request 4 s and
+        # refused it, and the follower's matchmaking ran out (test_elastic, busy run of 3911798)
+        others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self._stop_waiting)
         self.clock.mark("wait")
         self._expected = [m.peer_id for m in others]
         self._started = [m.peer_id for m in others if m.record.averaging_round >= self.round]
+        late = sorted(set(self._expected) - set(self._started))
+        if late and self.averager.asked_to_lead(self.round):
+            logger.info("round %d: a member waits for this worker to lead its group: no longer waiting for %s to start "
+                        "the round", self.round, ", ".join(p[-8:] for p in late))  # fmt: skip
         if self.abandoned():
             return applies_nothing(AverageKind.ABANDONED, "this peer moved on to the swarm's state", self._window_start)
         if not others:
@@ -161,6 +168,9 @@ class RoundExchange(CompressedRound, GroupVote):
         self._log(average, expected=1 + len(others))
         # Phase 5: agree with the group on one average
         return self._agree(average)
+
+    def _stop_waiting(self) -> bool:
+        return self.abandoned() or self.averager.asked_to_lead(self.round)
 
     def _alone(self) -> Average:
         """Nobody else takes part in this round: the worker's own pseudo-gradient is the round's average, served

@@ -34,6 +34,7 @@ class GroupAdmission:
     """Mixin for DilocoxAverager (averager process): group tickets, and join requests as a leader takes them."""
 
     _admitted: frozenset[str]
+    _asked_to_lead: Any
     _current_round: int
     _grouped_round: int
     _matchmaking: Any
@@ -79,7 +80,7 @@ class GroupAdmission:
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         peer = context.remote_id.to_base58()
-        await self._wait_to_lead(self._ticket_round(request.gather))
+        await self._wait_to_lead(self._ticket_round(request.gather), peer)
         refusal = self._ticket_refusal(peer, request.gather, joining=True)
         if refusal:
             self._refused(f"{peer}'s request to join round {self._current_round}'s group", refusal)
@@ -92,17 +93,23 @@ class GroupAdmission:
         async for message in super().rpc_join_group(request, context):
             yield message
 
-    async def _wait_to_lead(self, round: int | None) -> None:
-        """A request to join round `round`'s group that comes before this worker looks for that group waits until
+    async def _wait_to_lead(self, round: int | None, peer: str) -> None:
+        """A request of `peer` to join round `round`'s group that comes before this worker looks for that group waits until
         it does (the designated leader is asked as soon as its followers start the round, which may be a moment
         before it does: matchmaking.DesignatedLeader), for most of the request's time at most: then it is
-        answered as hivemind would."""
+        answered as hivemind would. The stage worker learns at once that a member waits for it to lead
+        (averager.asked_to_lead): one still waiting for a late member to start the round stops waiting and
+        looks (exchange.py, phase 1)."""
         mm = self._matchmaking
         deadline = time.monotonic() + max(mm.request_timeout - 1.0, 0.0)
         while round is not None and time.monotonic() < deadline and (
             round > self._current_round
             or round == self._current_round and self._grouped_round != round and not looking_for_group(mm)
         ):  # fmt: skip
+            # the stage worker stops waiting for late members (exchange.py); a ticket's round is not verified yet:
+            # only an admitted member's, at most a round ahead, counts
+            if self._asked_to_lead.value < round <= self._current_round + 1 and peer in self._admitted:
+                self._asked_to_lead.value = round
             await asyncio.sleep(JOIN_WAIT_POLL_S)
 
 

@@ -448,7 +448,7 @@ def test_a_member_outside_every_group_answers_a_request_for_a_compressed_message
     assert took < 10.0, f"the answer took {took:.1f} s"
 
 
-def test_a_follower_that_looks_before_its_designated_leader_asks_it_once_and_is_taken_in_when_it_looks():
+def test_a_follower_that_looks_before_its_designated_leader_asks_it_once_tells_it_so_and_is_taken_in_when_it_looks():
     # a round's group forms around its designated leader (the smallest peer id): its follower asks it directly
     # instead of finding it in the DHT. Here the follower looks a second before the leader does; its request waits
     # at the leader until the leader looks, and is taken then: one request, no search through the DHT (refused,
@@ -460,9 +460,13 @@ def test_a_follower_that_looks_before_its_designated_leader_asks_it_once_and_is_
         leader, follower = sorted(group.averagers, key=lambda a: a.peer_id.to_base58() != lead)
         ticket = follower.prepare_round(3, 2, admitted=ids, expected=[lead], leader=lead)
         late = get_dht_time() + 60.0 + FOLLOWER_LAG_S  # as a stage's follower declares (exchange._scheduled_time)
+        leader.prepare_round(2, 2, admitted=ids)  # the leader's last round: the follower is a member of it
         following = follower.step(gather=ticket, timeout=90.0, allow_retries=True, wait=False, scheduled_time=late)
         _wait_until_looking(following)
         time.sleep(1.0)  # the leader is a second late to the round
+        # ... its stage worker learnt meanwhile that a member waits for it to lead round 3 (it stops waiting for
+        # late members then: exchange.py, phase 1), though not of a later round
+        assert leader.asked_to_lead(3) and not leader.asked_to_lead(4)
         ticket = leader.prepare_round(3, 2, admitted=ids, expected=[follower.peer_id.to_base58()], leader=lead)
         leading = leader.step(gather=ticket, timeout=90.0, allow_retries=True, wait=False)
         results = [following.result(timeout=30.0), leading.result(timeout=30.0)]
