@@ -208,6 +208,12 @@ class InnerTrainer:
             losses.append(loss.detach())
         return losses
 
+    def forward_backward(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list[torch.Tensor]:
+        """The gradients of one batch, accumulated into the parameters' `.grad` (the schedule's micro-batches and
+        loss scaling, as `train_step` takes them); the micro-batch losses (last stage). For trainers that handle
+        the gradients themselves before the optimizer step (benchmarks/netns/baselines.py: DDP's all-reduce)."""
+        return self._run_schedule(inputs, targets, train=True)
+
     def train_step(
         self, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, stop: bool = False
     ) -> StepResult:

@@ -5,7 +5,7 @@
     python -m benchmarks.netns.baselines check-fp16     # 2 averagers on loopback: does fp16 averaging give the mean?
 
 Both train what `dilocox-peer join --stages 1` trains, so that tokens and val loss compare with ours:
-the project's model, 1-stage pipeline schedule and inner AdamW (InnerTrainer's, as they are: the same
+the project's model and inner AdamW (InnerTrainer's, as they are: the same
 micro-batches and gradient scaling), its lr schedule (`lr_at`) and global-norm clipping, the peer's
 BatchSampler seeded by its host index (join's `--data-seed`) and the project's val batches. The step is
 written out here (InnerTrainer.train_step runs backward and the optimizer step in one call) because DDP
@@ -67,12 +67,11 @@ class Trainer:
         self.val = val_batches(corpus, shape.seq_len, cfg.inner.batch_size, cfg.data.val_batches)
 
     def backward(self) -> float:
-        """Gradients of one batch through the peer's own 1-stage pipeline schedule (the same micro-batches and
-        gradient scaling as `join`); the mean micro-batch loss."""
+        """Gradients of one batch through the peer's own inner trainer (the same micro-batches and gradient
+        scaling as `join`); the mean micro-batch loss."""
         inputs, targets = self.sampler.next()
         self.inner.optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        self.inner.schedule.step(inputs, target=targets, losses=losses)
+        losses = self.inner.forward_backward(inputs, targets)
         return torch.stack(losses).mean().item()
 
     def step(self, step: int) -> None:

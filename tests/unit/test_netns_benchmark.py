@@ -2,16 +2,19 @@
 
 The runs themselves need root and take 25 minutes (`sudo .venv/bin/python -m benchmarks.netns`); these
 check the parts a wrong number would hide in: the lab link rate, streaming's scaled tau, the ideal ring
-time of the all-reduce alone, and the verdict on each target.
+time of the all-reduce alone, the verdict on each target, and that the anchors' trainer still trains.
 
     python -m pytest tests/unit/test_netns_benchmark.py -q
 """
 
 from __future__ import annotations
 
-import pytest
+import math
 
-from benchmarks.netns import allreduce, report
+import pytest
+import torch
+
+from benchmarks.netns import allreduce, baselines, report
 from benchmarks.netns.gpu import GpuSetting, lab_rate_mbit, ring_bytes, ring_seconds
 from benchmarks.netns.variants import VARIANTS, RunShape, outer_choice, peer_cmd
 
@@ -123,3 +126,16 @@ def _payload(results: dict, targets: list[dict]) -> dict:
     gpu = GpuSetting(link_mbit=100.0).describe() | {"name": "slow"}
     return {"command_line": "python -m benchmarks.netns", "results": results, "allreduce": [], "targets": targets,
             "settings": {"gpu": [gpu], "lab_rates_mbit": {"slow": 5.0}, "rounds": {"slow": 8}}, "notes": ["n"]}  # fmt: skip
+
+
+def test_the_anchors_trainer_takes_a_step_with_the_peers_own_inner_trainer(tmp_path):
+    # DDP and hivemind train with join's InnerTrainer (same micro-batches, loss scaling, optimizer); a change of its
+    # API (a 1-stage model no longer runs through a pipeline schedule) broke both anchors, found only when the
+    # 25-minute benchmark ran
+    args = baselines.parse_args(["ddp", "--run-dir", str(tmp_path), "--rounds", "1", "--inner-steps", "2"])
+    trainer = baselines.Trainer(baselines._config(args), host=0, group=None)
+    before = [p.detach().clone() for p in trainer.params]
+    loss = trainer.backward()
+    assert math.isfinite(loss) and all(p.grad is not None for p in trainer.params)
+    trainer.step(0)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))
