@@ -70,6 +70,7 @@ def _exchange_rounds(args: argparse.Namespace, kind: str, tensors: list[torch.Te
             meet.mkdir(parents=True, exist_ok=True)
             write_atomically(meet / "multiaddrs.txt", "\n".join(stage.maddrs()) + "\n")
         stage.start()
+        stage.heartbeat.update(boundary=0)  # at the start barrier, as a worker says it (swarm/worker.py)
         stage.membership.wait_for_peers(args.peers, timeout=args.timeout)
         stage.set_state(0, ready=False, training=True)  # the others wait for this member in every round
         _wait_for_training(stage, args.peers, timeout=args.timeout)
