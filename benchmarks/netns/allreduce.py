@@ -170,6 +170,21 @@ def _numel(preset: str, stages: int) -> int:
     return sum(counts[i] for i in stage_layout(PRESETS[preset], stages)[0])
 
 
+def sends_per_message(strategy: str, peers: int) -> float:
+    """How many of its own messages a member sends in an exchange of `strategy` (as join's defaults run it): the
+    exact and the compressed butterfly move a ring's 2(N-1)/N (low-rank: of its two messages); top-k through the
+    butterfly (N-1)/N (1 + m), its reducers keeping m k values a chunk; all-gathered, N-1 copies."""
+    from dilocox_p2p.compression.transport import rides_butterfly
+    from dilocox_p2p.config import load_config
+
+    if strategy in ("none", "gloo-fp32", "lowrank"):
+        return 2 * (peers - 1) / peers
+    cfg = load_config(overrides={"compression.kind": strategy}).compression
+    if not rides_butterfly(cfg, peers):
+        return peers - 1
+    return (peers - 1) / peers * (1 + cfg.topk_reduced_multiple) if strategy == "topk" else 2 * (peers - 1) / peers
+
+
 def summarize(rows: list[dict], *, peers: int, rate_mbit: float, numel: int) -> list[dict]:
     """Per strategy: median seconds of the timed rounds, payload, the ideal ring time for it, and the ratio."""
     out = []
@@ -180,11 +195,11 @@ def summarize(rows: list[dict], *, peers: int, rate_mbit: float, numel: int) -> 
                    for t in timed]  # fmt: skip
         sent = [r["bytes_sent"] for r in mine if r["round"] in timed and r["bytes_sent"] is not None]
         fp32 = strategy in ("none", "gloo-fp32")
-        # compressed: each member sends its message(s) to the N-1 others; the payload is one member's message(s)
-        payload = 4 * numel if fp32 else statistics.median(sent) / (peers - 1)
+        # compressed: the payload is one member's message(s), what it sent divided by how often its algorithm sends them
+        payload = 4 * numel if fp32 else statistics.median(sent) / sends_per_message(strategy, peers)
         ideal = ring_seconds(payload, peers, rate_mbit)
-        # what the algorithm itself needs at best: the butterfly moves a ring's bytes; an all-gather sends N-1 copies
-        own = ideal if fp32 else (peers - 1) * payload * 8 / (rate_mbit * 1e6)
+        # what the algorithm itself needs at best: its bytes through the member's link (the butterfly's are a ring's)
+        own = ideal if fp32 else statistics.median(sent) * 8 / (rate_mbit * 1e6)
         out.append({
             "strategy": strategy, "values": numel, "payload_bytes": payload,
             "bytes_sent_per_peer": statistics.median(sent) if sent else None,

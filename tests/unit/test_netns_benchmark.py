@@ -95,10 +95,20 @@ def test_the_all_reduce_alone_is_judged_against_the_ring_time_of_its_own_payload
     assert none["payload_bytes"] == 4 * numel
     assert none["ideal_ring_seconds"] == pytest.approx(0.6)  # 1.5 x 4 MB at 10 MB/s
     assert none["vs_ideal"] == pytest.approx(1.5)
-    assert int8["payload_bytes"] == pytest.approx(1e6)  # what one member sent, once
-    assert int8["vs_ideal"] == pytest.approx(0.6 / 0.15)
-    assert int8["vs_algorithm_ideal"] == pytest.approx(2.0)  # an all-gather sends 3 copies of 1 MB: 0.3 s at best
+    # int8 rides the compressed butterfly: 3 MB sent is 1.5 x its 2 MB message, a ring's share
+    assert int8["payload_bytes"] == pytest.approx(2e6)
+    assert int8["vs_ideal"] == pytest.approx(0.6 / 0.3)
+    assert int8["vs_algorithm_ideal"] == pytest.approx(2.0)  # 3 MB through a 10 MB/s link: 0.3 s at best
     assert none["seconds_each"] == [pytest.approx(0.9)] * 2  # round 0 is the warm-up
+
+
+@pytest.mark.parametrize(("strategy", "peers", "sends"), [
+    ("none", 4, 1.5), ("fp16", 4, 1.5), ("int8", 8, 1.75), ("fp4", 3, 4 / 3), ("lowrank", 4, 1.5),
+    ("topk", 3, 2.0),  # all-gathered in groups of 3 (compression.topk_transport auto)
+    ("topk", 4, 3.0),  # the butterfly: (N-1)/N x (1 + 3)
+])  # fmt: skip
+def test_a_members_bytes_are_its_message_times_what_its_algorithm_sends(strategy, peers, sends):
+    assert allreduce.sends_per_message(strategy, peers) == pytest.approx(sends)
 
 
 def _result(tokens_per_s: float, ratio: float, val: float, speedup: float | None = None) -> dict:
