@@ -1,6 +1,6 @@
 """Ours against DDP and OpenDiLoCo-style hivemind on shaped links, side by side in one run (needs root).
 
-    sudo .venv/bin/python -m benchmarks.netns            # the whole benchmark, about 25 min on 2 quiet cores
+    sudo .venv/bin/python -m benchmarks.netns            # the whole benchmark, about 17 min on 2 quiet cores
     sudo .venv/bin/python -m benchmarks.netns --smoke    # every variant and the all-reduce part, a few rounds
 
 (run from the repository root; `python benchmarks/netns` works too.) 4 peers, each in its own network
