@@ -177,12 +177,15 @@ def sends_per_message(strategy: str, peers: int) -> float:
     from dilocox_p2p.compression.transport import rides_butterfly
     from dilocox_p2p.config import load_config
 
+    ring = 2 * (peers - 1) / peers
     if strategy in ("none", "gloo-fp32", "lowrank"):
-        return 2 * (peers - 1) / peers
+        return ring
     cfg = load_config(overrides={"compression.kind": strategy}).compression
     if not rides_butterfly(cfg, peers):
         return peers - 1
-    return (peers - 1) / peers * (1 + cfg.topk_reduced_multiple) if strategy == "topk" else 2 * (peers - 1) / peers
+    if strategy == "topk":
+        return (peers - 1) / peers * (1 + cfg.topk_reduced_multiple)
+    return ring
 
 
 def summarize(rows: list[dict], *, peers: int, rate_mbit: float, numel: int) -> list[dict]:

@@ -393,14 +393,14 @@ class Agreement:
                 records = self._voters_records(state.boundary)
             except Exception as e:
                 return f"the stage group's round records of {state.boundary} could not be read: {e!r}"
-            if self._majority_pending(records) is not None or time.monotonic() >= until:
+            announced = self._majority_pending(records)
+            if announced is not None or time.monotonic() >= until:
                 break
             time.sleep(CHECK_POLL_S)  # the donor announced it before serving it: the record is on its way
         if pending is None:
-            want = self._majority_pending(records)
-            return "" if want is None else f"it served no average where the stage group announced {want[:12]}"
+            return "" if announced is None else f"it served no average where the stage group announced {announced[:12]}"
         problem = self._pending_mismatch(records, got.state)
-        if problem and self._majority_pending(records) is None:  # name the records read, so the next one explains itself
+        if announced is None:  # name the records read, so the next one explains itself
             read = ", ".join(f"{p[-8:]} {r.state_hash[:8]}/{r.pending_hash[:8] or '-'}" for p, r in sorted(records.items()))
             problem += f" in {ANNOUNCED_WAIT_S:.0f} s (round records of {state.boundary}, state/pending hash: {read or 'none'})"
         return problem

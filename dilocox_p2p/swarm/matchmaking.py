@@ -178,9 +178,8 @@ def track_join_requests(matchmaking: Any) -> None:
     """Wrap `matchmaking._request_join_group` (once) so that `joining` tells whether a request to a leader is in
     flight (a leader's redirect to another leader is a nested request, counted too), and `asked_leaders` whom the
     latest searches asked."""
-    if hasattr(matchmaking, "_dilocox_joining"):
+    if hasattr(matchmaking, "_dilocox_asking"):
         return
-    matchmaking._dilocox_joining = 0
     matchmaking._dilocox_asked = collections.deque(maxlen=ASKED_KEPT)
     matchmaking._dilocox_asking = collections.Counter()
     request_join_group = matchmaking._request_join_group
@@ -188,14 +187,12 @@ def track_join_requests(matchmaking: Any) -> None:
     async def request_join_group_tracked(leader: Any, *args: Any, **kwargs: Any) -> Any:
         name = leader.to_base58()
         matchmaking._dilocox_asked.append(name)
-        matchmaking._dilocox_joining += 1
         matchmaking._dilocox_asking[name] += 1
         asked, group = time.monotonic(), None
         try:
             group = await request_join_group(leader, *args, **kwargs)
             return group
         finally:
-            matchmaking._dilocox_joining -= 1
             matchmaking._dilocox_asking[name] -= 1
             if not matchmaking._dilocox_asking[name]:
                 del matchmaking._dilocox_asking[name]
@@ -273,7 +270,7 @@ def refuses_mutual_ask(matchmaking: Any, peer: str, expiration: float) -> bool:
 
 def joining(matchmaking: Any) -> bool:
     """Whether a request of this worker to a leader is in flight (`track_join_requests`)."""
-    return bool(getattr(matchmaking, "_dilocox_joining", 0))
+    return bool(asking(matchmaking))
 
 
 def outside_every_group(matchmaking: Any, group_id: bytes) -> bool:
