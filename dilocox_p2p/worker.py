@@ -132,6 +132,12 @@ class StageWorker:
         (swarm/wire_meter.py); None without a swarm or where they cannot be read."""
         return None
 
+    def take_source_bytes(self) -> dict[str, list[int]] | None:
+        """[sent, received] bytes of this stage's swarm messages since the last call, by what they are for
+        (exchange, matchmaking, dht, pushes, held, state, hello, other: swarm/protocol_bytes.py); None without
+        a swarm."""
+        return None
+
     def extra_state(self) -> dict[str, Any]:
         """This worker's own state beyond theta_g and the inner optimizer, for its checkpoints."""
         return {}
@@ -357,6 +363,7 @@ class StageWorker:
             "compute_window": compute_window,
             "faults": self.take_fault_counts(),
             "wire": self.take_wire_bytes(),
+            "sources": self.take_source_bytes(),
             "compression": self.compression_facts(),
             "fp32_bytes": 4 * sum(self.trainer.params[i].numel() for i in of_round(self.fragments, t)),
             "members": self.group_members(),
@@ -400,6 +407,10 @@ class StageWorker:
             # per stage, [sent, received]: every byte its p2p daemon's sockets moved since the last record (DHT,
             # matchmaking, requests, phase 5, state downloads: swarm/wire_meter.py); null where unknown
             "wire_bytes": [list(s["wire"]) if s["wire"] is not None else None for s in stages],
+            # per stage, {source: [sent, received]}: the messages among those bytes by what they are for (exchange,
+            # matchmaking, dht, pushes, held, state, hello, other: swarm/protocol_bytes.py); the wire's bytes less
+            # their sum are libp2p's own (encryption, multiplexing, negotiation, identify, pings)
+            "wire_by_source": [s["sources"] for s in stages],
             "fp32_bytes": [s["fp32_bytes"] for s in stages],  # each stage's pseudo-gradient averaged this round
             "params": self.n_params_peer,
             "stage_hashes": [s["hash"] for s in stages],

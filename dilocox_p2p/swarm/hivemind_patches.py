@@ -105,6 +105,9 @@ PATCHES: dict[str, str] = {
     "ControlClient._read_from_persistent_conn": "replaced (guard_unary_replies below): a reply to a call cancelled a "
     "moment before no longer ends the reader; _pending_calls / _handler_tasks / _handle_persistent_request used as "
     "hivemind does",
+    "ControlClient.call_unary_handler / add_unary_handler / stream_open / stream_handler": "wrapped (protocol_bytes."
+    "count_by_source): each message's bytes are counted for its protocol's source (exchange, matchmaking, dht...); "
+    "a stream's reader and writer are handed on wrapped (readexactly, read, readline, write counted)",
     # utils/mpfuture.py, utils/asyncio.py: process-wide locks made at import (own_process_locks below)
     "MPFuture.reset_backend": "called in each stage process forked from a process that imported hivemind",
     "_AsyncContextWrapper.EXECUTOR_LOCK": "replaced by a lock of the stage process's own, as reset_backend does its",

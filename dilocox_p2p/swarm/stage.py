@@ -13,6 +13,7 @@
       routes              routes back into the DHT after this worker lost them (reconnect.py)
       faults              counted faults, handed to metrics.jsonl every round (faults.py)
       wire                bytes the worker's p2p daemon moved, every kind of traffic (wire_meter.py)
+      sources             those bytes' messages by what they are for: exchange, matchmaking, DHT... (protocol_bytes.py)
       signer, gate        this worker's signature on what it sends, and the checks on what it takes
                           (envelope.py); strikes and bans of misbehaving peers (`strike`)
 """
@@ -50,6 +51,7 @@ from .hello import serve_hello
 from .hivemind_patches import check_version
 from .membership import Membership
 from .reconnect import RouteKeeper, join_lead
+from .protocol_bytes import SourceBytes, count_by_source
 from .wire_meter import WireMeter, daemons_below
 
 __all__ = ["SwarmStage"]
@@ -89,6 +91,8 @@ class SwarmStage:
         # with initial peers, every stage bootstraps from them (and from stage 0); without, the other stages start
         # their nodes beside stage 0's and join it once it listens (reconnect.join_lead)
         lead = [] if self.sw.initial_peers else list(extra_peers)
+        self.sources = SourceBytes(own_keys=key_path.parent)
+        count_by_source(self.sources)  # before the DHT and the averager fork: they count into it too
         self.dht = start_dht(cfg.swarm, stage=stage, identity_path=key_path, validator=validator,
                              extra_peers=[] if lead else extra_peers)  # fmt: skip
         if lead:

@@ -129,6 +129,9 @@ class SwarmStageWorker(StageWorker):
     def take_wire_bytes(self) -> tuple[int, int] | None:
         return self.swarm.wire.take()
 
+    def take_source_bytes(self) -> dict[str, list[int]] | None:
+        return self.swarm.sources.take()
+
     def peer_facts(self) -> dict[str, Any]:
         return {"peer_id": self.swarm.peer_id, "peer_key": self.swarm.peer_key_hex, "multiaddrs": self.swarm.maddrs()}
 

@@ -18,9 +18,11 @@ import pytest
 
 from benchmarks.netlab import NetLab
 from dilocox_p2p.launch import wait_for_multiaddrs
+from dilocox_p2p.swarm.protocol_bytes import NETWORK_SOURCES
 
 pytestmark = pytest.mark.netns
 
+MESSAGE_SHARE = 0.85  # the least share of a daemon's bytes its messages may be (0.950-0.957 measured, 2026-11-29)
 WIRE_SHARE = 0.8  # the least share of a link's bytes a peer's own counters may see (0.885-0.889 measured, 2026-11-29)
 
 
@@ -59,3 +61,9 @@ def test_two_peers_in_separate_namespaces_average_over_a_shaped_link(tmp_path):
     for records, (rx, tx) in zip((a, b), interface):
         wire = [sum(w[i] for r in records for w in r["wire_bytes"]) for i in (0, 1)]
         assert WIRE_SHARE * tx <= wire[0] <= tx and WIRE_SHARE * rx <= wire[1] <= rx, (wire, tx, rx)
+        # the messages among them by what they were for (swarm/protocol_bytes.py), less the traffic between the
+        # peer's own stages: all of the wire's bytes but libp2p's own (framing, encryption, negotiation, pings)
+        messages = [sum(moved[i] for r in records for by_source in r["wire_by_source"]
+                        for source, moved in by_source.items() if source in NETWORK_SOURCES) for i in (0, 1)]
+        assert MESSAGE_SHARE * wire[0] <= messages[0] <= wire[0], (messages, wire)
+        assert MESSAGE_SHARE * wire[1] <= messages[1] <= wire[1], (messages, wire)

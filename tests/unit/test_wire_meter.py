@@ -66,3 +66,16 @@ def test_a_socket_that_closed_keeps_what_it_had_moved_and_nothing_is_made_up_whe
     assert meter.take() == (2, 4)  # 1 closed: its 150 / 20 stay counted
     assert meter.take() is None  # unreadable
     assert WireMeter(lambda: None, own=set).take() is None  # no daemon found
+
+
+def test_a_protocol_names_its_source_by_the_servicer_method_whatever_its_namespace():
+    from dilocox_p2p.swarm.protocol_bytes import SOURCES, source_of
+
+    assert source_of("run_1a2b_s0::DilocoxAverager.rpc_aggregate_part") == "exchange"
+    assert source_of("run_1a2b_s3::DilocoxAverager.rpc_join_group") == "matchmaking"
+    assert source_of("DHTProtocol.rpc_find") == "dht"
+    assert source_of("run_1a2b_s0::DilocoxAverager.rpc_push_member") == "pushes"
+    assert source_of("run_1a2b_s0::DilocoxAverager.rpc_download_round") == "state"
+    assert source_of("dilocox.v1.Hello") == "hello"
+    assert source_of("/ipfs/ping/1.0.0") == "other"
+    assert set(map(source_of, ["x.rpc_download_average", "y.rpc_download_message"])) <= set(SOURCES)
