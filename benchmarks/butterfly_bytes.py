@@ -89,6 +89,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
     steady = range(1, args.rounds - 1)
     sent, received, wire, full = [], [], [], True
     exchange, fixed, phases, metered = [], [], {}, []
+    by_source: dict[str, list[float]] = {}  # per direction and steady round of a member (swarm/protocol_bytes.py)
     for host, records in enumerate(run.records):
         by_round = {r["round"]: r for r in records}
         for t in steady:
@@ -106,6 +107,8 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
                 phases.setdefault(k, []).append(v)
             if r.get("wire_bytes") and r["wire_bytes"][0] is not None:
                 metered.append(sum(r["wire_bytes"][0]) / 2)  # per direction, as `wire`
+            for source, moved in ((r.get("wire_by_source") or [None])[0] or {}).items():
+                by_source.setdefault(source, []).append(sum(moved) / 2)
         ends = [by_round[t]["time"] for t in (steady.start - 1, steady.stop - 1) if t in by_round]
         if len(ends) == 2:
             rx, tx = run.wire(host, ends[0], ends[1])
@@ -130,7 +133,24 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
         "phases_median_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},
         "wire_metered_per_direction": statistics.median(metered) if metered else None,
         "metered_vs_wire": statistics.median(metered) / wire_per_round if metered and wire_per_round else None,
+        "sources_per_direction": sources_per_direction(by_source, len(sent), metered, wire_per_round),
     }  # fmt: skip
+
+
+def sources_per_direction(by_source: dict[str, list[float]], member_rounds: int, metered: list[float],
+                          wire: float | None) -> dict[str, float]:
+    """What a member's bytes per direction and round were for: each source's mean over the steady rounds of every
+    member (a round where a source moved nothing counts as 0), `libp2p` the metered bytes less the messages (the
+    daemon's framing, encryption, negotiation, pings), `tcp/ip` the interface's bytes less the metered (headers,
+    pure acknowledgements)."""
+    if not member_rounds:
+        return {}
+    out = {s: sum(v) / member_rounds for s, v in sorted(by_source.items()) if s != "own_stages"}
+    if metered:
+        out["libp2p"] = statistics.mean(metered) - sum(out.values())
+        if wire:
+            out["tcp/ip"] = wire - statistics.mean(metered)
+    return {s: round(v) for s, v in out.items()}
 
 
 def _with_capability(cmd: list[str], host: int) -> list[str]:
@@ -140,15 +160,26 @@ def _with_capability(cmd: list[str], host: int) -> list[str]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| kind | N | message | counted sent / 2(N-1)/N | all-gather would send | wire per direction / 2(N-1)/N | "
-             "wire not counted | wire vs fp32 ring | exchange s | fixed s | hashes equal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "wire not counted | of which (per direction) | wire vs fp32 ring | exchange s | fixed s | hashes equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         fmt = lambda v, f, unit="": "-" if v is None else format(v, f) + unit  # noqa: E731
         lines.append(f"| {r['kind']} | {r['peers']} | {r['message_bytes']:,} B | {fmt(r['counted_vs_butterfly'], '.3f')} | "
                      f"{r['all_gather_bytes'] / r['butterfly_bytes']:.2f}x | {fmt(r['wire_vs_butterfly'], '.2f')} | "
-                     f"{fmt(r['wire_not_counted'], ',.0f', ' B')} | {fmt(r['wire_vs_fp32_ring'], '.4f')} | "
+                     f"{fmt(r['wire_not_counted'], ',.0f', ' B')} | {_not_counted(r)} | {fmt(r['wire_vs_fp32_ring'], '.4f')} | "
                      f"{fmt(r.get('exchange_s'), '.3f')} | {fmt(r.get('fixed_s'), '.3f')} | {r['hashes_equal']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _not_counted(row: dict) -> str:
+    """The sources beside the exchange's payload, largest first, in kB (the exchange's own signed requests and framing:
+    its source's bytes less the counted payload)."""
+    sources = dict(row.get("sources_per_direction") or {})
+    if not sources:
+        return "-"
+    if "exchange" in sources and row.get("counted_sent"):
+        sources["exchange"] -= (row["counted_sent"] + (row.get("counted_received") or row["counted_sent"])) / 2
+    return ", ".join(f"{s} {v / 1e3:.0f}k" for s, v in sorted(sources.items(), key=lambda x: -x[1]) if abs(v) >= 500)
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -25,6 +25,18 @@ def test_the_table_shows_each_runs_ratios_and_a_dash_where_a_run_measured_nothin
            "counted_vs_butterfly": 1.01, "wire_vs_butterfly": None, "wire_not_counted": None,
            "wire_vs_fp32_ring": None, "hashes_equal": True}  # fmt: skip
     line = table([row]).splitlines()[-1]
-    assert line == "| int8 | 4 | 1,000 B | 1.010 | 2.00x | - | - | - | - | - | True |"
+    assert line == "| int8 | 4 | 1,000 B | 1.010 | 2.00x | - | - | - | - | - | - | True |"
     row.update(exchange_s=0.3, fixed_s=0.26446896)
-    assert table([row]).splitlines()[-1] == "| int8 | 4 | 1,000 B | 1.010 | 2.00x | - | - | - | 0.300 | 0.264 | True |"
+    assert table([row]).splitlines()[-1] == "| int8 | 4 | 1,000 B | 1.010 | 2.00x | - | - | - | - | 0.300 | 0.264 | True |"
+
+
+def test_what_the_wire_carried_beside_the_payload_is_split_by_source_per_member_round():
+    from benchmarks.butterfly_bytes import _not_counted, sources_per_direction
+
+    # two member-rounds: the exchange both times, a DHT read in one; metered 1.2 MB and 1.0 MB, the interface 1.2 MB
+    by_source = {"exchange": [1_000_000, 1_000_000], "dht": [40_000], "own_stages": [5_000]}
+    sources = sources_per_direction(by_source, 2, metered=[1_060_000, 1_000_000], wire=1_100_000)
+    assert sources == {"dht": 20_000, "exchange": 1_000_000, "libp2p": 10_000, "tcp/ip": 70_000}
+    row = {"sources_per_direction": sources, "counted_sent": 990_000, "counted_received": 990_000}
+    assert _not_counted(row) == "tcp/ip 70k, dht 20k, exchange 10k, libp2p 10k"
+    assert sources_per_direction({}, 0, [], None) == {}
