@@ -6,6 +6,9 @@ they are stored under):
     {run}:members:s{stage}        MemberRecord per live worker, refreshed by a heartbeat (heartbeat.py)
     {run}:round:s{stage}:{b}      RoundRecord: the state (and pending average) hashes each worker holds at b
     {run}:average:s{stage}:{r}    AverageRecord: the hash of round r's average each member of its group holds
+    {run}:digests:s{stage}:{r}:{w}  DigestRecord: the reducers' signed digests worker w's copy of it was made from
+                                  (a key per worker: a store walks to its key's nodes, which answer with what the
+                                  key holds, and a shared key's N records of N digests each grew as N^2)
     {run}:config:{hash}           ConfigRecord: the shared config behind a hash
 
 Records are checked twice: by the DHT node itself (`EnvelopeValidator`, a hivemind
@@ -438,6 +441,20 @@ class RunRecords:
     def publish_config(self, config_hash: str, shared_json: str) -> None:
         record = swarm_pb2.ConfigRecord(config_hash=config_hash, shared_json=shared_json)
         self._store(f"{self.run_id}:config:{config_hash}", record, ROUND_RECORD_TTL_S)
+
+    def publish_digests(self, record: swarm_pb2.DigestRecord) -> bool:
+        key = f"{self.run_id}:digests:s{self.stage}:{record.round}:{self.peer_id}"
+        return self._store(key, record, AVERAGE_RECORD_TTL_S, round=record.round)
+
+    def digest_records(self, round: int, workers: Iterable[str]) -> dict[str, swarm_pb2.DigestRecord]:
+        """The DigestRecords of round `round` that `workers` published (those found), one lookup each."""
+        found = {}
+        for worker in workers:
+            records = self._get(f"{self.run_id}:digests:s{self.stage}:{round}:{worker}", swarm_pb2.DigestRecord,
+                                round=round)  # fmt: skip
+            if worker in records and records[worker][0].message.round == round:
+                found[worker] = records[worker][0].message
+        return found
 
     def config(self, config_hash: str) -> str | None:
         for opened, _ in self._get(f"{self.run_id}:config:{config_hash}", swarm_pb2.ConfigRecord).values():

@@ -4,12 +4,20 @@ Mending can reach some members and not others, so copies of one group's average 
 member announces the hash of its copy in the DHT (AverageRecord), reads the others', and takes the
 majority's copy (`GroupVote._majority` says how, and when it stops waiting). A mixin of
 exchange.RoundExchange (its stage, averager, membership, round and clock).
+
+With the compressed butterfly a copy is made of reduced parts whose reducers signed a digest of each. A member
+announces the hash of those digests with its copy's, and the digests themselves apart (DigestRecord): every
+member reads every AverageRecord of its group, every round, and N digests in each of N records made phase 5
+most of a member's DHT traffic (N=4, `tiny`: 6.3 kB a read, against 1.3 kB for the members' records). Members
+whose digests differ read each other's and convict a reducer that signed two different parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -19,11 +27,22 @@ from ..wire import swarm_pb2
 from .agreement import held_by_most, majority_hash
 from .equivocation import equivocators
 
-__all__ = ["AGREE_POLL_S", "GroupVote"]
+__all__ = ["AGREE_POLL_S", "DIGESTS_WAIT_S", "GroupVote", "digests_hash"]
 
 logger = logging.getLogger("dilocox_p2p.swarm.exchange")  # its logs read as the exchange's
 
 AGREE_POLL_S = 0.2  # phase 5 reads the group's average records this often until the majority is settled
+DIGESTS_WAIT_S = 3.0  # how long a member waits for the digests of members whose digests differ from its own
+
+
+def digests_hash(digests: Sequence[bytes]) -> bytes:
+    """SHA-256 of a copy's reducer digests, in any order (b"": none, as without the compressed butterfly)."""
+    if not digests:
+        return b""
+    h = hashlib.sha256()
+    for d in sorted(digests):
+        h.update(len(d).to_bytes(8, "big") + d)
+    return h.digest()
 
 
 class GroupVote:
@@ -84,26 +103,57 @@ class GroupVote:
             100 * average.coverage, len(holders), len(hashes), winner[:12], adopted.kind.value, 100 * adopted.coverage,
         )  # fmt: skip
         if me in voters:  # members still deciding count this worker in the majority now; the digests it got stay
-            self._announce(dataclasses.replace(adopted, digests=average.digests), winner)
+            self._announce(dataclasses.replace(adopted, digests=average.digests), winner, digests_too=False)
         return adopted
 
-    def _announce(self, average: Average, average_hash_: str) -> None:
-        """Publish this worker's copy's hash (AverageRecord), with the reducers' digests of what it was sent."""
+    def _announce(self, average: Average, average_hash_: str, *, digests_too: bool = True) -> None:
+        """Publish this worker's copy's hash (AverageRecord) with the hash of the reducers' digests of what it was
+        sent; the digests themselves (DigestRecord) in the background: only members whose digests differ read
+        them (`_convict_equivocators`), and wait for them."""
         record = swarm_pb2.AverageRecord(
             round=self.round, group_id=average.group_id, average_hash=average_hash_, kind=average.kind.value,
-            missing=[swarm_pb2.Span(start=a, end=b) for a, b in average.missing], reduced_digests=average.digests,
+            missing=[swarm_pb2.Span(start=a, end=b) for a, b in average.missing],
+            digests_hash=digests_hash(average.digests),
         )  # fmt: skip
         self.stage.records.publish_average(record)
+        if digests_too and average.digests:
+            digests = swarm_pb2.DigestRecord(round=self.round, group_id=average.group_id,
+                                             reduced_digests=average.digests)  # fmt: skip
+            threading.Thread(target=self.stage.records.publish_digests, args=(digests,), name="digests",
+                             daemon=True).start()  # fmt: skip
 
     def _convict_equivocators(self, average: Average, records: dict[str, swarm_pb2.AverageRecord]) -> set[str]:
         """A reducer whose signed digests of one reduced part differ between this worker's copy and another
         member's announced one sent them different bytes: proven, it is banned (equivocation.py) and its own
-        copy does not vote; phase 5 then gives the others one copy as it does for any split. Returns who was."""
-        digests = [*average.digests, *(d for r in records.values() for d in r.reduced_digests)]
+        copy does not vote; phase 5 then gives the others one copy as it does for any split. Returns who was.
+        Only the digests of members whose digests' hash differs from this worker's are read: any two different
+        sets among the group's are then at hand (this worker's, or one of those)."""
+        mine = digests_hash(average.digests)
+        differing = {p for p, r in records.items() if r.digests_hash != mine}
+        if not differing:
+            return set()
+        theirs = self._digests_of(differing, average.group_id)
+        digests = [*average.digests, *(d for r in theirs.values() for d in r.reduced_digests)]
         proven = equivocators(self.stage.gate, average.group_id, digests)
         for reducer, proof in proven.items():
             self.stage.convict(reducer, f"round {self.round}: {proof}")
         return set(proven)
+
+    def _digests_of(self, members: set[str], group_id: bytes) -> dict[str, swarm_pb2.DigestRecord]:
+        """The DigestRecords of `members` for `group_id`, read until all are in or DIGESTS_WAIT_S has passed (each
+        member publishes its own just after its AverageRecord)."""
+        deadline, found = time.monotonic() + DIGESTS_WAIT_S, {}
+        while not self.abandoned():
+            try:
+                read = self.stage.records.digest_records(self.round, sorted(members - set(found)))
+                found |= {p: r for p, r in read.items() if r.group_id == group_id}
+            except Exception as e:
+                self.stage.faults.count("lookups_failed", "round %d: the group's digest records could not be read: %r",
+                                        self.round, e)  # fmt: skip
+            if set(found) == members or time.monotonic() >= deadline:
+                break
+            time.sleep(AGREE_POLL_S)
+        return found
 
     def _group_records(self, group_id: bytes, voters: set[str], mine: str | None) -> dict[str, swarm_pb2.AverageRecord]:
         """The other voters' AverageRecords for `group_id`, read until the majority is settled (this worker's
