@@ -63,6 +63,14 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     "streaming P1 alpha 0.75": ({"outer.mode": "streaming", "outer.overlap_steps": 5, "outer.merge_alpha": 0.75},
                                 [(0.7, 0.9)]),
     "streaming P1 tau 1": ({"outer.mode": "streaming", "outer.overlap_steps": 1}, [(0.7, 0.9)]),
+    # join's default compression (int8) in its default mode, and a longer overlap for it: the average of a sync
+    # merged tau of the H inner steps after it began (a slow link needs a wide window; issue 37's defaults)
+    "streaming P1 int8": ({"outer.mode": "streaming", "outer.overlap_steps": 5, "compression.kind": "int8"},
+                          [(0.7, 0.9)]),
+    "streaming P1 int8 tau 10": ({"outer.mode": "streaming", "outer.overlap_steps": 10, "compression.kind": "int8"},
+                                 [(0.7, 0.9)]),
+    "streaming P1 int8 tau 15": ({"outer.mode": "streaming", "outer.overlap_steps": 15, "compression.kind": "int8"},
+                                 [(0.7, 0.9)]),
     "streaming P2 fp4": ({"outer.mode": "streaming", "outer.fragments": 2, "outer.overlap_steps": 5,
                           "compression.kind": "fp4"}, [(0.7, 0.7), (1.0, 0.7)]),
     # the quantizers through the compressed butterfly (as the swarm runs them: a reducer re-encodes each span's
@@ -208,7 +216,7 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     overrides = {
         "model.preset": args.preset, "model.stages": 1, "run.rounds": args.rounds, "inner.steps": args.inner_steps,
         "inner.batch_size": args.batch_size, "inner.microbatches": 1, "inner.warmup_steps": args.warmup,
-        "outer.lr": lr, "outer.momentum": momentum, "swarm.enabled": False, **settings,
+        "outer.lr": lr, "outer.momentum": momentum, "swarm.enabled": False, "compression.kind": "none", **settings,
     }  # fmt: skip
     cfg = load_config(overrides=overrides)
     shape = cfg.model.shape

@@ -72,7 +72,7 @@ def peer_cmd(args: argparse.Namespace, mode: str, lr: float, momentum: float, la
         "--host-maddrs", f"/ip4/{lab.ip(host)}/tcp/0", "--set", "inner.threads=1", "--min-peers", str(args.peers),
         "--round-wait", "60", "--set", "swarm.allreduce_timeout=300", "--set", "swarm.chunk_timeout=60",
         "--outer-lr", str(lr), "--set", f"outer.momentum={momentum}", "--set", f"inner.warmup_steps={args.warmup}",
-        *MODES[mode][0],
+        "--compression", "none", *MODES[mode][0],  # fp32 unless the mode names its compression
     ]  # fmt: skip
 
 

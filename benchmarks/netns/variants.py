@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from benchmarks.common import RESULTS
-from dilocox_p2p.config import load_config
+from dilocox_p2p.config import default_overlap_steps, load_config
 
 __all__ = ["OuterChoice", "RunShape", "VARIANTS", "Variant", "mode_and_compression", "outer_choice", "peer_cmd"]
 
@@ -39,11 +39,13 @@ class RunShape:
     gpu_inner_steps: int = 0
     """H of the GPU setting the lab stands for (0: the lab's own): streaming's tau is scaled to the lab's H."""
 
-    def overlap_steps(self, fragments: int) -> int:
-        """Streaming's tau in the lab: join's default at the GPU setting's H (min(5, H / P) steps), as the same share
-        of a sync round at the lab's H, so that the lab hides what the GPU setting would (at least 1 step)."""
+    def overlap_steps(self, fragments: int, share: float | None = None) -> int:
+        """Streaming's tau in the lab: join's default at the GPU setting's H (config.default_overlap_steps), or
+        `share` of its sync rounds, as the same share of a sync round at the lab's H, so that the lab hides what
+        the GPU setting would (at least 1 step)."""
         gpu_h = self.gpu_inner_steps or self.inner_steps
-        gpu_tau = min(5, gpu_h // fragments)
+        sync_steps = gpu_h // fragments
+        gpu_tau = default_overlap_steps(sync_steps) if share is None else max(1, round(share * sync_steps))
         return max(1, round(gpu_tau * self.inner_steps / gpu_h))
 
     @property
@@ -63,6 +65,8 @@ class Variant:
     label: str = ""
     """The configuration's name in that file."""
     why: str = ""
+    overlap_share: float | None = None
+    """streaming: tau as this share of a sync round (None: join's default at the GPU setting's H)."""
 
 
 _DEFAULTS = "not in the quality sweeps: join's default mode (streaming P=1) at its defaults"
@@ -71,7 +75,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("ddp-gloo", "ddp", why="DDP-style: gloo all_reduce of the gradients every inner step (no backward overlap)"),
     Variant("hivemind-fp16", "hivemind",
             why="OpenDiLoCo-style: hivemind DecentralizedAverager, fp16, blocking, every H steps; outer Nesterov"),
-    Variant("sync-fp32", "ours", ("--mode", "sync"), "modes_quality.json", "sync fp32", "classic DiLoCo through our swarm"),
+    Variant("sync-fp32", "ours", ("--mode", "sync", "--compression", "none"), "modes_quality.json", "sync fp32",
+            "classic DiLoCo through our swarm"),
     Variant("fp16", "ours", ("--compression", "fp16"), why=_DEFAULTS),
     Variant("int8", "ours", ("--compression", "int8"), why=_DEFAULTS),
     Variant("fp4", "ours", ("--mode", "streaming", "--fragments", "2", "--compression", "fp4"),
@@ -81,7 +86,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             "the only low-rank configuration measured (convergence.json)"),
     Variant("topk", "ours", ("--mode", "sync", "--compression", "topk"), "convergence.json", "sync topk",
             "top-k's best measured: sync (convergence.json: 2.212, delayed 2.514)"),
-    Variant("default", "ours", why="join's defaults, no mode or compression flag: streaming P=1, tau 5, fp32"),
+    Variant("int8-tau-half", "ours", ("--compression", "int8"), why="int8 with tau half a sync round (H/2)",
+            overlap_share=0.5),
+    Variant("int8-tau-3q", "ours", ("--compression", "int8"), why="int8 with tau three quarters of a sync round",
+            overlap_share=0.75),
+    Variant("default-fp32", "ours", ("--compression", "none"),
+            why="join's defaults before 2026-11-29: streaming P=1, tau 5, fp32"),
+    Variant("default", "ours", why="join's defaults, no mode or compression flag: streaming P=1, tau 5, int8"),
 )}  # fmt: skip
 
 
@@ -161,5 +172,5 @@ def peer_cmd(
         cmd += ["--outer-lr", str(outer.lr), "--set", f"outer.momentum={outer.momentum}"]
     cfg = load_config(overrides=_flag_overrides(variant.flags))
     if cfg.outer.mode == "streaming":
-        cmd += ["--overlap-steps", str(shape.overlap_steps(cfg.outer.fragments))]
+        cmd += ["--overlap-steps", str(shape.overlap_steps(cfg.outer.fragments, variant.overlap_share))]
     return cmd

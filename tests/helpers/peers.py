@@ -24,6 +24,9 @@ from tests.helpers.zygote import Forked, zygote
 
 PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the machinery in delayed mode
     "--mode", "delayed",
+    # and fp32 through hivemind's exact butterfly (join's default is int8 since 2026-11-29): tests name their
+    # compression where it matters (test_compressed_rounds, test_trust...); the netns tier runs join's default
+    "--compression", "none",
     "--preset", "tiny",
     "--stages", "2",
     "--inner-steps", "10",

@@ -26,7 +26,8 @@ def test_a_short_churn_soak_keeps_every_group_in_agreement_rejoins_killed_peers_
     args = soak.parse_args(["--peers", "4", "--stages", "1", "--rounds", "26", "--events", "3", "--seed", "2",
                             "--timeout", "600",
                             "--freeze", "15", "--down", "2",
-                            "--", "--set", "inner.batch_size=4", "--set", "inner.microbatches=2"])  # fmt: skip
+                            "--", "--set", "inner.batch_size=4", "--set", "inner.microbatches=2",
+                            "--compression", "none"])  # fmt: skip
     run, checked = soak.run_soak(args, tmp_path / "churn", chaos=True)
 
     assert sorted(e.kind for e in run.events if e.time is not None) == ["freeze", "join", "kill"]

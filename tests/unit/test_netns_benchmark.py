@@ -67,6 +67,12 @@ def test_streamings_tau_hides_the_share_of_a_round_the_gpu_setting_would(lab_h, 
     assert shape.overlap_steps(fragments) == tau
 
 
+def test_a_variant_may_set_tau_as_a_share_of_a_sync_round_at_either_h():
+    shape = RunShape(peers=4, preset="tiny", rounds=3, inner_steps=20, batch_size=4, warmup=1, gpu_inner_steps=100)
+    assert shape.overlap_steps(1, 0.5) == 10 and shape.overlap_steps(1, 0.75) == 15 and shape.overlap_steps(2, 0.5) == 5
+    assert shape.overlap_steps(1, 0.001) == 1  # never below one step
+
+
 def test_streaming_variants_run_with_the_scaled_tau_and_others_without_one(tmp_path):
     shape = RunShape(peers=4, preset="tiny", rounds=3, inner_steps=20, batch_size=4, warmup=1, gpu_inner_steps=100)
 
@@ -77,6 +83,7 @@ def test_streaming_variants_run_with_the_scaled_tau_and_others_without_one(tmp_p
 
     assert cmd("fp4")[cmd("fp4").index("--overlap-steps") + 1] == "1"
     assert cmd("default")[cmd("default").index("--overlap-steps") + 1] == "1"  # join's default mode is streaming
+    assert cmd("int8-tau-half")[cmd("int8-tau-half").index("--overlap-steps") + 1] == "10"
     assert "--overlap-steps" not in cmd("sync-fp32")
     assert "--no-swarm" in cmd("nocomm")
     assert cmd("ddp-gloo")[2:4] == ["benchmarks.netns.baselines", "ddp"]
