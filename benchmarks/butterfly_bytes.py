@@ -30,6 +30,7 @@ compression.topk_transport, side by side (`topk` alone: its default, auto).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,7 @@ def peer_cmd(args: argparse.Namespace, kind: str, n: int, host: int, ip: str, ru
     cmd = [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", f"bytes-{kind}{transport and '-' + transport}-{n}", "--run-dir", str(run_dir),
            "--preset", args.preset, "--stages", "1", "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
            "--batch-size", str(args.batch_size), "--mode", "sync", "--compression", kind, "--min-peers", str(n),
+           "--checkpoint-every", str(args.rounds),  # the last round's only: what is measured is bytes
            "--device", "cpu", "--progress", "lines", "--log-level", "warning", "--data-seed", str(host),
            "--host-maddrs", f"/ip4/{ip}/tcp/0", "--round-wait", "60", "--set", "swarm.allreduce_timeout=300",
            "--set", "swarm.chunk_timeout=60", "--set", f"inner.threads={1 if host % 2 == 0 else 2}"]  # fmt: skip
@@ -114,6 +116,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
             rx, tx = run.wire(host, ends[0], ends[1])
             wire.append((rx + tx) / 2 / len(steady))  # per direction and round
     hashes = {tuple(r["stage_hashes"]) for records in run.records for r in records if r["round"] == args.rounds - 1}
+    shutil.rmtree(tmp / f"{kind}-{n}", ignore_errors=True)  # checkpoints: a `small` peer's is 0.7 GB
     counted = statistics.median(sent) if sent else None
     ideal = 2 * (n - 1) / n * message
     wire_per_round = statistics.median(wire) if wire else None
@@ -158,6 +161,14 @@ def _with_capability(cmd: list[str], host: int) -> list[str]:
     return ["env", "ATEN_CPU_CAPABILITY=default", *cmd] if host == 0 else cmd
 
 
+def write_all(args: argparse.Namespace, params: int, rows: list[dict]) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(rows, args.out / f"{args.name}.png", args.preset)
+    (args.out / f"{args.name}.md").write_text(table(rows))
+    write_result(args.name, {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                             "params": params, "rows": rows, "plot": f"{args.name}.png"}, directory=args.out)  # fmt: skip
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| kind | N | message | counted sent / 2(N-1)/N | all-gather would send | wire per direction / 2(N-1)/N | "
              "wire not counted | of which (per direction) | wire vs fp32 ring | exchange s | fixed s | hashes equal |",
@@ -182,7 +193,7 @@ def _not_counted(row: dict) -> str:
     return ", ".join(f"{s} {v / 1e3:.0f}k" for s, v in sorted(sources.items(), key=lambda x: -x[1]) if abs(v) >= 500)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, preset: str = "tiny") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,7 +210,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.plot(ns, [2 * (n - 1) / n for n in ns], "k:", label="2(N-1)/N (butterfly)")
     ax.plot(ns, [n - 1 for n in ns], "k-.", alpha=0.5, label="N-1 (all-gather)")
     ax.set(xlabel="group size N", ylabel="bytes sent per member and round / message", yscale="log",
-           title="bytes per member against the group size (tiny, 1 stage)")  # fmt: skip
+           title=f"bytes per member against the group size ({preset}, 1 stage)")  # fmt: skip
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -241,11 +252,7 @@ def main() -> int:
                       f"x the interface's, exchange "
                       f"{row['exchange_s']} s, fixed {row['fixed_s']} s {row['phases_median_s']}, hashes equal "
                       f"{row['hashes_equal']} ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(rows, args.out / f"{args.name}.png")
-    (args.out / f"{args.name}.md").write_text(table(rows))
-    write_result(args.name, {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                             "params": params, "rows": rows, "plot": f"{args.name}.png"}, directory=args.out)  # fmt: skip
+                write_all(args, params, rows)  # after every run: a run that fails later keeps what was measured
     print(table(rows))
     return 0 if all(r["hashes_equal"] for r in rows) else 1
 
