@@ -235,7 +235,8 @@ def notes(args: argparse.Namespace, out: dict) -> list[str]:
         "(`ddp_slowdown` per GPU setting: no-comm / DDP throughput if nothing overlaps)",
         f"nocomm runs {args.nocomm_repeats} time(s) (link-independent) and serves every setting: the first run "
         "calibrates the links, the utilization is against the mean of all (`tokens_per_s_runs` shows the spread)",
-        "ours' compressed messages are all-gathered: each member sends its message N-1 times",
+        "ours' compressed messages ride the compressed butterfly (a member sends about 2 (N-1)/N of its message; "
+        "topk all-gathered in groups of up to 3)",
         "the lab's communication takes CPU from training on the same 2 cores (helpers, codecs); a GPU peer's CPU is spare",
         "tc tbf shapes bandwidth only: no latency is added (netem is absent)",
         f"streaming's tau is join's default at the GPU setting's H (min(5, H/P) of {args.gpu_inner_steps} steps), scaled "

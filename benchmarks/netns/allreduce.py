@@ -7,8 +7,8 @@ Each peer builds the project's real SwarmStage (DHT node, signed records, member
 what a stage worker of `join` builds) around a synthetic pseudo-gradient with the shapes of a preset's
 stage (default: `small`, stage 0 of 2, 13.0M values, as benchmarks/compression.py), N(0, 1e-3) drawn per
 peer, and runs rounds of `SwarmStage.all_reduce` (the Averager protocol the outer loop calls) with no
-trainer: fp32 (`none`, the exact butterfly) and each compression (messages all-gathered: each member
-sends its message N-1 times), then a gloo all_reduce of the same fp32 vector as a reference. One warm-up
+trainer: fp32 (`none`, the exact butterfly) and each compression (through the compressed butterfly:
+allreduce.sends_per_message says what each sends), then a gloo all_reduce of the same fp32 vector as a reference. One warm-up
 round, then `repeats` timed ones. A round's time runs from the moment the last member has started it
 (window start, after the wait for the others) to the moment the last member holds the average: it
 includes matchmaking, encoding and decoding. The ideal is the bandwidth-optimal ring all-reduce of the
