@@ -129,7 +129,8 @@ class GroupVote:
         Only the digests of members whose digests' hash differs from this worker's are read: any two different
         sets among the group's are then at hand (this worker's, or one of those)."""
         mine = digests_hash(average.digests)
-        differing = {p for p, r in records.items() if r.digests_hash != mine}
+        # a copy without digests (none were signed for it: fp32, or mended whole from another's) publishes none
+        differing = {p for p, r in records.items() if r.digests_hash and r.digests_hash != mine}
         if not differing:
             return set()
         theirs = self._digests_of(differing, average.group_id)
