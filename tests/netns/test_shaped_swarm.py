@@ -22,8 +22,13 @@ from dilocox_p2p.swarm.protocol_bytes import NETWORK_SOURCES
 
 pytestmark = pytest.mark.netns
 
-MESSAGE_SHARE = 0.85  # the least share of a daemon's bytes its messages may be (0.950-0.957 measured, 2026-11-29)
-WIRE_SHARE = 0.8  # the least share of a link's bytes a peer's own counters may see (0.885-0.889 measured, 2026-11-29)
+# the least share of a daemon's bytes its messages may be: 0.950-0.957 measured with fp32, 0.851-0.881 with int8 (libp2p
+# frames and negotiates each of the exchange's many smaller pieces, and the DHT's requests, alike)
+MESSAGE_SHARE = 0.75
+# the least share of a link's bytes a peer's own counters may see: 0.885-0.889 measured with fp32 messages, 0.762-0.791
+# with int8 (join's default since 2026-11-29): in a smaller exchange more of the link is TCP/IP headers, pure
+# acknowledgements and the traffic after the last record (about 0.4 MB in either)
+WIRE_SHARE = 0.7
 
 
 def _metrics(run_dir):
