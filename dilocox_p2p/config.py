@@ -287,9 +287,8 @@ class CompressionConfig:
     """How pseudo-gradients travel: none = fp32 through the exact butterfly; fp16, int8 (blockwise), fp4
     (E3M0 with blockwise scales, Streaming DiLoCo's outer-gradient format), lowrank (PowerSGD, quantized factors,
     adaptive rank) and topk (SparseLoCo) travel as compressed messages through the compressed butterfly
-    (compression/butterfly.py; topk as topk_transport says), and every member applies the same bits. The
-    default, int8, sends 3.9x fewer bytes than fp32 at the same loss (30 rounds of `streaming`: 2.3269 both;
-    the 100 Mbit/s lab: 0.791 of the link-free throughput against fp32's 0.459: docs/benchmarks.md)."""
+    (compression/butterfly.py; topk as topk_transport says), and every member applies the same bits. The default,
+    int8, sends 3.9x fewer bytes than fp32 at the same loss (docs/benchmarks.md, section 1: join's defaults)."""
     block: int = 64
     """Values per quantization block (int8, fp4, low-rank factors, low-rank's other tensors), one bf16 scale each."""
     factor_bits: Literal[4, 8] = 4
@@ -378,7 +377,8 @@ class Config:
                   f"inner.steps ({self.inner.steps}) must be a multiple of it: each fragment syncs every H steps, "
                   "offset by H / fragments")  # fmt: skip
         if self.outer.overlap_steps == 0:
-            object.__setattr__(self, "outer", dataclasses.replace(self.outer, overlap_steps=default_overlap_steps(sync_steps)))
+            tau = default_overlap_steps(sync_steps)
+            object.__setattr__(self, "outer", dataclasses.replace(self.outer, overlap_steps=tau))
         if self.outer.mode == "streaming" and self.outer.overlap_steps > sync_steps:
             fail("outer.overlap_steps", self.outer.overlap_steps,
                   f"must be at most inner.steps / fragments = {sync_steps}: a fragment's average is merged "

@@ -134,8 +134,8 @@ class StageWorker:
 
     def take_source_bytes(self) -> dict[str, list[int]] | None:
         """[sent, received] bytes of this stage's swarm messages since the last call, by what they are for
-        (exchange, matchmaking, dht, pushes, held, state, hello, other: swarm/protocol_bytes.py); None without
-        a swarm."""
+        (exchange, matchmaking, dht, pushes, held, state, hello, other, own_stages: swarm/protocol_bytes.py); None
+        without a swarm."""
         return None
 
     def extra_state(self) -> dict[str, Any]:
@@ -408,8 +408,8 @@ class StageWorker:
             # matchmaking, requests, phase 5, state downloads: swarm/wire_meter.py); null where unknown
             "wire_bytes": [list(s["wire"]) if s["wire"] is not None else None for s in stages],
             # per stage, {source: [sent, received]}: the messages among those bytes by what they are for (exchange,
-            # matchmaking, dht, pushes, held, state, hello, other: swarm/protocol_bytes.py); the wire's bytes less
-            # their sum are libp2p's own (encryption, multiplexing, negotiation, identify, pings)
+            # matchmaking, dht, pushes, held, state, hello, other; own_stages, not on the wire): the wire's bytes less
+            # the others' sum are libp2p's own (encryption, multiplexing, negotiation, pings): swarm/protocol_bytes.py
             "wire_by_source": [s["sources"] for s in stages],
             "fp32_bytes": [s["fp32_bytes"] for s in stages],  # each stage's pseudo-gradient averaged this round
             "params": self.n_params_peer,

@@ -70,7 +70,6 @@ class SourceBytes:
         self._own: dict[str, bool] = {}
         self._counts = mp.Array(ctypes.c_longlong, 2 * len(SOURCES))  # [sent, received] per source, with a lock
         self._taken = [0] * (2 * len(SOURCES))
-        self.dropped = mp.Value(ctypes.c_longlong, 0, lock=False)  # counts lost to a lock not taken in time
 
     def is_own(self, peer: str) -> bool:
         """Whether `peer` (base58) is one of this peer's stages."""
@@ -78,12 +77,15 @@ class SourceBytes:
             self._own[peer] = self._own_keys is not None and peer in _peer_ids(self._own_keys)
         return self._own[peer]
 
-    def add(self, protocol: str, sent: int, received: int, peer: str | None = None) -> None:
-        source = "own_stages" if peer is not None and self.is_own(peer) else source_of(protocol)
+    def source(self, protocol: str, peer: str | None) -> str:
+        """The source of a message of `protocol` exchanged with `peer` (base58; None: unknown)."""
+        return "own_stages" if peer is not None and self.is_own(peer) else source_of(protocol)
+
+    def add(self, source: str, sent: int, received: int) -> None:
         at = 2 * SOURCES.index(source)
         lock = self._counts.get_lock()
         if not lock.acquire(timeout=LOCK_WAIT_S):
-            self.dropped.value += 1
+            logger.debug("dropped a count of %d/%d bytes of %s: the counters' lock is held", sent, received, source)
             return
         try:
             self._counts[at] += sent
@@ -91,16 +93,18 @@ class SourceBytes:
         finally:
             lock.release()
 
+    def _snapshot(self) -> list[int]:
+        with self._counts.get_lock():
+            return list(self._counts)
+
     def totals(self) -> dict[str, tuple[int, int]]:
         """(sent, received) per source since the counters were made."""
-        with self._counts.get_lock():
-            counts = list(self._counts)
+        counts = self._snapshot()
         return {s: (counts[2 * i], counts[2 * i + 1]) for i, s in enumerate(SOURCES)}
 
     def take(self) -> dict[str, list[int]]:
         """[sent, received] per source since the last call, sources that moved nothing left out."""
-        with self._counts.get_lock():
-            counts = list(self._counts)
+        counts = self._snapshot()
         delta = [now - before for now, before in zip(counts, self._taken)]
         self._taken = counts
         return {s: [delta[2 * i], delta[2 * i + 1]] for i, s in enumerate(SOURCES) if delta[2 * i] or delta[2 * i + 1]}
@@ -139,19 +143,31 @@ def count_by_source(counter: SourceBytes) -> None:
     ControlClient._dilocox_counted = True
 
 
-def _add(protocol: str, sent: int, received: int, peer: Any = None) -> None:
-    if _counter is not None:
+def _source(protocol: str, peer: Any) -> str | None:
+    """The source of a call or stream (once each: its every message counts there); None while nothing counts."""
+    if _counter is None:
+        return None
+    try:
+        return _counter.source(protocol, peer.to_base58() if peer is not None else None)
+    except Exception as e:  # noqa: BLE001 - a count is never worth a message
+        logger.debug("could not tell the source of %s: %r", protocol, e)
+        return None
+
+
+def _add(source: str | None, sent: int, received: int) -> None:
+    if _counter is not None and source is not None:
         try:
-            _counter.add(protocol, sent, received, peer.to_base58() if peer is not None else None)
+            _counter.add(source, sent, received)
         except Exception as e:  # noqa: BLE001 - a count is never worth a message
-            logger.debug("could not count %d/%d bytes of %s: %r", sent, received, protocol, e)
+            logger.debug("could not count %d/%d bytes of %s: %r", sent, received, source, e)
 
 
 def _counted_call(call: Callable[..., Awaitable[bytes]]) -> Callable[..., Awaitable[bytes]]:
     async def call_unary_handler(self: Any, peer_id: Any, proto: str, data: bytes) -> bytes:
-        _add(proto, len(data), 0, peer_id)
+        source = _source(proto, peer_id)
+        _add(source, len(data), 0)
         response = await call(self, peer_id, proto, data)
-        _add(proto, 0, len(response) if response is not None else 0, peer_id)
+        _add(source, 0, len(response) if response is not None else 0)
         return response
 
     return call_unary_handler
@@ -162,9 +178,10 @@ def _counted_unary_handler(add: Callable[..., Awaitable[None]]) -> Callable[...,
         self: Any, proto: str, handler: Callable[..., Awaitable[bytes]], *args: Any, **kwargs: Any
     ) -> None:
         async def counted(request: bytes, remote_id: Any) -> bytes:
-            _add(proto, 0, len(request), remote_id)
+            source = _source(proto, remote_id)
+            _add(source, 0, len(request))
             response = await handler(request, remote_id)
-            _add(proto, len(response), 0, remote_id)
+            _add(source, len(response), 0)
             return response
 
         await add(self, proto, counted, *args, **kwargs)
@@ -175,8 +192,8 @@ def _counted_unary_handler(add: Callable[..., Awaitable[None]]) -> Callable[...,
 def _counted_stream_open(open_: Callable[..., Awaitable[tuple[Any, Any, Any]]]) -> Callable[..., Awaitable[Any]]:
     async def stream_open(self: Any, peer_id: Any, protocols: Any) -> tuple[Any, Any, Any]:
         info, reader, writer = await open_(self, peer_id, protocols)
-        proto = getattr(info, "proto", None) or next(iter(protocols), "")
-        return info, _CountingReader(reader, proto, peer_id), _CountingWriter(writer, proto, peer_id)
+        source = _source(getattr(info, "proto", None) or next(iter(protocols), ""), peer_id)
+        return info, _CountingReader(reader, source), _CountingWriter(writer, source)
 
     return stream_open
 
@@ -186,8 +203,8 @@ def _counted_stream_handler(register: Callable[..., Awaitable[None]]) -> Callabl
         self: Any, proto: str, handler_cb: Callable[..., Awaitable[None]], *args: Any, **kwargs: Any
     ) -> None:
         async def counted(info: Any, reader: Any, writer: Any) -> None:
-            peer = getattr(info, "peer_id", None)
-            await handler_cb(info, _CountingReader(reader, proto, peer), _CountingWriter(writer, proto, peer))
+            source = _source(proto, getattr(info, "peer_id", None))
+            await handler_cb(info, _CountingReader(reader, source), _CountingWriter(writer, source))
 
         await register(self, proto, counted, *args, **kwargs)
 
@@ -195,24 +212,24 @@ def _counted_stream_handler(register: Callable[..., Awaitable[None]]) -> Callabl
 
 
 class _CountingReader:
-    """An asyncio.StreamReader whose reads count as received bytes of `proto`."""
+    """An asyncio.StreamReader whose reads count as received bytes of `source`."""
 
-    def __init__(self, reader: asyncio.StreamReader, proto: str, peer: Any):
-        self._reader, self._proto, self._peer = reader, proto, peer
+    def __init__(self, reader: asyncio.StreamReader, source: str | None):
+        self._reader, self._source = reader, source
 
     async def readexactly(self, n: int) -> bytes:
         data = await self._reader.readexactly(n)
-        _add(self._proto, 0, len(data), self._peer)
+        _add(self._source, 0, len(data))
         return data
 
     async def read(self, n: int = -1) -> bytes:
         data = await self._reader.read(n)
-        _add(self._proto, 0, len(data), self._peer)
+        _add(self._source, 0, len(data))
         return data
 
     async def readline(self) -> bytes:
         data = await self._reader.readline()
-        _add(self._proto, 0, len(data), self._peer)
+        _add(self._source, 0, len(data))
         return data
 
     def __getattr__(self, name: str) -> Any:
@@ -220,13 +237,13 @@ class _CountingReader:
 
 
 class _CountingWriter:
-    """An asyncio.StreamWriter whose writes count as sent bytes of `proto`."""
+    """An asyncio.StreamWriter whose writes count as sent bytes of `source`."""
 
-    def __init__(self, writer: asyncio.StreamWriter, proto: str, peer: Any):
-        self._writer, self._proto, self._peer = writer, proto, peer
+    def __init__(self, writer: asyncio.StreamWriter, source: str | None):
+        self._writer, self._source = writer, source
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        _add(self._proto, len(data), 0, self._peer)
+        _add(self._source, len(data), 0)
         self._writer.write(data)
 
     def writelines(self, lines: Any) -> None:

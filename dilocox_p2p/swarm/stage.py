@@ -50,8 +50,8 @@ from .heartbeat import Heartbeat
 from .hello import serve_hello
 from .hivemind_patches import check_version
 from .membership import Membership
-from .reconnect import RouteKeeper, join_lead
 from .protocol_bytes import SourceBytes, count_by_source
+from .reconnect import RouteKeeper, join_lead
 from .wire_meter import WireMeter, daemons_below
 
 __all__ = ["SwarmStage"]
