@@ -27,8 +27,11 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from .. import __version__
 from ..proto_gen.control_pb2 import HelloReply, HelloRequest
 from ..wire import protocol_version
+from .dht import dht_result
 
 __all__ = ["HELLO", "SOFTWARE", "say_hello", "serve_hello"]
+
+REGISTER_TIMEOUT_S = 30.0  # registering a handler is one round trip to the local p2p daemon
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,13 @@ def serve_hello(dht: hivemind.DHT, *, role: str, run_id: str = "") -> None:
         dht: a started hivemind DHT (its node runs in a child process).
         role: "bootstrap" or "peer".
         run_id: the run this node trains in ("" for a bootstrap node, which serves any run).
+
+    Raises:
+        TimeoutError: the handler was not registered within REGISTER_TIMEOUT_S.
+        SwarmError: the DHT process died.
     """
-    dht.run_coroutine(functools.partial(_register, role, run_id))
+    future = dht.run_coroutine(functools.partial(_register, role, run_id), return_future=True)
+    dht_result(dht, future, f"registering the {HELLO} handler", deadline=time.monotonic() + REGISTER_TIMEOUT_S)
     logger.debug("answering %s as %s", HELLO, role)
 
 

@@ -5,6 +5,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import weakref
+
 import pytest
 from hivemind.utils import get_dht_time
 
@@ -67,3 +71,30 @@ def test_a_store_refused_only_because_the_nodes_already_hold_that_very_record_co
     finally:
         second.shutdown()
         first.shutdown()
+
+
+async def _wait_on_an_unheld_future(_dht, _node) -> str:
+    """Wait on a future only this task holds (as hivemind's calls wait on a p2p daemon's answer), answered by a
+    timer that holds it weakly, after the cycle collector has run."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    held = weakref.ref(future)
+    loop.call_later(0.2, gc.collect)
+    loop.call_later(0.6, lambda: held() is not None and held().set_result("answered"))
+    return await future
+
+
+async def _nothing(_dht, _node) -> None:
+    return None
+
+
+def test_a_dht_call_waiting_on_a_future_nothing_else_holds_is_answered_though_the_cycle_collector_runs(tmp_path):
+    # the DHT process keeps no reference to a call's task: collected while it waited, the call was never answered
+    # and its caller waited for good (a peer's Hello registration at its start hung 3 peers of the swarm tier)
+    dht, _, _ = signed_node("dn", root=tmp_path)
+    try:
+        future = dht.run_coroutine(_wait_on_an_unheld_future, return_future=True)
+        dht.run_coroutine(_nothing)  # the DHT process's loop drops its last reference to the first call's task
+        assert future.result(timeout=10) == "answered"
+    finally:
+        dht.shutdown()
