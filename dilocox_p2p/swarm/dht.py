@@ -66,6 +66,12 @@ LISTEN_POLL_S = 0.1  # how often an initial peer that does not listen yet is pro
 # takes a few milliseconds and the limit changes nothing measurable (benchmarks/startup.py, side by side).
 BOOTSTRAP_S = 0.2
 AVERAGE_RECORD_TTL_S = 300.0
+# A record is stored on its key's REPLICAS nearest DHT nodes (hivemind's num_replicas), and a walk to them asks
+# each node it meets for the key's value: every member's record under it. hivemind walks a beam of 20 nodes
+# (its bucket size) for a store and a get alike, so every node of a swarm of up to 20 answered every walk with
+# every record (N^2 bytes per member and walk); a beam of REPLICAS finds the nodes that hold the records.
+REPLICAS = 5
+BEAM_SIZE = REPLICAS
 DHT_CALL_CHECK_S = 1.0  # a DHT call still running checks this often that the DHT process is alive
 
 
@@ -202,6 +208,14 @@ def start_dht(
         identity_path=str(identity_path),
         check_if_identity_free=False,  # hivemind's check reads RSA keys only; the key is this worker's own file
         node_id=node_id_of(peer_id_of(worker_identity(identity_path))),
+        # every read of the run's records asks for the latest (every node's copy), so hivemind's caching only adds
+        # traffic: a found value re-stored on the nearest node that lacked it, a node's cached copy sent in its
+        # answers, a cached key read again in the background after each store under it and before it expires
+        # (each a whole dictionary: every member's record). 8 tiny peers: 1.4 such reads per member and round.
+        cache_locally=False,
+        cache_nearest=0,
+        cache_on_store=False,
+        cache_refresh_before_expiry=0,
     )
     if loopback_only(kwargs["host_maddrs"]):
         # nothing outside this machine can reach it: no UPnP/NAT-PMP port mapping (multicast probes of the LAN)
@@ -348,7 +362,8 @@ class RunRecords:
         """Store a sealed record (`Signer.seal` for `key`) under this worker's subkey until DHT time `expiration`;
         whether the DHT holds it. A failure is counted as `publishes_failed`, or only logged if `best_effort`."""
         try:
-            future = self.dht.store(key, subkey=self.peer_id, value=value, expiration_time=expiration, return_future=True)
+            future = self.dht.store(key, subkey=self.peer_id, value=value, expiration_time=expiration, return_future=True,
+                                    beam_size=BEAM_SIZE)  # fmt: skip
             stored = self._result(future, f"storing {key}") or self._holds(key, value, expiration)
             failure = "" if stored else "no DHT node accepted it"
         except Exception as e:
@@ -366,13 +381,15 @@ class RunRecords:
         (re)met (one that answered again after a request to it timed out, on a loaded machine), and where that
         reached a node before the store did, the store read as refused although every node held the record
         ("no DHT node accepted it" for the average record of a 2-peer swarm in CI)."""
-        found = self._result(self.dht.get(key, latest=True, return_future=True), f"reading {key} back")
+        found = self._result(self.dht.get(key, latest=True, return_future=True, beam_size=BEAM_SIZE),
+                             f"reading {key} back")  # fmt: skip
         item = found.value.get(self.peer_id) if found is not None and isinstance(found.value, dict) else None
         return item is not None and item.expiration_time == expiration and item.value == value
 
     def _get(self, key: str, cls: type, *, round: int | None = None) -> dict[str, tuple[Opened, float]]:
         """Verified records under `key` by subkey (signer); raises if the lookup itself fails."""
-        found = self._result(self.dht.get(key, latest=True, return_future=True), f"reading {key}")
+        found = self._result(self.dht.get(key, latest=True, return_future=True, beam_size=BEAM_SIZE),
+                             f"reading {key}")  # fmt: skip
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}

@@ -4,7 +4,8 @@ The record (swarm.proto MemberRecord) says whether the worker trains, which roun
 started and where its state is; it lives in the DHT for MEMBER_TTL_S (dht.py), so a worker that stops
 beating drops out of the others' view (membership.py). A record that changed is also handed to
 `on_change` at once, which pushes it straight to the stage's other members (member_push.py), however
-long the store takes.
+long the store takes, and so is every beat's record: the others' views of the stage stay fresh from the pushes
+alone, and they read the DHT rarely (membership.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._now = threading.Event()  # publish at once
         self._changed = threading.Event()  # push at once
+        self._renew = threading.Event()  # push at once even if unchanged: a quiet beat renews the record's expiration
         self._first: Callable[[], None] | None = None
         self._threads = [
             threading.Thread(target=self._loop, name="heartbeat", daemon=True),
@@ -83,12 +85,13 @@ class Heartbeat:
             record.CopyFrom(self._record)
         return record
 
-    def _tell(self) -> None:
-        """Hand the record to `on_change` if it changed since the last time, sealed as the DHT stores it."""
+    def _tell(self, *, renew: bool = False) -> None:
+        """Hand the record to `on_change` if it changed since the last time, or with `renew` (a beat) anyway,
+        sealed as the DHT stores it."""
         with self._telling:
             record = self._copy()
             body = record.SerializeToString(deterministic=True)
-            if self.on_change is None or body == self._told:
+            if self.on_change is None or (body == self._told and not renew):
                 return
             self._told = body
             try:
@@ -100,8 +103,10 @@ class Heartbeat:
         while not self._stop.is_set():
             self._changed.wait()
             self._changed.clear()
+            renew = self._renew.is_set()
+            self._renew.clear()
             if not self._stop.is_set():
-                self._tell()
+                self._tell(renew=renew)
 
     def _loop(self) -> None:
         if self._first is not None:
@@ -110,10 +115,13 @@ class Heartbeat:
             except Exception as e:  # the beats matter more: they go on
                 logger.warning("a store before the first heartbeat failed: %r", e)
         while not self._stop.is_set():
-            self._now.wait(HEARTBEAT_S)
+            stored_now = self._now.wait(HEARTBEAT_S)
             self._now.clear()
             if not self._stop.is_set():
                 self.beat()
+            if not stored_now:  # a change was pushed as it came; a quiet beat renews the pushed record
+                self._renew.set()
+                self._changed.set()
 
     def stop(self, *, leave: bool = True) -> None:
         """Stop beating; with `leave`, tell the others this worker no longer trains."""

@@ -31,9 +31,17 @@ __all__ = ["Membership", "Suspicion", "config_diff", "suspected"]
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.5  # a wait looks the records up again this often when no member pushed its record (member_push.py)
+POLL_S = 0.5  # without pushes (member_push.py), a wait looks the records up again this often
+# With pushes, every member's record comes here whenever it changes and at every heartbeat, and the DHT is read
+# for what a lost push or an unknown worker leaves out: every REFRESH_S in the background, and by a wait for the
+# others to start a round once it lasted LOOK_S. Each read asks every DHT node for every member's record (N
+# records from each of up to N nodes): 8 `tiny` peers read them 5 times a member and round at 0.5 s polls and
+# 5 s refreshes, 219 of the 342 kB each member's DHT node answered per round.
+LOOK_S = 2.0
+REFRESH_S = 3 * HEARTBEAT_S
 PROBE_AFTER_S = 1.0  # members still not at a round after this long are probed once: gone ones are not waited for
 BARRIER_POLL_S = 0.25  # the start barrier is looked at more often: every peer of the quorum waits on it
+BARRIER_LOOK_S = 1.0  # with pushes: a worker that starts reads the records and pushes its own to those it found
 
 
 def config_diff(ours: str, theirs: str) -> list[str]:
@@ -82,6 +90,9 @@ class Membership:
         self._banned: set[str] = set()
         self._pushed: dict[str, Member] = {}  # the latest record each member pushed (member_push.py)
         self.pushed: Any = None  # the queue of pushed records (DilocoxAverager.pushed_records); None: polls only
+        self._looked = self._tried = float("-inf")  # time.monotonic() of the last lookup that succeeded, and tried
+        self._news = threading.Condition(self._lock)  # notified when a pushed record changed the view
+        self._generation = 0  # how many times pushed records changed the view
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="members", daemon=True)
         # which of some peers are gone (their p2p daemon refuses connections): reconnect.RouteKeeper.gone
@@ -93,14 +104,51 @@ class Membership:
 
     def close(self) -> None:
         self._closed.set()
-        self._thread.join(timeout=HEARTBEAT_S + 5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=HEARTBEAT_S + 5)
 
     def _watch(self) -> None:
-        while not self._closed.wait(HEARTBEAT_S):
-            self.refresh()
+        """Look the records up now and then (`_until_look`); with pushes, take each pushed record as it comes."""
+        while not self._closed.is_set():
+            wait = self._until_look()
+            if wait > 0 and self.pushed is not None:
+                self._take_pushes(min(wait, 0.5))
+            elif wait > 0:
+                self._closed.wait(wait)
+            elif not self._closed.is_set():
+                self.refresh()
+
+    def _until_look(self) -> float:
+        """Seconds until the background looks the records up again: a heartbeat after the last lookup, or with
+        pushes REFRESH_S after it, and a second before a member's record expires (its pushes may be lost while
+        the DHT holds a newer one), but never within a second of the last try."""
+        now = time.monotonic()
+        if self.pushed is None:
+            return max(self._looked + HEARTBEAT_S - now, self._tried + 1.0 - now, 0.0)
+        with self._lock:
+            expiring = [m.expiration for m in self._members if m.peer_id != self.peer_id]
+        due = self._looked + REFRESH_S
+        if expiring:
+            due = min(due, now + min(expiring) - get_dht_time() - 1.0)
+        return max(due - now, self._tried + 1.0 - now, 0.0)
+
+    def _take_pushes(self, timeout: float) -> None:
+        """Put the records members pushed (waiting up to `timeout` for one) into the view, and wake the waits."""
+        opened = [self.records.open_member(*item) for item in take_pushed(self.pushed, timeout)]
+        news = [m for m in opened if m is not None and m.peer_id != self.peer_id]
+        if not news:
+            return
+        with self._lock:
+            for m in news:
+                if m.peer_id not in self._pushed or m.sent_at > self._pushed[m.peer_id].sent_at:
+                    self._pushed[m.peer_id] = m
+            self._members = self._with_pushed(self._members)
+            self._generation += 1
+            self._news.notify_all()
 
     def refresh(self) -> bool:
         """Look the members up again; False (counted) if the lookup failed."""
+        self._tried = time.monotonic()
         try:
             members = self.records.members()
         except Exception as e:
@@ -109,6 +157,9 @@ class Membership:
             return False
         with self._lock:
             self._members = members = self._with_pushed(members)
+            self._looked = time.monotonic()
+            self._generation += 1
+            self._news.notify_all()
         for m in members:
             if m.record.config_hash != self.config_hash and m.peer_id not in self._refused:
                 self._refused.add(m.peer_id)
@@ -130,41 +181,33 @@ class Membership:
                 merged[peer_id] = m
         return list(merged.values())
 
-    def _wait_for_news(self, timeout: float) -> bool:
-        """Wait up to `timeout` for a member to push its record (member_push.py); whether one came (then the view
-        holds it, and needs no lookup). Without pushes, sleep."""
+    def _wait_for_news(self, timeout: float, seen: int) -> None:
+        """Wait up to `timeout` for a member's pushed record to change the view (member_push.py) since it was
+        `seen` (the `_generation` read before the view); without pushes, sleep."""
         if self.pushed is None:
             time.sleep(timeout)
-            return False
-        opened = [self.records.open_member(*item) for item in take_pushed(self.pushed, timeout)]
-        news = [m for m in opened if m is not None and m.peer_id != self.peer_id]
-        if not news:
-            return False
-        with self._lock:
-            for m in news:
-                if m.peer_id not in self._pushed or m.sent_at > self._pushed[m.peer_id].sent_at:
-                    self._pushed[m.peer_id] = m
-            self._members = self._with_pushed(self._members)
-        return True
+            return
+        with self._news:
+            self._news.wait_for(lambda: self._generation != seen, timeout)
 
-    def _look_unless_news(self, news: bool, looked: float, poll: float) -> float:
-        """Read the stage's records from the DHT, unless a member's push (`news`) came less than `poll` after the
-        last look (`looked`, time.monotonic()): pushes alone never stand in for long. When the view was last read."""
-        if news and time.monotonic() - looked < poll:
-            return looked
-        self.refresh()
-        return time.monotonic()
+    def _look_if_older(self, poll: float) -> None:
+        """Read the stage's records from the DHT if the last read is `poll` old (`BARRIER_LOOK_S` with pushes)."""
+        if time.monotonic() - self._looked >= (poll if self.pushed is None else BARRIER_LOOK_S):
+            self.refresh()
 
     def members(self, *, training_only: bool = False, others_only: bool = True, suspects_too: bool = False) -> list[Member]:
-        """Live members of this stage with this run's config (from the last refresh), suspects left out unless
-        `suspects_too` (a suspect is not grouped with, but its state still counts: agreement.py)."""
+        """Live members of this stage with this run's config (from the last refresh and the pushes since; a record
+        that expired since is left out), suspects left out unless `suspects_too` (a suspect is not grouped with,
+        but its state still counts: agreement.py)."""
         with self._lock:
             members = list(self._members)
             suspects, banned, gone = dict(self._suspects), set(self._banned), dict(self._gone)
+        now = get_dht_time()
         return [
             m
             for m in members
             if m.record.config_hash == self.config_hash
+            and (m.expiration > now or m.peer_id == self.peer_id)
             and gone.get(m.peer_id) != m.record.joined_at  # not the record of a life found gone
             and (m.record.training or not training_only)
             and (m.peer_id != self.peer_id or not others_only)
@@ -184,8 +227,9 @@ class Membership:
     def voters(self) -> set[str]:
         """Workers whose round records count (agreement.py): live members with this run's config, this one
         included. A validly signed record of a key that is no member (a third party) has no vote."""
+        now = get_dht_time()
         with self._lock:
-            members = {m.peer_id for m in self._members if m.record.config_hash == self.config_hash}
+            members = {m.peer_id for m in self._members if m.record.config_hash == self.config_hash and m.expiration > now}
             return (members - self._banned) | {self.peer_id}
 
     def suspect(self, peer_ids: list[str]) -> None:
@@ -246,8 +290,8 @@ class Membership:
 
     # ----- waiting ---------------------------------------------------------------------------
     def wait_for_round(self, round: int, timeout: float, *, give_up: Callable[[], bool]) -> list[Member]:
-        """Wait (at most `timeout`, one lookup per POLL_S, woken at once by a record a member pushed) until every
-        live training member of the stage that takes part in this round's all-reduce has started it; return those
+        """Wait (at most `timeout`, woken at once by a record a member pushed; a lookup once the wait lasted LOOK_S,
+        and every LOOK_S after, or without pushes every POLL_S) until every live training member of the stage that takes part in this round's all-reduce has started it; return those
         members.
 
         A member takes part if it started the round before (it trains this round or waits for that exchange:
@@ -263,9 +307,11 @@ class Membership:
         most of a CPU core on a 2-core machine while a peer is one round behind).
         """
         started = time.monotonic()
-        deadline, probed, said_sitting, news, looked = started + timeout, False, False, False, 0.0
+        deadline, probed, said_sitting = started + timeout, False, False
         while True:
-            looked = self._look_unless_news(news, looked, POLL_S)
+            seen = self._generation
+            if self._look_due(started):
+                self.refresh()
             training = self.members(training_only=True)
             sitting = [m.peer_id for m in training if self.sits_out(m, round)]
             if sitting and not said_sitting:
@@ -280,17 +326,24 @@ class Membership:
             if not probed and time.monotonic() - started >= PROBE_AFTER_S:
                 probed = True
                 if self.drop_gone(late, round):
-                    news = False
                     continue
-            news = self._wait_for_news(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+            self._wait_for_news(min(POLL_S, max(deadline - time.monotonic(), 0.0)), seen)
+
+    def _look_due(self, waiting_since: float) -> bool:
+        """Whether a wait that began at `waiting_since` (time.monotonic()) reads the records from the DHT now."""
+        now = time.monotonic()
+        if self.pushed is None:
+            return now - self._looked >= POLL_S
+        return now - waiting_since >= LOOK_S and now - self._looked >= LOOK_S
 
     def wait_for_peers(self, count: int, timeout: float, *, give_up: Callable[[], bool] = lambda: False) -> list[str]:
         """Wait until `count` workers of this stage (this one included) are at the start barrier (their record
         names the boundary they will start from) or train; return them."""
         deadline = time.monotonic() + timeout
-        last_log, news, looked = 0.0, False, 0.0
+        last_log = 0.0
         while True:
-            looked = self._look_unless_news(news, looked, BARRIER_POLL_S)
+            seen = self._generation
+            self._look_if_older(BARRIER_POLL_S)
             self.refuse_another_release()  # the run may start training while this peer waits
             here = [m.peer_id for m in self.members(others_only=False) if m.record.training or m.record.boundary >= 0]
             if len(here) >= count or time.monotonic() >= deadline or give_up():
@@ -298,7 +351,7 @@ class Membership:
             if time.monotonic() - last_log > 10:
                 logger.info("waiting for peers: %d of %d workers of stage %d are here", len(here), count, self.records.stage)
                 last_log = time.monotonic()
-            news = self._wait_for_news(BARRIER_POLL_S)
+            self._wait_for_news(BARRIER_POLL_S, seen)
 
     def wait_until_training(
         self, peer_ids: Collection[str], timeout: float, *, give_up: Callable[[], bool] = lambda: False
@@ -307,13 +360,14 @@ class Membership:
         barrier. Peers that met at the barrier then start their first round together, instead of the first to
         see the quorum training a round before the last one looks, which then had to take the state of a run
         that had moved on."""
-        deadline, news, looked = time.monotonic() + timeout, False, 0.0
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not give_up():
-            looked = self._look_unless_news(news, looked, BARRIER_POLL_S)
+            seen = self._generation
+            self._look_if_older(BARRIER_POLL_S)
             live = {m.peer_id: m for m in self.members(others_only=False)}
             if all(p not in live or live[p].record.training for p in peer_ids):
                 return
-            news = self._wait_for_news(BARRIER_POLL_S)
+            self._wait_for_news(BARRIER_POLL_S, seen)
 
     # ----- admission ---------------------------------------------------------------------------
     def refuse_another_release(self) -> None:

@@ -51,8 +51,15 @@ class _Worker:
         self.membership.pushed = self.averager.pushed_records
 
     def close(self) -> None:  # its heartbeat beats only when updated: no thread to stop
+        self.membership.close()
         self.averager.shutdown()
         self.dht.shutdown()
+
+
+def _only_pushes(monkeypatch) -> None:
+    """Members' views read the DHT once a minute at most: what they see sooner came by push."""
+    for name in ("POLL_S", "LOOK_S", "REFRESH_S", "BARRIER_LOOK_S"):
+        monkeypatch.setattr(membership_module, name, 60.0)
 
 
 @pytest.fixture
@@ -66,10 +73,10 @@ def pair():
 
 def test_a_members_round_start_wakes_the_others_wait_at_once_though_their_dht_poll_is_a_minute(pair, monkeypatch):
     a, b = pair
-    monkeypatch.setattr(membership_module, "POLL_S", 60.0)  # b's wait looks the DHT up once, then only pushes
+    _only_pushes(monkeypatch)  # b's view: one DHT lookup as it starts, then only pushes
     a.heartbeat.on_change = lambda value, expiration: a.averager.push_member(value, expiration, [b.peer_id])
     a.heartbeat.update(averaging_round=0)  # a trains round 1: b waits for it to start that round's exchange
-    b.membership.refresh()
+    b.membership.start()
     assert [m.record.averaging_round for m in b.membership.members()] == [0]
     found, looked = [], threading.Event()
 
@@ -99,11 +106,11 @@ def test_a_changed_record_reaches_the_others_at_once_while_its_store_waits_on_a_
     # and answers nothing, and a store that meets it waits out hivemind's timeouts (6 s). The record of the round a
     # has started must reach b at once all the same: b waits for it to start that round's exchange
     a, b = pair
-    monkeypatch.setattr(membership_module, "POLL_S", 60.0)
+    _only_pushes(monkeypatch)
     frozen, _, _ = signed_node(RUN, initial_peers=a.dht.get_visible_maddrs())
     a.heartbeat.on_change = lambda value, expiration: a.averager.push_member(value, expiration, [b.peer_id])
     a.heartbeat.update(averaging_round=0)
-    b.membership.refresh()
+    b.membership.start()
     assert [m.record.averaging_round for m in b.membership.members()] == [0]
     a.heartbeat.start()
     found, looked = [], threading.Event()
@@ -140,11 +147,11 @@ def test_a_pushed_record_signed_by_another_worker_is_refused_and_an_older_copy_n
     pair, monkeypatch
 ):
     a, b = pair
-    monkeypatch.setattr(membership_module, "POLL_S", 60.0)
+    _only_pushes(monkeypatch)
     older, expiration = a.records.publish_member(_record(3))
     a.records.publish_member(_record(4))  # the DHT holds round 4's record, signed after round 3's
     b_own, b_expiration = b.records.publish_member(_record(4))
-    b.membership.refresh()
+    b.membership.start()
     assert {m.peer_id: m.record.averaging_round for m in b.membership.members()} == {a.peer_id: 4}
     a.averager.push_member(b_own, b_expiration, [b.peer_id])  # b's record, pushed by a: not a's to push
     a.averager.push_member(older, expiration, [b.peer_id])  # a's own older record, pushed again
@@ -152,3 +159,44 @@ def test_a_pushed_record_signed_by_another_worker_is_refused_and_an_older_copy_n
     waited = b.membership.wait_for_round(5, 3.0, give_up=lambda: False)
     assert [(m.peer_id, m.record.averaging_round) for m in waited] == [(a.peer_id, 4)]
     assert b.faults.take()["requests_refused"] == 1
+
+
+def test_a_members_view_keeps_a_live_member_from_its_beats_pushes_alone_with_no_dht_read_after_the_first(
+    pair, monkeypatch
+):
+    # every beat pushes the record (with a later expiration), so the view holds a live member past its record's
+    # TTL without reading the DHT again; a record not renewed would drop out of it as it expires
+    from dilocox_p2p.swarm import dht as dht_module
+    from dilocox_p2p.swarm import heartbeat as heartbeat_module
+
+    a, b = pair
+    _only_pushes(monkeypatch)
+    for module in (dht_module, heartbeat_module):
+        monkeypatch.setattr(module, "MEMBER_TTL_S", 3.0)
+    monkeypatch.setattr(heartbeat_module, "HEARTBEAT_S", 0.5)
+    reads = []
+    members = b.records.members
+    monkeypatch.setattr(b.records, "members", lambda: reads.append(time.monotonic()) or members())
+    a.heartbeat.on_change = lambda value, expiration: a.averager.push_member(value, expiration, [b.peer_id])
+    b.membership.start()
+    a.heartbeat.start()
+    try:
+        assert _eventually(lambda: [m.peer_id for m in b.membership.members()] == [a.peer_id], 10.0)
+        seen = []
+        until = time.monotonic() + 3 * 3.0  # three TTLs of a's record
+        while time.monotonic() < until:
+            seen.append(a.peer_id in {m.peer_id for m in b.membership.members()})
+            time.sleep(0.1)
+    finally:
+        a.heartbeat.stop(leave=False)
+    assert all(seen), f"a dropped out of b's view {seen.count(False)} times in {len(seen)} looks"
+    assert len(reads) <= 2, f"b read the DHT {len(reads)} times"  # the first lookup, and (at most) one more
+
+
+def _eventually(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
