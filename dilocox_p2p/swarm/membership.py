@@ -111,12 +111,16 @@ class Membership:
         """Look the records up now and then (`_until_look`); with pushes, take each pushed record as it comes."""
         while not self._closed.is_set():
             wait = self._until_look()
-            if wait > 0 and self.pushed is not None:
-                self._take_pushes(min(wait, 0.5))
-            elif wait > 0:
-                self._closed.wait(wait)
-            elif not self._closed.is_set():
-                self.refresh()
+            try:
+                if wait > 0 and self.pushed is not None:
+                    self._take_pushes(min(wait, 0.5))
+                elif wait > 0:
+                    self._closed.wait(wait)
+                elif not self._closed.is_set():
+                    self.refresh()
+            except Exception as e:  # the view must go on: a broken push queue leaves the DHT reads
+                logger.warning("the member view's thread: %r", e)
+                self.pushed = None
 
     def _until_look(self) -> float:
         """Seconds until the background looks the records up again: a heartbeat after the last lookup, or with
