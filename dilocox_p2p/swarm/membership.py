@@ -124,16 +124,16 @@ class Membership:
 
     def _until_look(self) -> float:
         """Seconds until the background looks the records up again: a heartbeat after the last lookup, or with
-        pushes REFRESH_S after it, and a second before a member's record expires (its pushes may be lost while
-        the DHT holds a newer one), but never within a second of the last try."""
+        pushes and other members REFRESH_S after it, and a second before a member's record expires (its pushes may
+        be lost while the DHT holds a newer one), but never within a second of the last try."""
         now = time.monotonic()
         if self.pushed is None:
             return max(self._looked + HEARTBEAT_S - now, self._tried + 1.0 - now, 0.0)
         with self._lock:
             expiring = [m.expiration for m in self._members if m.peer_id != self.peer_id]
-        due = self._looked + REFRESH_S
+        due = self._looked + HEARTBEAT_S  # alone: nobody pushes here yet (a joiner, a refused stranger are read)
         if expiring:
-            due = min(due, now + min(expiring) - get_dht_time() - 1.0)
+            due = min(self._looked + REFRESH_S, now + min(expiring) - get_dht_time() - 1.0)
         return max(due - now, self._tried + 1.0 - now, 0.0)
 
     def _take_pushes(self, timeout: float) -> None:
@@ -149,6 +149,7 @@ class Membership:
             self._members = self._with_pushed(self._members)
             self._generation += 1
             self._news.notify_all()
+        self._refuse_other_configs(news)
 
     def refresh(self) -> bool:
         """Look the members up again; False (counted) if the lookup failed."""
@@ -164,6 +165,11 @@ class Membership:
             self._looked = time.monotonic()
             self._generation += 1
             self._news.notify_all()
+        self._refuse_other_configs(members)
+        return True
+
+    def _refuse_other_configs(self, members: list[Member]) -> None:
+        """Say once per worker that one of `members` (read or pushed) has another config hash: it is no member."""
         for m in members:
             if m.record.config_hash != self.config_hash and m.peer_id not in self._refused:
                 self._refused.add(m.peer_id)
@@ -171,7 +177,6 @@ class Membership:
                     "refusing %s (peer %s): its config hash %s differs from this run's %s",
                     m.peer_id, m.record.peer_name, m.record.config_hash[:12], self.config_hash[:12],
                 )
-        return True
 
     def _with_pushed(self, members: list[Member]) -> list[Member]:
         """`members` as read from the DHT, each replaced by the copy its worker pushed where that one is newer (a
