@@ -75,6 +75,11 @@ class Heartbeat:
             self._changed.set()
             self._now.set()
 
+    def push_now(self) -> None:
+        """Push the record again at once (in the thread), changed or not: to members just found."""
+        self._renew.set()
+        self._changed.set()
+
     def beat(self) -> None:
         with self._beating:
             self.records.publish_member(self._copy())  # a failure is counted there

@@ -176,6 +176,7 @@ class SwarmStage:
     def start(self) -> None:
         self.heartbeat.start(first=lambda: self.records.publish_config(self.config_hash, self.shared_json))
         self.membership.start()
+        self.heartbeat.push_now()  # the first push went to nobody: the members were not read yet
         self.exchanges.start()
         self.agreement.start()
         self.routes.start()
