@@ -41,7 +41,6 @@ LOOK_S = 2.0
 REFRESH_S = 3 * HEARTBEAT_S
 PROBE_AFTER_S = 1.0  # members still not at a round after this long are probed once: gone ones are not waited for
 BARRIER_POLL_S = 0.25  # the start barrier is looked at more often: every peer of the quorum waits on it
-BARRIER_LOOK_S = 1.0  # with pushes: a worker that starts reads the records and pushes its own to those it found
 
 
 def config_diff(ours: str, theirs: str) -> list[str]:
@@ -205,8 +204,11 @@ class Membership:
             self._news.wait_for(lambda: self._generation != seen, timeout)
 
     def _look_if_older(self, poll: float) -> None:
-        """Read the stage's records from the DHT if the last read is `poll` old (`BARRIER_LOOK_S` with pushes)."""
-        if time.monotonic() - self._looked >= (poll if self.pushed is None else BARRIER_LOOK_S):
+        """Read the stage's records from the DHT if the last read is `poll` old. The start barrier reads them every
+        BARRIER_POLL_S with pushes too: a worker pushes to the members it knows, and those that came to the
+        barrier after it do not push to it until their record changes again (1 s between reads made every
+        3-peer test 2 s longer)."""
+        if time.monotonic() - self._looked >= poll:
             self.refresh()
 
     def members(self, *, training_only: bool = False, others_only: bool = True, suspects_too: bool = False) -> list[Member]:

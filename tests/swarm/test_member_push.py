@@ -58,7 +58,7 @@ class _Worker:
 
 def _only_pushes(monkeypatch) -> None:
     """Members' views read the DHT once a minute at most: what they see sooner came by push."""
-    for name in ("POLL_S", "LOOK_S", "REFRESH_S", "BARRIER_LOOK_S"):
+    for name in ("POLL_S", "LOOK_S", "REFRESH_S", "BARRIER_POLL_S"):
         monkeypatch.setattr(membership_module, name, 60.0)
 
 
