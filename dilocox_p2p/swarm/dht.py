@@ -21,13 +21,11 @@ counts it).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +43,8 @@ from ..errors import SwarmError, SwarmUnreachable, WireRejected
 from ..identity import peer_id_of, worker_identity
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
+from .dht_process import HelperDHT
 from .faults import FaultCounter, RefusalLog
-from .hivemind_patches import guard_unary_replies
-from .priority import lower_priority
 
 __all__ = ["EnvelopeValidator", "Member", "RunRecords", "dht_result", "node_id_of", "run_keys", "start_dht"]
 
@@ -73,51 +70,6 @@ AVERAGE_RECORD_TTL_S = 300.0
 REPLICAS = 5
 BEAM_SIZE = REPLICAS
 DHT_CALL_CHECK_S = 1.0  # a DHT call still running checks this often that the DHT process is alive
-
-
-class HelperDHT(hivemind.DHT):
-    """hivemind's DHT process (and the p2p daemon it starts), run `nice` levels below training.
-
-    hivemind's DHT process runs each call (`get`, `store`, `run_coroutine`) as an asyncio task it keeps no
-    reference to, and asyncio holds tasks only weakly: the cycle collector may destroy one that waits on a future
-    nothing else holds ("Task was destroyed but it is pending!"), and the caller's future is then never answered.
-    Seen in the swarm tier: a peer's `serve_hello` waited for good at its start, and the two others at the start
-    barrier with it. Each call's task is held here until it ends."""
-
-    def __init__(self, *, nice: int, **kwargs: Any):
-        self.nice = nice
-        guard_unary_replies()  # before the fork: the DHT process and the averager forked later run the guarded reader
-        super().__init__(**kwargs)
-
-    def run(self) -> None:
-        lower_priority(self.nice)
-        super().run()
-
-    async def _get(self, *args: Any, **kwargs: Any) -> None:
-        with _held_task():
-            await super()._get(*args, **kwargs)
-
-    async def _store(self, *args: Any, **kwargs: Any) -> None:
-        with _held_task():
-            await super()._store(*args, **kwargs)
-
-    async def _run_coroutine(self, *args: Any, **kwargs: Any) -> None:
-        with _held_task():
-            await super()._run_coroutine(*args, **kwargs)
-
-
-_HELD_TASKS: set[asyncio.Task] = set()  # the DHT process's calls in flight (HelperDHT)
-
-
-@contextlib.contextmanager
-def _held_task() -> Iterator[None]:
-    task = asyncio.current_task()
-    if task is not None:
-        _HELD_TASKS.add(task)
-    try:
-        yield
-    finally:
-        _HELD_TASKS.discard(task)  # type: ignore[arg-type]
 
 
 MAX_STAGES_GUARDED = 64  # member keys of stages 0..63 only take signed records (EnvelopeValidator)

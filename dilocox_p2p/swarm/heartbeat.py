@@ -76,7 +76,8 @@ class Heartbeat:
             self._now.set()
 
     def push_now(self) -> None:
-        """Push the record again at once (in the thread), changed or not: to members just found."""
+        """Push the record again at once (in the thread), changed or not: to members just found, or to renew its
+        expiration in the others' views."""
         self._renew.set()
         self._changed.set()
 
@@ -125,8 +126,7 @@ class Heartbeat:
             if not self._stop.is_set():
                 self.beat()
             if not stored_now:  # a change was pushed as it came; a quiet beat renews the pushed record
-                self._renew.set()
-                self._changed.set()
+                self.push_now()
 
     def stop(self, *, leave: bool = True) -> None:
         """Stop beating; with `leave`, tell the others this worker no longer trains."""

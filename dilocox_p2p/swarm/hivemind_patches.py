@@ -100,7 +100,7 @@ PATCHES: dict[str, str] = {
     "reconnect.py dials an initial peer at its address again after the DHT lost it",
     # dht/node.py, protocol.py, routing.py (our swarm/reconnect.py): the DHT asks its initial peers only at start
     "DHTNode.protocol.routing_table.peer_id_to_uid": "read: which peers the DHT node still has a route to",
-    "DHT._get / _store / _run_coroutine": "wrapped (dht.HelperDHT) to hold each call's task until it ends: the DHT "
+    "DHT._get / _store / _run_coroutine": "wrapped (dht_process.HelperDHT) to hold each call's task until it ends: the DHT "
     "process keeps no reference to them, and one destroyed by the cycle collector left its caller waiting for good",
     "DHTProtocol.call_ping": "pings a lost peer; its answer puts it back in both routing tables",
     # p2p/p2p_daemon_bindings/control.py: the persistent connection to the p2p daemon (unary calls, both ways)

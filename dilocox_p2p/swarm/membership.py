@@ -90,8 +90,8 @@ class Membership:
         self._pushed: dict[str, Member] = {}  # the latest record each member pushed (member_push.py)
         self.pushed: Any = None  # the queue of pushed records (DilocoxAverager.pushed_records); None: polls only
         self._looked = self._tried = float("-inf")  # time.monotonic() of the last lookup that succeeded, and tried
-        self._news = threading.Condition(self._lock)  # notified when a pushed record changed the view
-        self._generation = 0  # how many times pushed records changed the view
+        self._news = threading.Condition(self._lock)  # notified when a push or a lookup changed the view
+        self._generation = 0  # how many times a push or a lookup changed the view
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._watch, name="members", daemon=True),
                          threading.Thread(target=self._take_pushes_loop, name="member-pushes", daemon=True)]
@@ -110,15 +110,17 @@ class Membership:
                 thread.join(timeout=HEARTBEAT_S + 5)
 
     def _watch(self) -> None:
-        """Look the records up now and then (`_until_look`, at most every 0.5 s apart while waiting)."""
-        while not self._closed.wait(min(self._until_look(), 0.5)):
-            if self._until_look() <= 0:
+        """Look the records up now and then (`_until_look`, asked again at least every 0.5 s: pushes move it)."""
+        while not self._closed.is_set():
+            wait = self._until_look()
+            if wait <= 0:
                 self.refresh()
+            else:
+                self._closed.wait(min(wait, 0.5))
 
     def _take_pushes_loop(self) -> None:
         """Take each pushed record as it comes, in a thread of its own: a lookup that meets a frozen DHT node
-        takes seconds, and pushes taken behind it reached the waits that late (killed-peer tests of the swarm
-        tier took 5-8 s longer)."""
+        takes seconds, and pushes taken behind it would reach the waits that late."""
         while not self._closed.is_set() and self.pushed is not None:
             try:
                 self._take_pushes(0.5)
@@ -307,8 +309,8 @@ class Membership:
     # ----- waiting ---------------------------------------------------------------------------
     def wait_for_round(self, round: int, timeout: float, *, give_up: Callable[[], bool]) -> list[Member]:
         """Wait (at most `timeout`, woken at once by a record a member pushed; a lookup once the wait lasted LOOK_S,
-        and every LOOK_S after, or without pushes every POLL_S) until every live training member of the stage that takes part in this round's all-reduce has started it; return those
-        members.
+        and every LOOK_S after, or without pushes every POLL_S) until every live training member of the stage
+        that takes part in this round's all-reduce has started it; return those members.
 
         A member takes part if it started the round before (it trains this round or waits for that exchange:
         its record's averaging_round) or holds this round's boundary (it took the swarm's state there), and
