@@ -174,6 +174,14 @@ def cancel_step(step: Any) -> None:
         logger.debug("the step was cancelled already")
 
 
+_NO_GROUP = {
+    False: "no group",
+    # the leader took it in, then its answer stream ended before it said which group began (or that none did):
+    # that leader may count this worker into a group it never learns of (seen under load on loopback)
+    True: "accepted, then no group",
+}
+
+
 def track_join_requests(matchmaking: Any) -> None:
     """Wrap `matchmaking._request_join_group` (once) so that `joining` tells whether a request to a leader is in
     flight (a leader's redirect to another leader is a nested request, counted too), and `asked_leaders` whom the
@@ -189,6 +197,10 @@ def track_join_requests(matchmaking: Any) -> None:
         matchmaking._dilocox_asked.append(name)
         matchmaking._dilocox_asking[name] += 1
         asked, group = time.monotonic(), None
+        # hivemind sets was_accepted_to_group at the leader's ACCEPTED and clears it when the request ends (a
+        # leader's redirect asks the next one inside the first request, still set: not told apart)
+        told = not matchmaking.was_accepted_to_group.is_set()
+        accepted = asyncio.ensure_future(matchmaking.was_accepted_to_group.wait())
         try:
             group = await request_join_group(leader, *args, **kwargs)
             return group
@@ -197,8 +209,9 @@ def track_join_requests(matchmaking: Any) -> None:
             if not matchmaking._dilocox_asking[name]:
                 del matchmaking._dilocox_asking[name]
             if group is None:  # hivemind says why at debug level only; a leader that counts it in anyway splits a round
-                logger.info("asked %s to take this worker into its group: no group after %.2f s", leader,
-                            time.monotonic() - asked)  # fmt: skip
+                logger.info("asked %s to take this worker into its group: %s after %.2f s", leader,
+                            _NO_GROUP[told and accepted.done()], time.monotonic() - asked)  # fmt: skip
+            accepted.cancel()
 
     matchmaking._request_join_group = request_join_group_tracked
 
