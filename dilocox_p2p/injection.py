@@ -22,6 +22,9 @@ Armed through the environment of the peer's processes, several separated by `;`:
   round R (BEGIN_ALLREDUCE), as a follower whose request_timeout ran out just before does: the
   leader counted it in, the group runs with a member that never learnt of it, and it goes on looking.
   Armed, it declares a later start than the others, so that it follows rather than leads.
+- `lose_begin:round=R:stage=S` makes stage S drop its leader's BEGIN_ALLREDUCE of round R after that
+  leader's ACCEPTED, as a follower whose answer stream closes there does: it knows it was accepted,
+  and joins the group late when a part of it arrives. Armed, it declares a later start too.
 - `corrupt_state:round=R:stage=S` flips the lowest bit of theta_g's first value on stage S
   right after round R's outer step, as a memory error or a buggy peer would.
 - `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,
@@ -57,7 +60,7 @@ logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
     "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "skip_adopting",
-    "abandon_accepted", "corrupt_state", "nan_pseudo_gradient",
+    "abandon_accepted", "lose_begin", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "flip_served_bit", "cut_served_message",
     "equivocate_reduced",
     "speak_other_protocol", "ignore_admission",

@@ -37,7 +37,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
@@ -59,8 +59,10 @@ from .matchmaking import (
     abandon_begun_groups,
     count_extra_followers,
     drop_stale_searches,
+    forget_lost_acceptance,
     hold_matchmaking_tasks,
     joining,
+    lost_acceptance,
     lower_target,
     outside_every_group,
     set_target_size,
@@ -148,6 +150,8 @@ class DilocoxAverager(
         self._asked_to_lead = mp.Value(ctypes.c_int64, -1)  # the latest round a member asked it to lead before it looked
         # the groups this worker found itself counted into without joining them (averager process, _outside_group)
         self._outside_groups: collections.deque[bytes] = collections.deque(maxlen=OUTSIDE_GROUPS_KEPT)
+        self._begun: collections.OrderedDict[bytes, GroupInfo] = collections.OrderedDict()  # group_admission.py
+        self._joins_begun: dict[bytes, asyncio.Task] = {}
         self._grouped_at: float | None = None  # when the group of the all-reduce running now formed (unix time)
         self._grouped_round = -1  # ... and its round
         self._state_provider: StateProvider | None = None
@@ -366,6 +370,7 @@ class DilocoxAverager(
             track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
             count_extra_followers(mm, self._count_extra)  # a follower the target did not count raises it
             abandon_begun_groups(mm, self._abandons)  # fault injection only
+            forget_lost_acceptance(mm)
             self._expected = None if expected is None else frozenset(expected)
             self._extras = set()
             mm.group_key_manager.group_bits = round_group_bits(round)
@@ -381,8 +386,9 @@ class DilocoxAverager(
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
 
-    def _abandons(self) -> bool:
-        return injection.armed("abandon_accepted", quiet=True, round=self._current_round, stage=self.stage)
+    def _abandons(self) -> str:
+        where = dict(quiet=True, round=self._current_round, stage=self.stage)
+        return next((f for f in ("abandon_accepted", "lose_begin") if injection.armed(f, **where)), "")  # type: ignore[arg-type]
 
     async def _lower_target(self, round: int, target: int, future: MPFuture) -> None:
         try:  # the followers that joined beyond the expected members still count
@@ -420,7 +426,7 @@ class DilocoxAverager(
         at once (matchmaking.outside_every_group). hivemind waits for some group to register: a leader that
         counted this worker in after it had given up on the leader waited out its timeouts for it."""
         request = await anext(stream)
-        if await self._outside_group(request.group_id):
+        if await self._outside_group(request.group_id, context.remote_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             # read the rest of the sender's parts before closing: a stream closed under its writer broke the
             # sender's pipe, and it took that for a failed reducer, not a member outside the group
@@ -432,20 +438,24 @@ class DilocoxAverager(
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
-    async def _outside_group(self, group_id: bytes) -> bool:
+    async def _outside_group(self, group_id: bytes, sender: PeerID | None = None) -> bool:
         """matchmaking.outside_every_group, for a request of a member of group `group_id`, once this worker's
         requests to leaders in flight have ended (at most the matchmaking's request_timeout and a second): the
         leader of that group may have taken one and started before its answer came. Asked while this worker
         looks for a group, it also marks the round counted out (`counted_out`). A group found so once stays so:
         this worker can never join a group that began without it, and the parts of its other members are answered
         at once even while this worker looks for a group again (exchange._grouped) and waits for a leader's answer:
-        waiting for that answer, it kept one of them past its sender and chunk timeouts (12-18 s, busy core)."""
+        waiting for that answer, it kept one of them past its sender and chunk timeouts (12-18 s, busy core). A
+        worker whose leader accepted it in this round and whose answer stream then closed asks `sender`, a member
+        of that group, which group began, and joins it late (group_admission.GroupAdmission._join_begun)."""
         if group_id in self._outside_groups and group_id not in self._running_groups:
             return True
         deadline = time.monotonic() + self._matchmaking.request_timeout + 1.0
         while group_id not in self._running_groups and joining(self._matchmaking) and time.monotonic() < deadline:
             await asyncio.sleep(JOIN_POLL_S)
         outside = group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
+        if outside and sender is not None and lost_acceptance(self._matchmaking):
+            outside = not await self._join_begun(group_id, sender)
         if outside:
             self._outside_groups.append(group_id)
             if self._matchmaking.is_looking_for_group:
@@ -454,6 +464,7 @@ class DilocoxAverager(
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         self._grouped_at, self._grouped_round = time.time(), self._current_round
+        self._remember_begun(group_info)
         me = self.peer_id.to_base58()
         ranks = []  # each member's low-rank ranks, as its ticket names them
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):

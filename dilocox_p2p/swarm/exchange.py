@@ -209,8 +209,8 @@ class RoundExchange(CompressedRound, GroupVote):
         """The member this round's group forms around (matchmaking.DesignatedLeader): the smallest peer id of the
         members this worker expects that had started the round (one still training it, or frozen, would keep its
         followers waiting for it to look), itself included. A worker armed with fault injection `abandon_accepted`
-        names none: the fault is a follower's."""
-        if injection.armed("abandon_accepted", quiet=True, round=self.round, stage=self.stage.stage):
+        or `lose_begin` names none: the fault is a follower's."""
+        if self._follows_by_fault():
             return ""
         return min([self.stage.peer_id, *self._started])
 
@@ -265,9 +265,14 @@ class RoundExchange(CompressedRound, GroupVote):
         with fault injection `abandon_accepted` declares later still, so that it follows a leader rather than
         leads: the fault is a follower's (as a leader it never meets it, and a run where it led every armed round
         tested nothing: seen once in 10 runs on 2 loaded cores)."""
-        if injection.armed("abandon_accepted", quiet=True, round=self.round, stage=self.stage.stage):
+        if self._follows_by_fault():
             return get_dht_time() + self.sw.round_wait + 2 * FOLLOWER_LAG_S
         return get_dht_time() + self.sw.round_wait + FOLLOWER_LAG_S if follows else None
+
+    def _follows_by_fault(self) -> bool:
+        """Fault injection `abandon_accepted` or `lose_begin` is armed for this round: both are a follower's."""
+        where = dict(quiet=True, round=self.round, stage=self.stage.stage)
+        return any(injection.armed(f, **where) for f in ("abandon_accepted", "lose_begin"))  # type: ignore[arg-type]
 
     def _wait_for_step(self, started: float, target: int) -> tuple[RoundResult | None, str]:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage has

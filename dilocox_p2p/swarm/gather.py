@@ -102,8 +102,9 @@ class MessageGather:
         self._delivered: dict[tuple[bytes, int], set[str]] = collections.defaultdict(set)  # who pulled my message
         self._messages_served = 0  # replies that carried a message, counted for fault injection
 
-    async def _outside_group(self, group_id: bytes) -> bool:
-        """Whether this worker is in no group `group_id` and about to join none (the averager knows)."""
+    async def _outside_group(self, group_id: bytes, sender: PeerID | None = None) -> bool:
+        """Whether this worker is in no group `group_id` and about to join none (the averager knows; `sender`, a
+        member of that group, may name it)."""
         return False
 
     def _box(self, group_id: bytes, phase: int) -> dict[tuple[str, int], tuple[bytes, bytes]]:
@@ -279,7 +280,7 @@ class MessageGather:
             header.reason = "another run, config or stage"
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
-        if await self._outside_group(request.group_id):  # it will never hold a message of that group
+        if await self._outside_group(request.group_id, context.remote_id):  # it will never hold a message of that group
             header.status, header.reason = swarm_pb2.STATE_LACKING, OUTSIDE
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return

@@ -6,28 +6,33 @@ a leader takes only members with a valid ticket of its round that the round admi
 group holds any other leaves it (averager._aggregate_with_group, `_read_ticket`). A follower asks the round's
 designated leader first (matchmaking.DesignatedLeader); a request that comes before its leader looks for the
 round's group waits for that (`_wait_to_lead`), and one from a member this worker is itself asking to lead it
-is refused at once where that member is to lead (matchmaking.py: a mutual ask).
+is refused at once where that member is to lead (matchmaking.py: a mutual ask). A member whose leader accepted
+it and whose answer stream then closed asks a member of the group whose part reaches it which group began
+(`rpc_begun_group`) and joins it late (`_join_begun`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
 
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
-from .matchmaking import looking_for_group, refuses_mutual_ask
+from .matchmaking import looking_for_group, outside_every_group, refuses_mutual_ask
 
 __all__ = ["GroupAdmission", "ask_designated_then_admitted"]
 
 logger = logging.getLogger(__name__)
 
 JOIN_WAIT_POLL_S = 0.05  # a request that came before its leader looks checks this often whether it looks (no network)
+BEGUN_KEPT = 8  # the latest groups this worker ran, answered to a member that lost its leader's BEGIN_ALLREDUCE
 
 
 class GroupAdmission:
@@ -35,6 +40,11 @@ class GroupAdmission:
 
     _admitted: frozenset[str]
     _asked_to_lead: Any
+    _begun: collections.OrderedDict[bytes, GroupInfo]  # group id -> the groups this worker ran, latest last
+    _joins_begun: dict[bytes, asyncio.Task]  # group id -> this worker's late join of it (`_join_begun`)
+    _running_groups: dict[bytes, Any]
+    peer_id: PeerID
+    prefix: str
     _current_round: int
     _grouped_round: int
     _matchmaking: Any
@@ -111,6 +121,70 @@ class GroupAdmission:
             if self._asked_to_lead.value < round <= self._current_round + 1 and peer in self._admitted:
                 self._asked_to_lead.value = round
             await asyncio.sleep(JOIN_WAIT_POLL_S)
+
+
+    # ----- a member whose leader's BEGIN_ALLREDUCE was lost (matchmaking.py) ------------------------
+    def _remember_begun(self, group: GroupInfo) -> None:
+        """Keep `group` (one this worker runs) for `rpc_begun_group`."""
+        self._begun[group.group_id] = group
+        while len(self._begun) > BEGUN_KEPT:
+            self._begun.popitem(last=False)
+
+    async def rpc_begun_group(self, request: averaging_pb2.JoinRequest, context: P2PContext) -> averaging_pb2.MessageFromLeader:
+        """The group `request.group_key` (its id in hex) names, as its leader's BEGIN_ALLREDUCE said it, to a caller
+        whose valid ticket of this round (`request.gather`, as in a join request) the group holds: one whose leader
+        accepted it and whose answer stream then closed (matchmaking.py). BAD_GROUP_ID to anyone else."""
+        peer = context.remote_id
+        try:
+            group = self._begun.get(bytes.fromhex(request.group_key))
+        except ValueError:
+            group = None
+        refusal = self._read_ticket(peer.to_base58(), request.gather, even_banned=False)[1]
+        if group is None or refusal or peer not in group.peer_ids:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
+        return averaging_pb2.MessageFromLeader(
+            code=averaging_pb2.BEGIN_ALLREDUCE, group_id=group.group_id,
+            ordered_peer_ids=[p.to_bytes() for p in group.peer_ids], gathered=group.gathered,
+        )  # fmt: skip
+
+    async def _join_begun(self, group_id: bytes, member: PeerID) -> bool:
+        """Ask `member` (whose part of group `group_id` reached this worker) which group began, and join it if it
+        holds this worker and this worker is still outside every group; whether it did. Parts of that group that
+        come meanwhile ask the same question once."""
+        task = self._joins_begun.get(group_id)
+        if task is None:
+            task = self._joins_begun[group_id] = asyncio.create_task(self._ask_and_join(group_id, member))
+            while len(self._joins_begun) > BEGUN_KEPT:
+                self._joins_begun.pop(next(iter(self._joins_begun)))
+        try:
+            return await asyncio.shield(task)
+        except Exception as e:  # noqa: BLE001 - not joined: the part is answered as outside the group
+            logger.info("could not join group %s late: %r", group_id.hex()[:8], e)
+            return False
+
+    async def _ask_and_join(self, group_id: bytes, member: PeerID) -> bool:
+        mm = self._matchmaking
+        stub = type(self).get_stub(self._p2p, member, namespace=self.prefix)  # type: ignore[attr-defined]
+        step = mm.step_control  # the search running now (hivemind sets it for the search, None after)
+        if step is None:
+            return False
+        request = averaging_pb2.JoinRequest(gather=step.data_for_gather, group_key=group_id.hex())
+        answer = await asyncio.wait_for(stub.rpc_begun_group(request), timeout=mm.request_timeout)
+        me = self.peer_id.to_bytes()
+        if (answer.code != averaging_pb2.BEGIN_ALLREDUCE or answer.group_id != group_id
+                or me not in answer.ordered_peer_ids or len(answer.gathered) != len(answer.ordered_peer_ids)):
+            logger.info("%s named no group %s holding this worker: it stays out", member, group_id.hex()[:8])
+            return False
+        async with mm.lock_request_join_group:
+            if group_id in self._running_groups:
+                return True
+            if not (outside_every_group(mm, group_id) and mm.is_looking_for_group):
+                return False  # it found another group meanwhile, or stopped looking
+            group = GroupInfo(group_id, tuple(PeerID(p) for p in answer.ordered_peer_ids), tuple(answer.gathered))
+            mm.assembled_group.set_result(group)
+        logger.info("joined group %s late: its leader accepted this worker, and its answer that the group began was "
+                    "lost; %s named the group", group_id.hex()[:8], member)  # fmt: skip
+        return True
 
 
 def ask_designated_then_admitted(leaders: Any, averager: Any) -> None:

@@ -41,7 +41,8 @@ PATCHES: dict[str, str] = {
     "(swarm/group_round.py: GroupRound)",
     "DecentralizedAverager._rpc_handlers / _stub_type": "reset so that the subclass's own rpc_* handlers are served",
     "DecentralizedAverager._matchmaking": "read to set the group bits and target size per round",
-    "DecentralizedAverager._running_groups": "read (asserted) as hivemind does when registering a group",
+    "DecentralizedAverager._running_groups": "read (asserted) as hivemind does when registering a group; read by "
+    "group_admission._join_begun: whether a group of that id runs here",
     "DecentralizedAverager.rpc_aggregate_part": "a part of a group this worker is not in, nor joining "
     "(Matchmaking.current_leader / assembled_group read, no join request in flight), is answered BAD_GROUP_ID at once; a request for a "
     "compressed message of such a group is answered at once too (gather.py), and while Matchmaking."
@@ -74,7 +75,10 @@ PATCHES: dict[str, str] = {
     "min_matchmaking_time": "read: whether the search of the current round runs and has declared (looking_for_group); "
     "how long a designated leader waits alone",
     "Matchmaking.follower_assemble_group": "wrapped (matchmaking.abandon_begun_groups) for fault injection "
-    "`abandon_accepted` only: a follower drops the group its leader began with it",
+    "`abandon_accepted` and `lose_begin` only: a follower drops the group its leader began with it",
+    "Matchmaking.assembled_group.set_result / step_control.data_for_gather / lock_request_join_group": "a follower whose leader's "
+    "answer stream closed after ACCEPTED joins the group a member names late (group_admission._join_begun): it sets "
+    "the search's result as follower_assemble_group would, under the join lock; its ticket is the search's gather",
     "Matchmaking._check_reasons_to_reject": "wrapped (matchmaking.count_extra_followers): a follower accepted that the "
     "round's target did not count (a suspect, alive after all) raises the target by one instead of taking the place "
     "of a member the target was counted for",

@@ -32,6 +32,13 @@ of it (gather.py); the others leave it out as sender and reducer (allreduce.py),
 the spans they miss (exchange.mending_order), and at the last round wait for it to take the final
 state before they leave (swarm/worker.py, `_all_hold`).
 
+A follower whose leader ACCEPTED it may also lose the leader's next answer: the answer stream closes
+before BEGIN_ALLREDUCE (seen under load on loopback, 0.01-0.13 s after the request; the cause, below the
+application, is not found yet), while the leader counted it in. `track_join_requests` records such a lost
+acceptance (`lost_acceptance`), and the averager asks a member of the group whose part then reaches it which
+group began (group_admission.GroupAdmission._join_begun): holding this worker, it joins that group late
+instead of being left out of it and borrowing its average.
+
 A leader that takes a request and fills its group starts the all-reduce at once, and the other
 members' parts may reach the new follower before the leader's ACCEPTED does (hivemind's own
 comment in `rpc_aggregate_part`). A worker whose request to a leader is still in flight is
@@ -89,7 +96,8 @@ from typing import Any
 
 from hivemind.p2p import PeerID
 
-__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "count_extra_followers", "drop_stale_searches", "hold_matchmaking_tasks", "joining", "looking_for_group", "lower_target",
+__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "count_extra_followers", "drop_stale_searches", "forget_lost_acceptance", "hold_matchmaking_tasks", "joining", "looking_for_group",
+           "lost_acceptance", "lower_target",
            "outside_every_group", "refuses_mutual_ask", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
@@ -201,6 +209,7 @@ def track_join_requests(matchmaking: Any) -> None:
         # leader's redirect asks the next one inside the first request, still set: not told apart)
         told = not matchmaking.was_accepted_to_group.is_set()
         accepted = asyncio.ensure_future(matchmaking.was_accepted_to_group.wait())
+        matchmaking._dilocox_dropped = False
         try:
             group = await request_join_group(leader, *args, **kwargs)
             return group
@@ -208,26 +217,43 @@ def track_join_requests(matchmaking: Any) -> None:
             matchmaking._dilocox_asking[name] -= 1
             if not matchmaking._dilocox_asking[name]:
                 del matchmaking._dilocox_asking[name]
+            lost = group is None and told and accepted.done() and not matchmaking._dilocox_dropped
+            if lost:
+                matchmaking._dilocox_lost = True
             if group is None:  # hivemind says why at debug level only; a leader that counts it in anyway splits a round
                 logger.info("asked %s to take this worker into its group: %s after %.2f s", leader,
-                            _NO_GROUP[told and accepted.done()], time.monotonic() - asked)  # fmt: skip
+                            _NO_GROUP[lost], time.monotonic() - asked)  # fmt: skip
             accepted.cancel()
 
     matchmaking._request_join_group = request_join_group_tracked
 
 
-def abandon_begun_groups(matchmaking: Any, abandon: Callable[[], bool]) -> None:
-    """Wrap `matchmaking.follower_assemble_group` (once) for fault injection `abandon_accepted`: where `abandon()`
-    says so, a follower drops its leader's BEGIN_ALLREDUCE as if its request had timed out just before it: the
-    leader counted it into the group, and it goes on looking, never learning of that group."""
+def lost_acceptance(matchmaking: Any) -> bool:
+    """Whether a request of this round's search was accepted by its leader and then ended without a group
+    (module docstring); `forget_lost_acceptance` clears it when a round is prepared."""
+    return bool(getattr(matchmaking, "_dilocox_lost", False))
+
+
+def forget_lost_acceptance(matchmaking: Any) -> None:
+    matchmaking._dilocox_lost = False
+
+
+def abandon_begun_groups(matchmaking: Any, abandon: Callable[[], str]) -> None:
+    """Wrap `matchmaking.follower_assemble_group` (once) for fault injection: where `abandon()` names
+    `abandon_accepted`, a follower drops its leader's BEGIN_ALLREDUCE as if its request had timed out just before
+    the leader's ACCEPTED: the leader counted it into the group, and it goes on looking, never learning of that
+    group. Where it names `lose_begin`, it drops BEGIN_ALLREDUCE as a closed answer stream does: it knows it
+    was accepted (`lost_acceptance`)."""
     if getattr(matchmaking, "_dilocox_abandons", False):
         return
     matchmaking._dilocox_abandons = True
     assemble = matchmaking.follower_assemble_group
 
     async def assemble_unless_abandoned(leader: Any, message: Any) -> Any:
-        if abandon():
-            logger.warning("fault injection: abandon_accepted: dropped the group its leader began with this worker")
+        fault = abandon()
+        if fault:
+            logger.warning("fault injection: %s: dropped the group its leader began with this worker", fault)
+            matchmaking._dilocox_dropped = fault == "abandon_accepted"
             return None
         return await assemble(leader, message)
 

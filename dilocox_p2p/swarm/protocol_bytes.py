@@ -10,7 +10,7 @@ the processes forked after it (the DHT and the averager) add to as well:
 
     exchange      the exchange's parts and messages, with their signed requests (rpc_aggregate_part,
                   rpc_download_message)
-    matchmaking   join requests and their answers (rpc_join_group)
+    matchmaking   join requests and their answers (rpc_join_group, rpc_begun_group)
     dht           DHT requests (rpc_ping, rpc_store, rpc_find): records, heartbeats, phase 5's reads
     pushes        member records pushed to the other members (rpc_push_member)
     held          averages downloaded to mend a part or borrow a round (rpc_download_average)
@@ -42,7 +42,7 @@ SOURCES = ("exchange", "matchmaking", "dht", "pushes", "held", "state", "hello",
 NETWORK_SOURCES = SOURCES[:-1]  # what crosses the network
 _BY_METHOD = {
     "rpc_aggregate_part": "exchange", "rpc_download_message": "exchange",
-    "rpc_join_group": "matchmaking",
+    "rpc_join_group": "matchmaking", "rpc_begun_group": "matchmaking",
     "rpc_ping": "dht", "rpc_store": "dht", "rpc_find": "dht",
     "rpc_push_member": "pushes",
     "rpc_download_average": "held",

@@ -294,8 +294,6 @@ def test_a_member_whose_matchmaking_fails_after_its_leader_counted_it_in_costs_t
     kinds = {t: r["kinds"][0] for t, r in sorted(mine.items())}
     hit = [t for t in faulty if kinds[t] not in ("averaged", "partial", "mended")]  # it was not in their group
     assert hit and "abandon_accepted: dropped the group" in failing.stage_log(0), kinds
-    # its log tells a request a leader accepted and then left without a group from one it refused (CI reports)
-    assert "to take this worker into its group: accepted, then no group after" in failing.stage_log(0)
     assert all(kinds[t] == "borrowed" for t in hit), kinds  # the others had an average: it took theirs
     for peer in others:
         rounds = {r["applied_round"]: r for r in peer.metrics() if r["applied_round"] is not None}
@@ -309,3 +307,31 @@ def test_a_member_whose_matchmaking_fails_after_its_leader_counted_it_in_costs_t
         shown = {t: (round(seconds[t], 2), round(moving[t], 2)) for t in sorted(rounds)}
         assert all(moving[t] < CHUNK_TIMEOUT and seconds[t] < ROUND_WAIT for t in hit), shown
         assert all(rounds[t]["stage_hashes"] == mine[t]["stage_hashes"] for t in rounds), "the members disagree"
+
+
+@pytest.mark.parametrize("compression", [(), ("--compression", "lowrank")], ids=["fp32", "lowrank"])
+def test_a_follower_whose_leaders_answer_is_lost_after_it_was_accepted_joins_the_group_late(swarm, compression):
+    # The split every CI failure of late November began with: a follower's leader ACCEPTED it, then the answer
+    # stream closed before BEGIN_ALLREDUCE, while the leader counted it in; it was left out and borrowed. Here
+    # the follower drops BEGIN_ALLREDUCE in rounds 1-4 (fault injection), knowing it was accepted: it asks a
+    # member whose part reaches it which group began and joins that group late. Every member averages every
+    # round with all three, and nobody waits out a deadline for it. A compressed round learns of the group from
+    # a member's request for its message (gather.py) instead of a part.
+    faulty = range(1, 5)
+    args = ("--mode", "sync", "--stages", "1", "--rounds", "6", "--min-peers", "3", *compression)
+    others = [swarm.start_peer(*args) for _ in range(2)]
+    late = swarm.start_peer(*args, env={"DILOCOX_FAULTS": ";".join(f"lose_begin:round={r}:stage=0" for r in faulty)})
+    for peer in [*others, late]:
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    log = late.stage_log(0)
+    assert "lose_begin: dropped the group" in log
+    assert "to take this worker into its group: accepted, then no group after" in log
+    assert "late: its leader accepted this worker" in log
+    rounds = [{r["applied_round"]: r for r in p.metrics() if r["applied_round"] is not None} for p in (*others, late)]
+    for t in range(6):
+        assert [r[t]["kinds"] for r in rounds] == [["averaged"]] * 3, (t, [r[t]["kinds"] for r in rounds])
+        assert [r[t]["group_sizes"] for r in rounds] == [[3]] * 3
+        assert len({tuple(r[t]["stage_hashes"]) for r in rounds}) == 1, f"round {t}: the members disagree"
+    for r in rounds:  # the late member's parts came well within the reducers' wait for senders
+        assert all(r[t]["allreduce_windows"][0][1] - r[t]["allreduce_windows"][0][0] < CHUNK_TIMEOUT for t in faulty)
