@@ -90,6 +90,7 @@ class Membership:
         self._pushed: dict[str, Member] = {}  # the latest record each member pushed (member_push.py)
         self.pushed: Any = None  # the queue of pushed records (DilocoxAverager.pushed_records); None: polls only
         self._looked = self._tried = float("-inf")  # time.monotonic() of the last lookup that succeeded, and tried
+        self._looked_dht = float("-inf")  # DHT time at which the last lookup that succeeded began (`_live`)
         self._news = threading.Condition(self._lock)  # notified when a push or a lookup changed the view
         self._generation = 0  # how many times a push or a lookup changed the view
         self._closed = threading.Event()
@@ -159,7 +160,7 @@ class Membership:
 
     def refresh(self) -> bool:
         """Look the members up again; False (counted) if the lookup failed."""
-        self._tried = time.monotonic()
+        self._tried, began = time.monotonic(), get_dht_time()
         try:
             members = self.records.members()
         except Exception as e:
@@ -168,7 +169,7 @@ class Membership:
             return False
         with self._lock:
             self._members = members = self._with_pushed(members)
-            self._looked = time.monotonic()
+            self._looked, self._looked_dht = time.monotonic(), began
             self._generation += 1
             self._news.notify_all()
         self._refuse_other_configs(members)
@@ -215,8 +216,8 @@ class Membership:
 
     def members(self, *, training_only: bool = False, others_only: bool = True, suspects_too: bool = False) -> list[Member]:
         """Live members of this stage with this run's config (from the last refresh and the pushes since; a record
-        that expired since is left out), suspects left out unless `suspects_too` (a suspect is not grouped with,
-        but its state still counts: agreement.py)."""
+        that expired before the last lookup is left out: `_live`), suspects left out unless `suspects_too` (a
+        suspect is not grouped with, but its state still counts: agreement.py)."""
         with self._lock:
             members = list(self._members)
             suspects, banned, gone = dict(self._suspects), set(self._banned), dict(self._gone)
@@ -225,13 +226,20 @@ class Membership:
             m
             for m in members
             if m.record.config_hash == self.config_hash
-            and (m.expiration > now or m.peer_id == self.peer_id)
+            and self._live(m, now)
             and gone.get(m.peer_id) != m.record.joined_at  # not the record of a life found gone
             and (m.record.training or not training_only)
             and (m.peer_id != self.peer_id or not others_only)
             and m.peer_id not in banned
             and (suspects_too or not suspected(m, suspects.get(m.peer_id)))
         ]
+
+    def _live(self, member: Member, now: float) -> bool:
+        """Whether `member`'s record still counts at DHT time `now`: unexpired, this worker's own, or expired since
+        the last lookup (only a lookup after its expiration says the member is gone: a worker frozen past every
+        record's expiration found itself alone on waking, before its view was read again, and trained two rounds
+        alone: churn soak, CI)."""
+        return member.expiration > now or member.peer_id == self.peer_id or member.expiration > self._looked_dht
 
     def ban(self, peer_ids: list[str]) -> None:
         """Peers banned for the run (stage.strike): never members again."""
@@ -247,7 +255,7 @@ class Membership:
         included. A validly signed record of a key that is no member (a third party) has no vote."""
         now = get_dht_time()
         with self._lock:
-            members = {m.peer_id for m in self._members if m.record.config_hash == self.config_hash and m.expiration > now}
+            members = {m.peer_id for m in self._members if m.record.config_hash == self.config_hash and self._live(m, now)}
             return (members - self._banned) | {self.peer_id}
 
     def suspect(self, peer_ids: list[str]) -> None:

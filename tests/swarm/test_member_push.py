@@ -200,3 +200,24 @@ def _eventually(condition, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return condition()
+
+
+def test_a_view_keeps_a_member_whose_record_expired_until_a_lookup_after_the_expiry_finds_it_gone(pair, monkeypatch):
+    # a worker frozen past every record's expiration (SIGSTOP, a swapped-out VM) wakes up with the view it read
+    # before: its members' records have all expired, yet nothing says they left; only a lookup made after that
+    # does (churn soak in CI: a thawed worker found itself alone, trained two rounds alone and was repaired)
+    from dilocox_p2p.swarm import dht as dht_module
+    from dilocox_p2p.swarm import heartbeat as heartbeat_module
+
+    a, b = pair
+    for module in (dht_module, heartbeat_module):
+        monkeypatch.setattr(module, "MEMBER_TTL_S", 2.0)
+    a.heartbeat.update(averaging_round=0)  # a's record, stored once for 2 s: nothing renews it
+    assert b.membership.refresh()  # b's one lookup; its view's threads never run, as in a frozen worker
+    assert [m.peer_id for m in b.membership.members()] == [a.peer_id]
+    expires = max(m.expiration for m in b.membership.members())
+    time.sleep(max(0.0, expires - time.time()) + 0.5)
+    assert [m.peer_id for m in b.membership.members()] == [a.peer_id], "a dropped out with no lookup since it expired"
+    assert a.peer_id in b.membership.voters()
+    assert b.membership.refresh()  # a lookup after the expiry: no node holds a record of a any more
+    assert b.membership.members() == [] and a.peer_id not in b.membership.voters()
