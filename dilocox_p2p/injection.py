@@ -54,7 +54,7 @@ import logging
 import os
 import signal
 
-__all__ = ["KNOWN", "armed", "flip_last_bit", "kill_peer"]
+__all__ = ["FOLLOWER_FAULTS", "KNOWN", "armed", "first_armed", "flip_last_bit", "kill_peer"]
 
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
@@ -86,6 +86,14 @@ def armed(name: str, *, quiet: bool = False, **context: object) -> bool:
     if hit and not quiet:
         logger.warning("fault injection: %s (%s)", name, ", ".join(f"{k}={v}" for k, v in context.items()))
     return hit
+
+
+FOLLOWER_FAULTS = ("abandon_accepted", "lose_begin")  # a follower's: armed, it declares later so that it follows
+
+
+def first_armed(names: tuple[str, ...], **context: object) -> str:
+    """The first of `names` armed for `context` ("" if none), unlogged (`armed` with quiet)."""
+    return next((name for name in names if armed(name, quiet=True, **context)), "")
 
 
 def flip_last_bit(blob: bytes) -> bytes:

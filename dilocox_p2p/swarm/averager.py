@@ -387,8 +387,7 @@ class DilocoxAverager(
             future.set_exception(e)
 
     def _abandons(self) -> str:
-        where = dict(quiet=True, round=self._current_round, stage=self.stage)
-        return next((f for f in ("abandon_accepted", "lose_begin") if injection.armed(f, **where)), "")  # type: ignore[arg-type]
+        return injection.first_armed(injection.FOLLOWER_FAULTS, round=self._current_round, stage=self.stage)
 
     async def _lower_target(self, round: int, target: int, future: MPFuture) -> None:
         try:  # the followers that joined beyond the expected members still count

@@ -271,8 +271,7 @@ class RoundExchange(CompressedRound, GroupVote):
 
     def _follows_by_fault(self) -> bool:
         """Fault injection `abandon_accepted` or `lose_begin` is armed for this round: both are a follower's."""
-        where = dict(quiet=True, round=self.round, stage=self.stage.stage)
-        return any(injection.armed(f, **where) for f in ("abandon_accepted", "lose_begin"))  # type: ignore[arg-type]
+        return bool(injection.first_armed(injection.FOLLOWER_FAULTS, round=self.round, stage=self.stage.stage))
 
     def _wait_for_step(self, started: float, target: int) -> tuple[RoundResult | None, str]:
         """Wait for hivemind's step; while still matchmaking, give up early once a member of the stage has

@@ -122,7 +122,6 @@ class GroupAdmission:
                 self._asked_to_lead.value = round
             await asyncio.sleep(JOIN_WAIT_POLL_S)
 
-
     # ----- a member whose leader's BEGIN_ALLREDUCE was lost (matchmaking.py) ------------------------
     def _remember_begun(self, group: GroupInfo) -> None:
         """Keep `group` (one this worker runs) for `rpc_begun_group`."""
@@ -164,10 +163,10 @@ class GroupAdmission:
 
     async def _ask_and_join(self, group_id: bytes, member: PeerID) -> bool:
         mm = self._matchmaking
-        stub = type(self).get_stub(self._p2p, member, namespace=self.prefix)  # type: ignore[attr-defined]
         step = mm.step_control  # the search running now (hivemind sets it for the search, None after)
         if step is None:
             return False
+        stub = type(self).get_stub(self._p2p, member, namespace=self.prefix)  # type: ignore[attr-defined]
         request = averaging_pb2.JoinRequest(gather=step.data_for_gather, group_key=group_id.hex())
         answer = await asyncio.wait_for(stub.rpc_begun_group(request), timeout=mm.request_timeout)
         me = self.peer_id.to_bytes()
