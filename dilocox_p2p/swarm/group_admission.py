@@ -25,7 +25,7 @@ from hivemind.proto import averaging_pb2
 
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
-from .matchmaking import looking_for_group, outside_every_group, refuses_mutual_ask
+from .matchmaking import looking_for_group, outside_every_group, pop_while_unsure, refuses_mutual_ask
 
 __all__ = ["GroupAdmission", "ask_designated_then_admitted"]
 
@@ -194,7 +194,7 @@ def ask_designated_then_admitted(leaders: Any, averager: Any) -> None:
 
     async def pop_admitted() -> PeerID:
         while True:
-            leader = await averager._designated.next() or await pop()
+            leader = await averager._designated.next() or await pop_while_unsure(leaders, pop)
             if leader.to_base58() in averager._admitted:
                 return leader
             logger.debug("not asking %s to lead: not an admitted member of this round", leader)

@@ -68,6 +68,10 @@ PATCHES: dict[str, str] = {
     "PotentialLeaders.pop_next_leader": "wrapped (averager._ask_designated_then_admitted): a follower asks the round's "
     "designated leader first, a designated leader asks nobody for a quarter of round_wait (matchmaking.DesignatedLeader); "
     "leaders this round does not admit are skipped",
+    "PotentialLeaders.min_matchmaking_time / declared_expiration_time / update_triggered": "read, and update_triggered "
+    "set (matchmaking.pop_while_unsure): a search that falls back to hivemind's queue reads it again while a leader "
+    "due before this worker could still declare itself (hivemind stopped reading once its top leader was due after "
+    "the search's end, and missed a member that declared a moment later)",
     "DecentralizedAverager.rpc_join_group": "overridden: the signed ticket is checked, and a request that comes before "
     "this worker looks for its round's group waits for that (group_admission._wait_to_lead); one from a member this "
     "worker is asking to lead it is refused (NOT_A_LEADER) without waiting for the join lock",

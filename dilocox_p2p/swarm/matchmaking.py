@@ -79,6 +79,15 @@ in. Both refusing sent each on to its next leader, and hivemind's search never a
 waited out their whole declared time alone. (Seen on 2 busy cores: two of three members stranded a round
 after a 5 s mutual wait, test_elastic.)
 
+hivemind's queue of leaders (`PotentialLeaders`) reads the round's declarations from the DHT again only while the
+leader at its top is due before this worker's search ends. A member that declared itself after the last read, and
+earlier than this worker, then went unseen for the whole round: with the designated leader following (fault
+injection), the two others each took the other for the later one, one held the third as its follower, and all three
+waited out round_wait and stranded the round (2 busy cores, test_elastic, about 1 run in 10). `pop_while_unsure`
+reads the queue again every UNSURE_POLL_S while a leader due before this worker could still declare itself
+(`may_meet_an_earlier_leader`); only a search that falls back to hivemind's queue reads it (a round that forms
+around its designated leader reads nothing).
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
 not the one prepared last (`stale(step)`) finds no group at once instead of looking.
@@ -91,18 +100,21 @@ import collections
 import logging
 import time
 from concurrent.futures import InvalidStateError
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 __all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "count_extra_followers", "drop_stale_searches", "forget_lost_acceptance", "hold_matchmaking_tasks", "joining", "looking_for_group",
-           "lost_acceptance", "lower_target",
+           "lost_acceptance", "lower_target", "pop_while_unsure",
            "outside_every_group", "refuses_mutual_ask", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
 
 ASKED_KEPT = 32  # leaders asked, kept for asked_leaders
+UNSURE_POLL_S = 0.25  # hivemind's leader queue is read again this often while an earlier leader may still declare
 LEAD_POLL_S = 0.05  # a designated leader looks this often whether its time to lead alone is up (no network)
 
 
@@ -125,6 +137,29 @@ class DesignatedLeader:
             self.asked = True
             return PeerID.from_base58(self.leader)
         return None
+
+
+async def pop_while_unsure(leaders: Any, pop: Callable[[], Awaitable[PeerID]]) -> PeerID:
+    """hivemind's `pop` of its leader queue `leaders` (PotentialLeaders), the queue read again from the DHT every
+    UNSURE_POLL_S while a leader due before this worker could still declare itself (module docstring)."""
+    popping = asyncio.ensure_future(pop())
+    try:
+        while True:
+            done, _ = await asyncio.wait({popping}, timeout=UNSURE_POLL_S)
+            if done:
+                return popping.result()
+            if may_meet_an_earlier_leader(leaders):
+                leaders.update_triggered.set()
+    finally:
+        popping.cancel()
+
+
+def may_meet_an_earlier_leader(leaders: Any) -> bool:
+    """Whether a member that declares itself now could still be due before this worker (hivemind's PotentialLeaders
+    `leaders`): one declares at least min_matchmaking_time ahead, less the DHT's allowed clock discrepancy. (hivemind's
+    own `max_assured_time` also counts the expirations it has read, which say nothing of members it has not.)"""
+    soonest = get_dht_time() + leaders.min_matchmaking_time - MAX_DHT_TIME_DISCREPANCY_SECONDS
+    return soonest < leaders.declared_expiration_time
 
 
 def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> dict[asyncio.Task, Any]:
