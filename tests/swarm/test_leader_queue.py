@@ -24,7 +24,7 @@ from dilocox_p2p.swarm.matchmaking import pop_while_unsure
 
 pytestmark = pytest.mark.swarm
 
-ROUND_WAIT = 6.0  # hivemind's min_matchmaking_time, as a stage worker sets it (round_wait)
+ROUND_WAIT = 10.0  # hivemind's min_matchmaking_time, as a stage worker sets it (round_wait)
 LAG = 2.5  # a follower declares this much later than hivemind's default (exchange.FOLLOWER_LAG_S)
 FOUND_WITHIN_S = 2.0
 
