@@ -62,6 +62,7 @@ from .matchmaking import (
     forget_lost_acceptance,
     hold_matchmaking_tasks,
     joining,
+    log_refusals,
     lost_acceptance,
     lower_target,
     outside_every_group,
@@ -369,6 +370,7 @@ class DilocoxAverager(
             hold_matchmaking_tasks(mm, self._stale_step)  # a cancelled step unwinds, and never looks again
             track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
             count_extra_followers(mm, self._count_extra)  # a follower the target did not count raises it
+            log_refusals(mm)  # hivemind says why it refused a request at debug level only
             abandon_begun_groups(mm, self._abandons)  # fault injection only
             forget_lost_acceptance(mm)
             self._expected = None if expected is None else frozenset(expected)

@@ -85,7 +85,7 @@ PATCHES: dict[str, str] = {
     "the search's result as follower_assemble_group would, under the join lock; its ticket is the search's gather",
     "Matchmaking._check_reasons_to_reject": "wrapped (matchmaking.count_extra_followers): a follower accepted that the "
     "round's target did not count (a suspect, alive after all) raises the target by one instead of taking the place "
-    "of a member the target was counted for",
+    "of a member the target was counted for; and (matchmaking.log_refusals) to say at info why a request was refused",
     # averaging/allreduce.py: AllReduceRunner (our swarm/allreduce.py: ExactAllReduceRunner)
     "AllReduceRunner._communicate_with_peer": "own parts: averaged part registered as is; failures reported",
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference",

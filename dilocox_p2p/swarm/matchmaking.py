@@ -104,10 +104,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
-__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "count_extra_followers", "drop_stale_searches", "forget_lost_acceptance", "hold_matchmaking_tasks", "joining", "looking_for_group",
+__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "count_extra_followers", "drop_stale_searches", "forget_lost_acceptance", "hold_matchmaking_tasks", "joining", "log_refusals", "looking_for_group",
            "lost_acceptance", "lower_target", "pop_while_unsure",
            "outside_every_group", "refuses_mutual_ask", "set_target_size", "track_join_requests"]
 
@@ -293,6 +294,26 @@ def abandon_begun_groups(matchmaking: Any, abandon: Callable[[], str]) -> None:
         return await assemble(leader, message)
 
     matchmaking.follower_assemble_group = assemble_unless_abandoned
+
+
+def log_refusals(matchmaking: Any) -> None:
+    """Wrap `matchmaking._check_reasons_to_reject` (once) to say at info why this worker refused a request to join its
+    group (hivemind's code: NOT_LOOKING_FOR_GROUP, BAD_EXPIRATION_TIME, ...). hivemind tells the follower the code at
+    debug level only, and a round that split because its members refused each other at once is read from these
+    lines (the follower's side says "no group after 0.00 s": track_join_requests)."""
+    if getattr(matchmaking, "_dilocox_logs_refusals", False):
+        return
+    matchmaking._dilocox_logs_refusals = True
+    check = matchmaking._check_reasons_to_reject
+
+    def check_and_log(request: Any, context: Any) -> Any:
+        refusal = check(request, context)
+        if refusal is not None:
+            logger.info("refused %s's request to join this worker's group: %s", context.remote_id,
+                        averaging_pb2.MessageCode.Name(refusal.code))  # fmt: skip
+        return refusal
+
+    matchmaking._check_reasons_to_reject = check_and_log
 
 
 def count_extra_followers(matchmaking: Any, extra: Callable[[str], bool]) -> None:

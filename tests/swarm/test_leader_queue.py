@@ -1,4 +1,5 @@
-"""hivemind's queue of leaders finds a leader that declared itself after the queue's last read.
+"""hivemind's queue of leaders finds a leader that declared itself after the queue's last read; a refused request is
+logged with hivemind's reason.
 
     pytest tests/swarm/test_leader_queue.py -q
 
@@ -8,19 +9,22 @@ Real hivemind DHT nodes on loopback, hivemind's own GroupKeyManager and Potentia
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import hivemind
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.averaging.control import StepControl
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.matchmaking import PotentialLeaders
-from hivemind.p2p import PeerID
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
 from dilocox_p2p.identity import peer_id_of
-from dilocox_p2p.swarm.matchmaking import pop_while_unsure
+from dilocox_p2p.swarm.matchmaking import log_refusals, pop_while_unsure
 
 pytestmark = pytest.mark.swarm
 
@@ -87,3 +91,32 @@ def test_a_leader_that_declares_after_the_queue_was_read_and_is_due_earlier_is_f
             if dht is not None:
                 dht.shutdown()
     assert took < FOUND_WITHIN_S, f"the leader declared after the queue's last read was found after {took:.2f} s"
+
+
+async def _refuse_a_request(dht: hivemind.DHT) -> averaging_pb2.MessageFromLeader | None:
+    """What hivemind's own Matchmaking of a worker that does not look for a group answers ASKER's request to join it."""
+    p2p = await dht.replicate_p2p()
+    mm = Matchmaking(p2p, b"schema", dht, servicer_type=DecentralizedAverager, prefix="queue", target_group_size=3,
+                     min_group_size=2, min_matchmaking_time=ROUND_WAIT, request_timeout=5.0, client_mode=False)  # fmt: skip
+    log_refusals(mm)
+    log_refusals(mm)  # wrapped once however often it is called
+    request = averaging_pb2.JoinRequest(schema_hash=b"schema", expiration=get_dht_time() + ROUND_WAIT,
+                                        group_key=mm.group_key_manager.current_key)  # fmt: skip
+    return mm._check_reasons_to_reject(request, P2PContext(handle_name="join", local_id=p2p.peer_id, remote_id=ASKER))
+
+
+ASKER = _peer()
+
+
+def test_a_refused_request_to_join_is_logged_with_hiveminds_reason(caplog):
+    # hivemind tells the follower why at debug level only: a round whose members refused each other at once (round 0
+    # at a busy start, "no group after 0.00 s") is read from the leader's line
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="dilocox_p2p.swarm.matchmaking"):
+            refusal = asyncio.run(_refuse_a_request(dht))
+    finally:
+        dht.shutdown()
+    assert refusal is not None and refusal.code == averaging_pb2.NOT_LOOKING_FOR_GROUP
+    lines = [r.getMessage() for r in caplog.records if "request to join this worker's group" in r.getMessage()]
+    assert lines == [f"refused {ASKER}'s request to join this worker's group: NOT_LOOKING_FOR_GROUP"], lines
