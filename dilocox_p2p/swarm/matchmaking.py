@@ -309,8 +309,9 @@ def log_refusals(matchmaking: Any) -> None:
     def check_and_log(request: Any, context: Any) -> Any:
         refusal = check(request, context)
         if refusal is not None:
-            logger.info("refused %s's request to join this worker's group: %s", context.remote_id,
-                        averaging_pb2.MessageCode.Name(refusal.code))  # fmt: skip
+            codes = averaging_pb2.MessageCode
+            why = codes.Name(refusal.code) if refusal.code in codes.values() else refusal.code
+            logger.info("refused %s's request to join this worker's group: %s", context.remote_id, why)
         return refusal
 
     matchmaking._check_reasons_to_reject = check_and_log
