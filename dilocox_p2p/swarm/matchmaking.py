@@ -82,8 +82,9 @@ after a 5 s mutual wait, test_elastic.)
 hivemind's queue of leaders (`PotentialLeaders`) reads the round's declarations from the DHT again only while the
 leader at its top is due before this worker's search ends. A member that declared itself after the last read, and
 earlier than this worker, then went unseen for the whole round: with the designated leader following (fault
-injection), the two others each took the other for the later one, one held the third as its follower, and all three
-waited out round_wait and stranded the round (2 busy cores, test_elastic, about 1 run in 10). `pop_while_unsure`
+injection), one of the two others never saw the other, which, due first, waited to be asked; the one held the third
+as its follower, and all three waited out round_wait and stranded the round (test_elastic beside a busy core, 3 runs
+in 22). `pop_while_unsure`
 reads the queue again every UNSURE_POLL_S while a leader due before this worker could still declare itself
 (`may_meet_an_earlier_leader`); only a search that falls back to hivemind's queue reads it (a round that forms
 around its designated leader reads nothing).
