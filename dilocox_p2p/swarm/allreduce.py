@@ -167,6 +167,17 @@ class ExactAllReduceRunner(AllReduceRunner):
         await super()._ban_sender(peer_id)
         self._check_senders_started()
 
+    async def _handle_missing_senders(self) -> None:
+        """As hivemind's (senders that never started within sender_timeout are banned), saying whom it bans."""
+        try:
+            await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
+        except asyncio.TimeoutError:
+            for peer_id in self.sender_peer_ids:
+                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+                    logger.info("sender %s never started within %.1f s: banned from this all-reduce", peer_id,
+                                self.sender_timeout)  # fmt: skip
+                    await self._ban_sender(peer_id)
+
     def _check_senders_started(self) -> None:
         """End the wait for senders once each has started or is banned (hivemind's counts started ones only)."""
         if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
@@ -274,8 +285,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
                     part_index += 1
-                except BannedException:
-                    logger.debug("sender %d is already banned", sender_index)
+                except BannedException:  # its stream ends here, short: say so (hivemind bans some senders silently)
+                    logger.info("sender %s was banned from this all-reduce: its stream ends after %d of %d parts",
+                                self.sender_peer_ids[sender_index], part_index, self.tensor_part_reducer.num_parts)  # fmt: skip
                     break
                 if sender_index == self.withhold_from or self.hoard:
                     continue  # fault injection: this sender's data counts, but it never gets the average

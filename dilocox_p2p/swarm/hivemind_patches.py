@@ -91,6 +91,8 @@ PATCHES: dict[str, str] = {
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference",
     "AllReduceRunner._generate_input_for_peer / rpc_aggregate_part": "count bytes sent and received",
     "AllReduceRunner._get_peer_stub": "wrapped to count bytes received",
+    "AllReduceRunner._handle_missing_senders": "overridden as hivemind's, saying at info whom it bans (a sender "
+    "banned silently ended a reducer's stream to it short: a member mended a span, test_elastic's late join)",
     "AllReduceRunner._ban_sender": "called as hivemind does when a sender's stream ends early, and for a member "
     "that answers BAD_GROUP_ID (it never joined the group); overridden to end the wait for missing senders "
     "once every sender started or is banned",
