@@ -168,15 +168,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._check_senders_started()
 
     async def _handle_missing_senders(self) -> None:
-        """As hivemind's (senders that never started within sender_timeout are banned), saying whom it bans."""
-        try:
-            await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
-        except asyncio.TimeoutError:
-            for peer_id in self.sender_peer_ids:
-                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
-                    logger.info("sender %s never started within %.1f s: banned from this all-reduce", peer_id,
-                                self.sender_timeout)  # fmt: skip
-                    await self._ban_sender(peer_id)
+        """hivemind's (senders that never started within sender_timeout are banned), saying whom it banned: a sender
+        banned but never started is one of those, or an outsider (said where it is found: _communicate_with_peer)."""
+        await super()._handle_missing_senders()
+        for peer_id in self.sender_peer_ids:
+            if peer_id in self.banned_senders and peer_id not in self.active_senders and peer_id not in self.outsiders:
+                logger.info("sender %s never started within %.1f s: banned from this all-reduce", peer_id,
+                            self.sender_timeout)  # fmt: skip
 
     def _check_senders_started(self) -> None:
         """End the wait for senders once each has started or is banned (hivemind's counts started ones only)."""

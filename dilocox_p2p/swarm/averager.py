@@ -57,15 +57,14 @@ from .held import AverageService, Collected, HeldAverage
 from .matchmaking import (
     DesignatedLeader,
     abandon_begun_groups,
-    count_extra_followers,
     drop_stale_searches,
     forget_lost_acceptance,
     hold_matchmaking_tasks,
     joining,
-    log_refusals,
     lost_acceptance,
     lower_target,
     outside_every_group,
+    screen_join_requests,
     set_target_size,
     track_join_requests,
 )
@@ -282,7 +281,7 @@ class DilocoxAverager(
         then exchanges messages instead of running the butterfly; b"": the step only forms the group, and the
         worker sends its messages once it knows the group's ranks: low-rank, `scatter_phase`). `expected`: the
         other workers the target counts; a follower outside them raises the target by one as it joins
-        (matchmaking.count_extra_followers). `ranks`: low-rank's ranks this worker would use, in its ticket.
+        (matchmaking.screen_join_requests). `ranks`: low-rank's ranks this worker would use, in its ticket.
         `leader`: the member the group forms around ("" none: hivemind's search alone; matchmaking.py).
         Returns the signed GroupTicket to pass to `step(gather=...)`."""
         size = self._stage(payload) if payload is not None else -1
@@ -369,8 +368,8 @@ class DilocoxAverager(
                 ask_designated_then_admitted(mm.potential_leaders, self)
             hold_matchmaking_tasks(mm, self._stale_step)  # a cancelled step unwinds, and never looks again
             track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
-            count_extra_followers(mm, self._count_extra)  # a follower the target did not count raises it
-            log_refusals(mm)  # hivemind says why it refused a request at debug level only
+            # a follower the target did not count raises it; a refusal says why (hivemind: at debug level only)
+            screen_join_requests(mm, self._count_extra)
             abandon_begun_groups(mm, self._abandons)  # fault injection only
             forget_lost_acceptance(mm)
             self._expected = None if expected is None else frozenset(expected)

@@ -83,15 +83,15 @@ PATCHES: dict[str, str] = {
     "Matchmaking.assembled_group.set_result / step_control.data_for_gather / lock_request_join_group": "a follower whose leader's "
     "answer stream closed after ACCEPTED joins the group a member names late (group_admission._join_begun): it sets "
     "the search's result as follower_assemble_group would, under the join lock; its ticket is the search's gather",
-    "Matchmaking._check_reasons_to_reject": "wrapped (matchmaking.count_extra_followers): a follower accepted that the "
+    "Matchmaking._check_reasons_to_reject": "wrapped (matchmaking.screen_join_requests): a follower accepted that the "
     "round's target did not count (a suspect, alive after all) raises the target by one instead of taking the place "
-    "of a member the target was counted for; and (matchmaking.log_refusals) to say at info why a request was refused",
+    "of a member the target was counted for; a refusal is said at info with hivemind's code",
     # averaging/allreduce.py: AllReduceRunner (our swarm/allreduce.py: ExactAllReduceRunner)
     "AllReduceRunner._communicate_with_peer": "own parts: averaged part registered as is; failures reported",
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference",
     "AllReduceRunner._generate_input_for_peer / rpc_aggregate_part": "count bytes sent and received",
     "AllReduceRunner._get_peer_stub": "wrapped to count bytes received",
-    "AllReduceRunner._handle_missing_senders": "overridden as hivemind's, saying at info whom it bans (a sender "
+    "AllReduceRunner._handle_missing_senders": "extended to say at info whom it banned (a sender "
     "banned silently ended a reducer's stream to it short: a member mended a span, test_elastic's late join)",
     "AllReduceRunner._ban_sender": "called as hivemind does when a sender's stream ends early, and for a member "
     "that answers BAD_GROUP_ID (it never joined the group); overridden to end the wait for missing senders "

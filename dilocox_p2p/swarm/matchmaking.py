@@ -50,7 +50,7 @@ A round's target counts the members this worker expects (those that started the 
 suspected of having failed in an all-reduce: membership.py). A member left out of that count may still
 come: a suspect that is alive after all. Accepted first, it filled the place of a member the target was
 counted for, the group started without that member, and it borrowed the group's average (seen under
-load, where a member starved of CPU fails as a reducer now and then). `count_extra_followers` raises the
+load, where a member starved of CPU fails as a reducer now and then). `screen_join_requests` raises the
 target by one for each follower the leader did not count on, so the group waits for the members it did.
 
 A designated leader (`DesignatedLeader`). hivemind's followers find their leader through the DHT: each
@@ -109,9 +109,9 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
-__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "count_extra_followers", "drop_stale_searches", "forget_lost_acceptance", "hold_matchmaking_tasks", "joining", "log_refusals", "looking_for_group",
+__all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "drop_stale_searches", "forget_lost_acceptance", "hold_matchmaking_tasks", "joining", "looking_for_group",
            "lost_acceptance", "lower_target", "pop_while_unsure",
-           "outside_every_group", "refuses_mutual_ask", "set_target_size", "track_join_requests"]
+           "outside_every_group", "refuses_mutual_ask", "screen_join_requests", "set_target_size", "track_join_requests"]
 
 logger = logging.getLogger(__name__)
 
@@ -297,43 +297,29 @@ def abandon_begun_groups(matchmaking: Any, abandon: Callable[[], str]) -> None:
     matchmaking.follower_assemble_group = assemble_unless_abandoned
 
 
-def log_refusals(matchmaking: Any) -> None:
-    """Wrap `matchmaking._check_reasons_to_reject` (once) to say at info why this worker refused a request to join its
-    group (hivemind's code: NOT_LOOKING_FOR_GROUP, BAD_EXPIRATION_TIME, ...). hivemind tells the follower the code at
-    debug level only, and a round that split because its members refused each other at once is read from these
-    lines (the follower's side says "no group after 0.00 s": track_join_requests)."""
-    if getattr(matchmaking, "_dilocox_logs_refusals", False):
+def screen_join_requests(matchmaking: Any, extra: Callable[[str], bool]) -> None:
+    """Wrap `matchmaking._check_reasons_to_reject` (once), the leader's answer to a request to join its group:
+    - a refusal is said at info with hivemind's code (NOT_LOOKING_FOR_GROUP, BAD_EXPIRATION_TIME, ...), which
+      hivemind tells the follower at debug level only: a round that split because its members refused each other at
+      once is read from these lines (the follower's side says "no group after 0.00 s": track_join_requests);
+    - a follower that the leader accepts and that `extra` says the round's target did not count (extra records it,
+      and says so once per round) raises the target by one (module docstring)."""
+    if getattr(matchmaking, "_dilocox_screens_joins", False):
         return
-    matchmaking._dilocox_logs_refusals = True
+    matchmaking._dilocox_screens_joins = True
     check = matchmaking._check_reasons_to_reject
 
-    def check_and_log(request: Any, context: Any) -> Any:
+    def check_screened(request: Any, context: Any) -> Any:
         refusal = check(request, context)
         if refusal is not None:
             codes = averaging_pb2.MessageCode
             why = codes.Name(refusal.code) if refusal.code in codes.values() else refusal.code
             logger.info("refused %s's request to join this worker's group: %s", context.remote_id, why)
-        return refusal
-
-    matchmaking._check_reasons_to_reject = check_and_log
-
-
-def count_extra_followers(matchmaking: Any, extra: Callable[[str], bool]) -> None:
-    """Wrap `matchmaking._check_reasons_to_reject` (once): a follower that the leader accepts and that `extra`
-    says the round's target did not count (extra records it, and says so once per round) raises the target
-    by one (module docstring)."""
-    if getattr(matchmaking, "_dilocox_counts_extras", False):
-        return
-    matchmaking._dilocox_counts_extras = True
-    check = matchmaking._check_reasons_to_reject
-
-    def check_and_count(request: Any, context: Any) -> Any:
-        refusal = check(request, context)
-        if refusal is None and matchmaking.target_group_size is not None and extra(context.remote_id.to_base58()):
+        elif matchmaking.target_group_size is not None and extra(context.remote_id.to_base58()):
             set_target_size(matchmaking, matchmaking.target_group_size + 1)
         return refusal
 
-    matchmaking._check_reasons_to_reject = check_and_count
+    matchmaking._check_reasons_to_reject = check_screened
 
 
 def looking_for_group(matchmaking: Any) -> bool:

@@ -26,7 +26,7 @@ DIGEST_MAX_LINES = 400
 # INFO lines that explain a split or a lost part (matchmaking.py, allreduce.py, exchange.py): kept with the warnings
 NOTED_INFO = (
     "to take this worker into its group:",  # "no group", or "accepted, then no group" (a possible split)
-    "request to join this worker's group:",  # why a leader refused it (matchmaking.log_refusals)
+    "request to join this worker's group:",  # why a leader refused it (matchmaking.screen_join_requests)
     "is not in this group",
     "counted this worker into",
     "averaged parts came before",  # allreduce.py: why a reducer's or a sender's stream failed

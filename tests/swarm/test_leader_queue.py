@@ -24,7 +24,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
 from dilocox_p2p.identity import peer_id_of
-from dilocox_p2p.swarm.matchmaking import log_refusals, pop_while_unsure
+from dilocox_p2p.swarm.matchmaking import pop_while_unsure, screen_join_requests
 
 pytestmark = pytest.mark.swarm
 
@@ -98,8 +98,8 @@ async def _refuse_a_request(dht: hivemind.DHT) -> averaging_pb2.MessageFromLeade
     p2p = await dht.replicate_p2p()
     mm = Matchmaking(p2p, b"schema", dht, servicer_type=DecentralizedAverager, prefix="queue", target_group_size=3,
                      min_group_size=2, min_matchmaking_time=ROUND_WAIT, request_timeout=5.0, client_mode=False)  # fmt: skip
-    log_refusals(mm)
-    log_refusals(mm)  # wrapped once however often it is called
+    screen_join_requests(mm, extra=lambda peer: False)
+    screen_join_requests(mm, extra=lambda peer: False)  # wrapped once however often it is called
     request = averaging_pb2.JoinRequest(schema_hash=b"schema", expiration=get_dht_time() + ROUND_WAIT,
                                         group_key=mm.group_key_manager.current_key)  # fmt: skip
     return mm._check_reasons_to_reject(request, P2PContext(handle_name="join", local_id=p2p.peer_id, remote_id=ASKER))
