@@ -30,6 +30,7 @@ import tomli_w
 from .config_checks import check_choices, coerce, fail
 from .config_network import ControlConfig, SwarmConfig
 from .errors import ConfigError
+from .presets import PRESETS, ModelShape
 from .wire import protocol_version
 
 __all__ = [
@@ -54,24 +55,6 @@ __all__ = [
     "to_toml",
 ]
 
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """Architecture of a byte-level GPT preset."""
-
-    n_layer: int
-    d_model: int
-    n_head: int
-    seq_len: int
-
-
-PRESETS: dict[str, ModelShape] = {
-    "tiny": ModelShape(n_layer=4, d_model=64, n_head=4, seq_len=128),  # ~0.24M params, CPU tests
-    "small": ModelShape(n_layer=8, d_model=512, n_head=8, seq_len=512),  # ~25M
-    "125m": ModelShape(n_layer=18, d_model=768, n_head=12, seq_len=1024),  # ~128M
-    "350m": ModelShape(n_layer=28, d_model=1024, n_head=16, seq_len=1024),  # ~354M
-    "1b": ModelShape(n_layer=20, d_model=2048, n_head=16, seq_len=2048),  # ~1.0B
-}
 
 OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1, "eager": 0.2, "own": 0.35, "streaming": 0.7}
 """Outer lr defaults per mode: lr 0.7 + Nesterov 0.9 diverges with the one-step delay
@@ -117,7 +100,7 @@ class RunConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     preset: str = "tiny"
-    """Model size: tiny (CPU tests), small (~25M), 125m, 350m, 1b."""
+    """Model size: tiny (CPU tests), mini (~1.3M), small (~25M), 125m, 350m, 1b (presets.py)."""
     stages: int = 2
     """Pipeline stages per peer (M); each is one process holding a slice of the layers."""
     seq_len: int = 0

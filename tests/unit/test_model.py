@@ -99,6 +99,10 @@ def test_tiny_has_under_a_million_parameters():
     assert sum(unit_param_counts(PRESETS["tiny"])) < 1_000_000
 
 
+def test_mini_has_between_one_and_two_million_parameters():  # the quality lab's second size (issue 40)
+    assert 1e6 <= sum(unit_param_counts(PRESETS["mini"])) <= 2e6
+
+
 def test_small_has_about_25_million_parameters():
     assert 20e6 <= sum(unit_param_counts(PRESETS["small"])) <= 30e6
 
