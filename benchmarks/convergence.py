@@ -18,6 +18,18 @@ variants.md) and reported at its best. With --jobs, the sweep's runs go to that 
 processes at once (each with --threads torch threads); every run is still one whole
 configuration at one setting, so the results are the same as one after another. Writes
 benchmarks/results/<name>.json and .png.
+
+The long horizons (issue 40) take hours on 2 cores, so every run is recorded round by round and
+checkpointed in a store (runs/quality/<name>/, benchmarks/quality_store.py): the same command run
+again reads finished runs back and resumes the others from their last checkpoint, to the same bits.
+`--best-from` runs each configuration at the best outer lr and momentum an earlier result found
+(`--lr-factors`: a narrow sweep around it). Beside the curves it reports (benchmarks/quality_report.py)
+each configuration's gap to `sync fp32` round by round, its time to within --target-gap of sync fp32's
+final loss on the netns benchmark's GPU setting, and the frontier of bytes against loss gap
+(<name>_frontier.png):
+
+    python benchmarks/convergence.py --peers 4 --rounds 300 --jobs 2 --name quality_tiny_300 \
+        --configs "sync fp32" "sync topk x3" "sync lowrank" --best-from benchmarks/results/convergence*.json
 """
 
 from __future__ import annotations
@@ -31,8 +43,12 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
+from benchmarks.netns.gpu import GpuSetting  # noqa: E402
+from benchmarks.quality_report import frontier_plot, summarize  # noqa: E402
+from benchmarks.quality_store import RunKey, RunStore  # noqa: E402
 
 EXCHANGE = "exchange"
 """A setting of this benchmark, not of the config: "all-gather" decodes every member's whole message, as the swarm
@@ -201,7 +217,28 @@ class Member:
         pass
 
 
+def shape_of(args: argparse.Namespace) -> dict:
+    """What every run of one store shares (quality_store.RunStore refuses a store of another)."""
+    return {"preset": args.preset, "peers": args.peers, "rounds": args.rounds, "inner_steps": args.inner_steps,
+            "batch_size": args.batch_size, "warmup": args.warmup, "val_batches": args.val_batches}  # fmt: skip
+
+
+def outer_shape(settings: dict, args: argparse.Namespace) -> dict:
+    """A configuration's outer mode, sync rounds per round and streaming's tau as a share of a sync round
+    (quality_report.round_wall_seconds)."""
+    from dilocox_p2p.config import load_config
+
+    overrides = {k: v for k, v in settings.items() if k != EXCHANGE}
+    cfg = load_config(overrides={"model.preset": args.preset, "model.stages": 1, "inner.steps": args.inner_steps,
+                                 "swarm.enabled": False, **overrides})  # fmt: skip
+    syncs = cfg.outer.syncs_per_round
+    share = cfg.outer.overlap_steps / (cfg.inner.steps // syncs) if cfg.outer.mode == "streaming" else 0.0
+    return {"mode": cfg.outer.mode, "fragments": syncs, "overlap_share": share}
+
+
 def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.Namespace) -> dict:
+    """One configuration at one outer lr and momentum. With `args.store`: recorded round by round, checkpointed
+    every `args.checkpoint_every` rounds, resumed from its checkpoint, and not run again once finished."""
     import torch
 
     from dilocox_p2p.compression.codec import StageCodec
@@ -236,8 +273,22 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     group = GroupAverager(codecs, fragments=syncs, butterfly=butterfly)
     outers = [OuterLoop(t.params, cfg.outer, group.member(i), fragments=fragments) for i, t in enumerate(trainers)]
     samplers = [BatchSampler(corpus.train, shape.seq_len, cfg.inner.batch_size, seed) for seed in range(args.peers)]
-    curve, started = [], time.perf_counter()
-    for t in range(n_syncs):
+    key = RunKey(label, lr, momentum)
+    store = RunStore(args.store, shape_of(args)) if args.store else None
+    if store is not None and (done := store.finished(key)) is not None:
+        print(f"  {label} lr {lr} momentum {momentum}: finished before, in {store.root}", flush=True)
+        return done
+    curve: list[float] = []
+    first, spent = 0, 0.0
+    if store is not None:
+        saved = store.resume(key)
+        if saved is not None:
+            _restore(saved, outers, trainers, codecs, samplers, group)
+            first, spent, curve = saved["syncs_done"], saved["seconds"], list(saved["curve"])
+            print(f"  {label} lr {lr} momentum {momentum}: resumed at round {len(curve)}", flush=True)
+        store.begin(key, {"settings": settings, "butterfly": butterfly})
+    started = time.perf_counter() - spent
+    for t in range(first, n_syncs):
         for trainer, outer, sampler in zip(trainers, outers, samplers):
             outer.load_into_model()
             for step in range(steps):
@@ -257,9 +308,15 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
         with outers[0].theta_g_in_model():  # the shared model, whatever the peers train from
             curve.append(trainers[0].evaluate(val))
         print(f"  {label} lr {lr} momentum {momentum}: round {len(curve) - 1} val {curve[-1]:.4f}", flush=True)
+        if store is not None:
+            seconds = time.perf_counter() - started
+            store.record_round(key, {"round": len(curve) - 1, "val": curve[-1], "bytes_sent": group.bytes_sent[0],
+                                     "seconds": round(seconds, 2)})  # fmt: skip
+            if len(curve) % args.checkpoint_every == 0 and t + 1 < n_syncs:
+                store.checkpoint(key, _snapshot(t + 1, curve, seconds, outers, trainers, codecs, samplers, group))
     params = trainers[0].n_params()
     ring = 2 * (args.peers - 1) / args.peers * 4 * params * cfg.run.rounds
-    return {
+    result = {
         "outer_lr": lr,
         "outer_momentum": cfg.outer.effective_momentum,
         "val_curve": curve,
@@ -270,6 +327,35 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
         "seconds": time.perf_counter() - started,
         "codec_metrics": codecs[0][0].metrics() if codecs[0] is not None else {},
     }
+    if store is not None:
+        store.finish(key, result)
+    return result
+
+
+def _snapshot(syncs_done: int, curve: list[float], seconds: float, outers: list, trainers: list, codecs: list,
+              samplers: list, group: GroupAverager) -> dict:  # fmt: skip
+    """Everything a run goes on from after `syncs_done` syncs (quality_store.RunStore.checkpoint)."""
+    import torch
+
+    peers = [{"outer": o.state_dict(), "inner": t.state_dict(), "sampler": s.state(),
+              "codecs": [c.state_dict() for c in cs] if cs is not None else None}
+             for o, t, s, cs in zip(outers, trainers, samplers, codecs)]  # fmt: skip
+    return {"rounds_done": len(curve), "syncs_done": syncs_done, "curve": list(curve), "seconds": seconds,
+            "peers": peers, "bytes_sent": list(group.bytes_sent), "left_out": group.left_out,
+            "rng": torch.get_rng_state()}  # fmt: skip
+
+
+def _restore(saved: dict, outers: list, trainers: list, codecs: list, samplers: list, group: GroupAverager) -> None:
+    import torch
+
+    for peer, o, t, s, cs in zip(saved["peers"], outers, trainers, samplers, codecs, strict=True):
+        o.load_state_dict(peer["outer"])
+        t.load_state_dict(peer["inner"])
+        s.load_state(peer["sampler"])
+        for c, c_saved in zip(cs or [], peer["codecs"] or [], strict=True):
+            c.load_state_dict(c_saved)
+    group.bytes_sent, group.left_out = list(saved["bytes_sent"]), saved["left_out"]
+    torch.set_rng_state(saved["rng"])
 
 
 def run_in_worker(label: str, settings: dict, lr: float, momentum: float, args: argparse.Namespace) -> dict:
@@ -296,9 +382,23 @@ class _pipeline_group:
         dist.destroy_process_group()
 
 
+def grid(label: str, best_from: list[Path], lr_factors: list[float]) -> list[tuple[float, float]]:
+    """The (outer lr, momentum) pairs a configuration runs at: its best in the first of `best_from` (earlier results
+    of this benchmark) that measured it, its lr times each of `lr_factors` (a narrow sweep around it); else its
+    whole grid in CONFIGS."""
+    import json
+
+    for path in best_from:
+        best = json.loads(path.read_text()).get("results", {}).get(label, {}).get("best")
+        if best is not None:
+            return [(round(best["outer_lr"] * f, 4), best["outer_momentum"]) for f in lr_factors]
+    return list(CONFIGS[label][1])
+
+
 def sweep(args: argparse.Namespace) -> dict[str, list[dict]]:
     """Every (configuration, outer lr, momentum) run, by configuration, in grid order."""
-    jobs = [(label, CONFIGS[label][0], lr, m) for label in args.configs for lr, m in CONFIGS[label][1]]
+    jobs = [(label, CONFIGS[label][0], lr, m) for label in args.configs
+            for lr, m in grid(label, args.best_from, args.lr_factors)]  # fmt: skip
     if args.jobs <= 1:
         import torch
 
@@ -352,7 +452,29 @@ def main() -> int:
     parser.add_argument("--name", default="convergence")
     parser.add_argument("--jobs", type=int, default=1, help="runs of the sweep at once, each in its own process")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: all cores, or 1 with --jobs)")
+    parser.add_argument("--store", type=Path, default=None,
+                        help="where each run is recorded as it goes and checkpointed (default: runs/quality/NAME); "
+                        "run the same command again to resume: finished runs are read back, the others go on "
+                        "from their last checkpoint")  # fmt: skip
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="rounds between a run's checkpoints")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNGs go")
+    parser.add_argument("--best-from", type=Path, nargs="*", default=[],
+                        help="earlier results of this benchmark: each configuration runs at the best outer lr and "
+                        "momentum the first of them that measured it found (its whole grid where none did)")
+    parser.add_argument("--lr-factors", type=float, nargs="+", default=[1.0],
+                        help="with --best-from: the lr found times each of these (e.g. 0.7 1 1.4: a narrow sweep)")
+    parser.add_argument("--gpu-link", type=float, default=100.0,
+                        help="Mbit/s of the GPU setting time to target is reported for (benchmarks/netns/gpu.py: 1b, H100)")
+    parser.add_argument("--target-gap", type=float, default=0.02,
+                        help="time to target: until the loss is within this share of sync fp32's final loss")  # fmt: skip
     args = parser.parse_args()
+    if args.checkpoint_every < 1:
+        parser.error(f"--checkpoint-every must be at least 1 round, not {args.checkpoint_every}")
+    for path in args.best_from:
+        if not path.is_file():
+            parser.error(f"--best-from {path}: no such result file (benchmarks/results/*.json of this benchmark)")
+    args.store = args.store or REPO / "runs" / "quality" / args.name
+    RunStore(args.store, shape_of(args))  # a store of another shape is refused before any run starts
 
     from dilocox_p2p.config import PRESETS
 
@@ -364,32 +486,30 @@ def main() -> int:
         results[label] = {"settings": settings, "runs": runs, "best": best}
         print(f"{label}: best outer lr {best['outer_lr']} momentum {best['outer_momentum']}, final val {best['final_val']:.4f}, "
               f"{best['ratio_vs_fp32_ring']:.1f}x fewer bytes than an fp32 ring", flush=True)
-    baseline = results.get("sync fp32", {}).get("best", {}).get("final_val")
-    verdicts = {}
-    for label, r in results.items():
-        best = r["best"]
-        verdicts[label] = {
-            "ratio_vs_fp32_ring": best["ratio_vs_fp32_ring"],
-            "final_val": best["final_val"],
-            "vs_sync_fp32": (best["final_val"] / baseline - 1) if baseline else None,
-            "meets_target": bool(baseline and best["ratio_vs_fp32_ring"] >= 100 and best["final_val"] <= baseline),
-        }
-    png = RESULTS / f"{args.name}.png"
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    setting = GpuSetting(link_mbit=args.gpu_link, peers=args.peers)
+    outer = {label: outer_shape(CONFIGS[label][0], args) for label in results}
+    summary = summarize(results, outer, setting=setting, target_gap=args.target_gap)
+    png, frontier = args.out / f"{args.name}.png", args.out / f"{args.name}_frontier.png"
+    args.out.mkdir(parents=True, exist_ok=True)
     plot(results, png, args.peers)
+    frontier_plot(summary, frontier, title=f"{args.preset}, {args.peers} peers, {args.rounds} rounds x H={args.inner_steps}")
     payload = {
         "peers": args.peers, "preset": args.preset, "rounds": args.rounds, "inner_steps": args.inner_steps,
         "batch_size": args.batch_size,
         "tokens_per_peer": args.rounds * args.inner_steps * args.batch_size * PRESETS[args.preset].seq_len,
         "jobs": args.jobs, "threads_per_run": args.threads, "seconds": time.perf_counter() - started,
-        "results": results, "summary": verdicts, "plot": png.name,
+        "store": str(args.store), "gpu_setting": setting.describe(), "target_gap": args.target_gap,
+        "results": results, "summary": summary, "plot": png.name, "frontier_plot": frontier.name,
     }  # fmt: skip
-    path = write_result(args.name, payload)
-    for label, v in verdicts.items():
-        print(f"{label:18s} final val {v['final_val']:.4f}  {v['ratio_vs_fp32_ring']:7.1f}x  "
-              f"vs sync fp32 {100 * (v['vs_sync_fp32'] or 0):+.1f}%  "
-              f"target {'met' if v['meets_target'] else 'not met'}")
-    print(f"wrote {path} and {png}")
+    path = write_result(args.name, payload, directory=args.out)
+    for label, v in summary.items():
+        gap = "" if v["vs_sync_fp32"] is None else (
+            f"vs sync fp32 {100 * v['vs_sync_fp32']:+.1f}% (mean {100 * v['gap_mean']:+.1f}%, "
+            f"last half at most {100 * v['gap_last_half_max']:+.1f}%)  ")  # fmt: skip
+        reach = "never" if v["time_to_target_s"] is None else f"{v['time_to_target_s'] / 3600:.1f} h"
+        print(f"{label:24s} final val {v['final_val']:.4f}  {v['ratio_vs_fp32_ring']:7.1f}x  {gap}"
+              f"to target {reach}  bar {'met' if v['meets_bar'] else 'not met'}")
+    print(f"wrote {path}, {png} and {frontier}")
     return 0
 
 
