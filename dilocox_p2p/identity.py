@@ -31,6 +31,7 @@ from .proto_gen import libp2p_keys_pb2  # libp2p's key messages (hivemind's cryp
 
 __all__ = [
     "certify_peer",
+    "check_worker_key",
     "certify_worker",
     "load_identity",
     "load_run_certificate",
@@ -71,14 +72,9 @@ def write_identity(path: Path) -> Ed25519PrivateKey:
 def load_identity(path: Path) -> Ed25519PrivateKey:
     """Load a peer key, refusing one that others can read or that is not an Ed25519 PEM key."""
     try:
-        mode = path.stat().st_mode
+        _refuse_if_shared(path, "identity")
     except FileNotFoundError:
         raise IdentityError(f"identity {path} does not exist: create one with `dilocox-peer keygen --out {path}`") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise IdentityError(
-            f"identity {path} is readable by others (mode {stat.S_IMODE(mode):04o}): a copied key is a stolen "
-            f"identity. Fix it with `chmod 600 {path}`"
-        )
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except (ValueError, TypeError) as e:
@@ -88,6 +84,16 @@ def load_identity(path: Path) -> Ed25519PrivateKey:
     return key
 
 
+def _refuse_if_shared(path: Path, what: str) -> None:
+    """IdentityError if anyone but its owner may read or write the key at `path` (FileNotFoundError if absent)."""
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise IdentityError(
+            f"{what} {path} is readable by others (mode {stat.S_IMODE(mode):04o}): a copied key is a stolen "
+            f"identity. Fix it with `chmod 600 {path}`"
+        )
+
+
 def run_identity(run_dir: Path) -> Ed25519PrivateKey:
     """This run directory's peer key: made on first use, reused on restart."""
     path = run_dir / "identity" / "peer.pem"
@@ -95,9 +101,16 @@ def run_identity(run_dir: Path) -> Ed25519PrivateKey:
 
 
 # ----- worker keys (libp2p) --------------------------------------------------------------------
+def check_worker_key(path: Path) -> None:
+    """IdentityError (with the fix) if the worker key at `path` exists and others can read it; nothing if absent."""
+    if path.exists():
+        _refuse_if_shared(path, "worker key")
+
+
 def worker_identity(path: Path) -> Ed25519PrivateKey:
     """A stage worker's libp2p key, in p2pd's file format (`-id`): made on first use, reused on restart."""
     if path.exists():
+        check_worker_key(path)  # it signs every envelope of its stage: as secret as the peer key
         try:
             stored = libp2p_keys_pb2.PrivateKey.FromString(path.read_bytes())
         except Exception as e:

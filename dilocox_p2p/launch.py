@@ -36,7 +36,7 @@ from .checkpoint import latest_common_round
 from .config import Config, config_hash, to_toml
 from .endpoints import ensure_port_free, fix_stage_ports, local_maddr, stage_maddr
 from .errors import CheckpointError, DilocoxError
-from .identity import peer_id_of, worker_identity
+from .identity import check_worker_key, peer_id_of, worker_identity
 from .logs import init_logging
 
 __all__ = ["prepare_run_dir", "run_peer", "wait_for_multiaddrs"]
@@ -133,6 +133,8 @@ def run_peer(cfg: Config, *, resume: bool) -> int:
         from .swarm.credentials import Credentials
 
         logger.info("peer key %s", Credentials.load(cfg).public_hex)
+        for stage in range(cfg.model.stages):  # each stage's worker key too, kept from an earlier start
+            check_worker_key(cfg.run.path / "identity" / f"stage{stage}.ed25519")
     cfg, lead = _known_lead(cfg)
     timeline.mark("preflight")
     ports = ctx.SimpleQueue()  # stage 0 hosts the peer's rendezvous store and tells the others its port

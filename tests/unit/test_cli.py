@@ -189,6 +189,18 @@ def test_keygen_writes_a_private_key_only_its_owner_can_read_and_never_overwrite
     assert key.read_bytes() == before
 
 
+def test_join_refuses_a_worker_key_others_can_read_before_any_stage_starts(capsys, tmp_path):
+    from dilocox_p2p.identity import worker_identity
+
+    key = tmp_path / "run" / "identity" / "stage1.ed25519"  # kept from an earlier start of this run dir
+    worker_identity(key)
+    key.chmod(0o644)
+    code = _run(["join", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--stages", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"worker key {key} is readable by others" in err and f"chmod 600 {key}" in err, err
+    assert not (tmp_path / "run" / "identity" / "stage0.ed25519").exists()  # refused before stage 0's key was made
+
+
 def test_join_refuses_an_identity_others_can_read_and_says_how_to_fix_it(capsys, tmp_path):
     key = tmp_path / "peer.pem"
     assert _run(["keygen", "--out", str(key)]) == 0

@@ -12,6 +12,7 @@ import sys
 import pytest
 from hivemind.proto import crypto_pb2
 
+from dilocox_p2p.errors import IdentityError
 from dilocox_p2p.identity import peer_id_of, public_key_of, public_raw, worker_identity
 from dilocox_p2p.proto_gen import libp2p_keys_pb2
 
@@ -42,3 +43,13 @@ def test_reading_a_key_and_its_peer_id_loads_neither_hivemind_nor_torch(tmp_path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     peer_id, loaded = out.split()
     assert peer_id.startswith("12D3KooW") and loaded == "[]"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604], ids=["0644", "0640", "0604"])
+def test_a_worker_key_others_can_read_is_refused_with_the_fix(tmp_path, mode):
+    path = tmp_path / "stage0.ed25519"
+    worker_identity(path)
+    path.chmod(mode)  # it signs every envelope of its stage: a copy of it is the stage's identity
+
+    with pytest.raises(IdentityError, match=f"worker key {path} is readable by others \\(mode {mode:04o}\\).*chmod 600"):
+        worker_identity(path)
