@@ -41,6 +41,7 @@ __all__ = [
     "covered_share",
     "fill_missing",
     "intersect_spans",
+    "malformed_average",
     "norm",
     "ordered_mean",
     "screen",
@@ -213,6 +214,22 @@ def covered_share(missing: Spans, total: int) -> float:
     if total == 0:
         return 1.0
     return 1.0 - sum(hi - lo for lo, hi in missing) / total
+
+
+def malformed_average(kind: str, spans: Sequence[tuple[int, int]], total: int | None = None) -> str | None:
+    """Why an average's kind and missing spans, as another worker's record or reply names them, cannot be used
+    (None: they can): a kind no AverageKind names, or spans that are not sorted, disjoint and non-empty within
+    [0, `total`) (None: no upper bound known). Checked where they arrive, so a malformed field is refused and
+    never raises where it is used (intersect_spans and spans_by_tensor take them as every Spans is)."""
+    if kind not in AverageKind._value2member_map_:
+        return f"kind {kind[:30]!r} is not one of {', '.join(k.value for k in AverageKind)}"
+    end = 0
+    for lo, hi in spans:
+        if not end <= lo < hi or (total is not None and hi > total):
+            limit = "" if total is None else f" within [0, {total})"
+            return f"missing span [{lo}, {hi}) is not sorted, disjoint and non-empty{limit}"
+        end = hi
+    return None
 
 
 def spans_by_tensor(spans: Spans, numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:

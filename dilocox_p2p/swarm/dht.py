@@ -36,6 +36,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from multiaddr import Multiaddr
 
+from ..average import malformed_average
 from ..config import SwarmConfig
 from ..endpoints import loopback_only, stage_maddr
 from ..envelope import ForeignProtocol, Gate, Opened, Signer
@@ -358,6 +359,11 @@ class RunRecords:
             except WireRejected as e:
                 self.faults.count("records_refused", "refused a record under %s: %s", key, e)
                 continue
+            if isinstance(opened.message, swarm_pb2.AverageRecord):  # fields used as they are: checked here
+                spans = [(m.start, m.end) for m in opened.message.missing]
+                if (why := malformed_average(opened.message.kind, spans)) is not None:
+                    self.faults.count("records_refused", "refused %s's record under %s: %s", subkey, key, why)
+                    continue
             out[subkey] = (opened, item.expiration_time)
             self._owners[subkey] = bytes(opened.peer_key)
         return out

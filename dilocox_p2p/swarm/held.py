@@ -22,7 +22,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils import MPFuture
 
 from .. import injection
-from ..average import Average, AverageKind, Spans, average_hash, fill_missing
+from ..average import Average, AverageKind, Spans, average_hash, fill_missing, malformed_average
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
@@ -236,6 +236,8 @@ class AverageService:
             return None, "refused: the average holds NaN or Inf", size
         info = header.average
         missing = tuple((s.start, s.end) for s in info.missing)
+        if (why := malformed_average(info.kind, missing, sum(t.numel() for t in tensors))) is not None:
+            return None, f"refused: the signed header's {why}", size
         return HeldAverage(round, AverageKind(info.kind), tensors, missing, tuple(info.group), info.group_id), "", size
 
     async def rpc_download_average(

@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils import MPFuture
 
-from ..average import Average, AverageKind
+from ..average import Average, AverageKind, malformed_average
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
@@ -190,6 +190,10 @@ class StateService:
         pending = None
         if header.has_pending:
             p = header.pending
+            missing = [(s.start, s.end) for s in p.missing]
+            if (why := malformed_average(p.kind, missing, sum(t.numel() for t in pending_like))) is not None:
+                return StateDownload(status=-1, boundary=header.boundary, donor=donor,
+                                     reason=f"refused: the pending average's {why}")  # fmt: skip
             average = Average(
                 kind=AverageKind(p.kind),
                 tensors=tensors[2 * n :],

@@ -17,6 +17,7 @@ from dilocox_p2p.average import (
     covered_share,
     fill_missing,
     intersect_spans,
+    malformed_average,
     spans_by_tensor,
 )
 from dilocox_p2p.config import OuterConfig
@@ -154,3 +155,26 @@ def test_a_lone_peer_never_applies_a_non_finite_pseudo_gradient():
     assert bad.kind is AverageKind.STRANDED and not bad.kind.applies
     good = LocalAverager().all_reduce([torch.tensor([1.0, 2.0])], round=3).result()
     assert good.kind is AverageKind.ALONE and torch.equal(good.tensors[0], torch.tensor([1.0, 2.0]))
+
+
+# ----- an average's fields as another worker names them ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "spans", "total", "why"),
+    [
+        ("bogus", [], None, "kind 'bogus' is not one of averaged, partial"),
+        ("partial", [(5, 5)], None, "not sorted, disjoint and non-empty"),
+        ("partial", [(7, 3)], None, "not sorted, disjoint and non-empty"),
+        ("partial", [(-4, 3)], None, "not sorted, disjoint and non-empty"),
+        ("partial", [(0, 4), (3, 8)], None, "not sorted, disjoint and non-empty"),
+        ("partial", [(0, 4), (6, 11)], 10, "within [0, 10)"),
+    ],
+)  # fmt: skip
+def test_a_malformed_kind_or_span_says_what_is_wrong(kind, spans, total, why):
+    assert why in malformed_average(kind, spans, total)
+
+
+def test_every_kind_this_software_writes_with_sorted_disjoint_spans_is_well_formed():
+    for kind in AverageKind:
+        assert malformed_average(kind.value, [(0, 4), (4, 8), (9, 10)], 10) is None
