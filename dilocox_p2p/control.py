@@ -9,13 +9,16 @@
   `Watch` (a stream of RoundEvents: every completed round's metrics record, every change of
   state), with the standard grpc.health.v1 service, on `control.control_addr` (default
   127.0.0.1, a free port); the bound address goes to RUN_DIR/control.addr for
-  `dilocox-peer status RUN_DIR`. Read-only, unauthenticated: keep it on a trusted network.
+  `dilocox-peer status RUN_DIR`. Read-only, unauthenticated: keep it on a trusted network (an address
+  beyond loopback is warned about at start). At most MAX_WATCHERS Watch streams at once, so that
+  GetStatus and health always have server threads.
 - Prometheus text format at http://`control.metrics_addr`/metrics (when set), collected from
   the same snapshot at scrape time, so /metrics and `status` never disagree.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -26,9 +29,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from . import __version__
 from .config import Config
-from .endpoints import GrpcEndpoint, start_metrics_http, write_atomically
+from .endpoints import GrpcEndpoint, parse_hostport, start_metrics_http, write_atomically
 from .proto_gen import control_pb2, control_pb2_grpc
 
 __all__ = ["ControlPlane", "StatusBoard", "compression_ratio"]
@@ -38,6 +43,10 @@ logger = logging.getLogger(__name__)
 RECENT_ROUNDS = 16
 STATES = ("starting", "joining", "training", "finished", "stopped", "failed")
 _WATCH_QUEUE = 256
+GRPC_THREADS = 8
+MAX_WATCHERS = GRPC_THREADS // 2
+"""Watch streams served at once: each holds a server thread while it is open, and GetStatus and health need the
+others (8 idle streams starved them, issue 38 point 5); one more is refused with RESOURCE_EXHAUSTED."""
 
 
 def compression_ratio(record: dict[str, Any]) -> float:
@@ -126,9 +135,12 @@ class StatusBoard:
             out.CopyFrom(self.status)
             return out
 
-    def subscribe(self, *, include_current: bool) -> queue.Queue[control_pb2.RoundEvent | None]:
+    def subscribe(self, *, include_current: bool, limit: int | None = None) -> queue.Queue[control_pb2.RoundEvent | None] | None:
+        """A queue of this board's events from now on (None: `limit` watchers are subscribed already)."""
         q: queue.Queue[control_pb2.RoundEvent | None] = queue.Queue(maxsize=_WATCH_QUEUE)
         with self._lock:
+            if limit is not None and len(self._watchers) >= limit:
+                return None
             if include_current and self._last_round is not None:
                 q.put_nowait(self._last_round)
             self._watchers.append(q)
@@ -172,7 +184,11 @@ class PeerControlService(control_pb2_grpc.PeerControlServicer):
         return self.board.snapshot()
 
     def Watch(self, request: control_pb2.WatchRequest, context: Any) -> Iterator[control_pb2.RoundEvent]:
-        q = self.board.subscribe(include_current=request.include_current)
+        q = self.board.subscribe(include_current=request.include_current, limit=MAX_WATCHERS)
+        if q is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{MAX_WATCHERS} Watch streams are open on this peer already, the most it serves beside "
+                          "GetStatus and health: close one, or poll GetStatus")  # fmt: skip
         try:
             while context.is_active() and not self.stopping.is_set():
                 try:
@@ -244,9 +260,10 @@ class ControlPlane:
         stopping = threading.Event()
         service = PeerControlService(board, stopping)
         endpoint = GrpcEndpoint.start(
-            cfg.control.control_addr, flag="--control-addr",
+            cfg.control.control_addr, flag="--control-addr", workers=GRPC_THREADS,
             add=lambda server: control_pb2_grpc.add_PeerControlServicer_to_server(service, server),
         )  # fmt: skip
+        _warn_if_reachable(endpoint.address, "--control-addr", "its status (run id, peer id, addresses, losses)")
         http = None
         if cfg.control.metrics_addr:
             from prometheus_client import CollectorRegistry
@@ -259,6 +276,7 @@ class ControlPlane:
                 endpoint.stop(0)
                 raise
             logger.info("Prometheus metrics at http://%s/metrics", metrics_at)
+            _warn_if_reachable(metrics_at, "--metrics-addr", "its metrics")
         addr_file = Path(run_dir) / "control.addr"
         write_atomically(addr_file, endpoint.address + "\n")
         logger.info("control plane at %s (dilocox-peer status %s)", endpoint.address, run_dir)
@@ -272,3 +290,17 @@ class ControlPlane:
         if self.http is not None:
             self.http.shutdown()
         self.grpc.stop(grace=1.0)
+
+
+def _warn_if_reachable(address: str, flag: str, what: str) -> None:
+    """Say so when a read-only, unauthenticated endpoint listens beyond this machine (any address not on loopback)."""
+    host, _ = parse_hostport(address, flag=flag)
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: where it points is not known here
+        local = False
+    if not local:
+        logger.warning(
+            "%s %s listens beyond this machine with no authentication: anyone who reaches it reads %s. Keep it "
+            "on loopback (the default), or on a trusted network behind a firewall", flag, address, what,
+        )  # fmt: skip

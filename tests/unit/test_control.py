@@ -138,3 +138,50 @@ def test_ports_picked_for_a_random_address_lie_below_the_kernels_ephemeral_range
         port = free_ports("127.0.0.1", 4)
         assert 10_000 <= port and port + 3 < low
         assert all(bindable("127.0.0.1", port + i) for i in range(4))
+
+
+def test_a_flood_of_idle_watch_streams_is_capped_and_get_status_and_health_still_answer(tmp_path):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from dilocox_p2p.control import GRPC_THREADS, MAX_WATCHERS, ControlPlane
+    from dilocox_p2p.proto_gen import control_pb2, control_pb2_grpc
+
+    board = StatusBoard(Config(), rounds=3, steps=2)
+    plane = ControlPlane.start(Config(), board, tmp_path)
+    channel = grpc.insecure_channel(plane.grpc.address)
+    streams = []
+    try:
+        stub = control_pb2_grpc.PeerControlStub(channel)
+        # as many idle streams as the server has threads: they held every one, and GetStatus and health timed out
+        board.round_done(_record(0, sent=100))  # a stream that is taken starts with this round's event
+        streams = [stub.Watch(control_pb2.WatchRequest(include_current=True), timeout=10) for _ in range(GRPC_THREADS)]
+        outcomes = []
+        for stream in streams:
+            try:
+                outcomes.append(next(stream).event)
+            except grpc.RpcError as e:
+                outcomes.append(e.code())
+        assert outcomes.count("round") == MAX_WATCHERS, outcomes
+        assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == GRPC_THREADS - MAX_WATCHERS
+
+        assert stub.GetStatus(control_pb2.StatusRequest(), timeout=5).round == 1
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for stream in streams:
+            stream.cancel()
+        channel.close()
+        plane.close("finished")
+
+
+@pytest.mark.parametrize(("addr", "warned"), [("127.0.0.1:0", False), ("0.0.0.0:0", True)])
+def test_a_control_plane_bound_beyond_loopback_warns_that_it_is_unauthenticated(tmp_path, caplog, addr, warned):
+    from dilocox_p2p.config import load_config
+    from dilocox_p2p.control import ControlPlane
+
+    cfg = load_config(overrides={"control.control_addr": addr})
+    plane = ControlPlane.start(cfg, StatusBoard(cfg, rounds=1, steps=1), tmp_path)
+    plane.close("finished")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("--control-addr 0.0.0.0:" in w and "no authentication" in w for w in warnings) == warned, warnings
