@@ -18,8 +18,11 @@ hivemind_patches.py with the versions checked):
    that are not finite or whose norm is far above the part's median; a member refuses averaged
    parts that are not finite (that reducer counts as failed). Both name the offender in
    `offenders`, and the stage strikes it.
-6. Fault injection for tests (injection.py): `withhold_average`, `hoard_average`,
-   `kill_peer_in_allreduce`, `send_nan_average`.
+6. Every part a reducer receives and every averaged part a member receives is checked for its shape and
+   dtype before it is used: one that does not fit is refused, its sender banned from the all-reduce (a
+   reducer: failed) and named in `offenders`.
+7. Fault injection for tests (injection.py): `withhold_average`, `hoard_average`,
+   `kill_peer_in_allreduce`, `send_nan_average`, `send_malformed_parts`.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         withhold: bool = False,
         hoard: bool = False,
         nan_average: bool = False,
+        malformed_parts: str = "",
         max_norm_ratio: float = 10.0,
         **kwargs: Any,
     ):
@@ -138,6 +142,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             max_norm_ratio=max_norm_ratio,
         )
         self.nan_average = nan_average
+        self.malformed_parts = malformed_parts  # fault injection: "scalar" or "wide" parts sent to every reducer
         self.reducer_offenses: dict[PeerID, str] = {}  # reducers whose averaged parts this member refused
         container = self.tensor_part_container
         # reducer i owns a contiguous block of the flattened tensors: remember its part sizes
@@ -200,15 +205,35 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _count_received(self, stream: AsyncIterator[Any], check_from: PeerID | None = None) -> AsyncIterator[Any]:
         """Count the bytes of `stream`; with `check_from`, refuse (as that reducer's failure) an averaged
-        part that is not finite."""
+        part that is not of the shape and dtype of that reducer's part or not finite."""
+        shapes = []
+        if check_from is not None:
+            shapes = [part.shape for part, _ in self.tensor_part_container._input_parts_by_peer[
+                self.ordered_peer_ids.index(check_from)]]  # fmt: skip
+        index = 0
         async for message in stream:
             self.bytes_received += message.ByteSize()
             if check_from is not None and message.code == averaging_pb2.AVERAGED_PART:
-                if not bool(torch.isfinite(deserialize_torch_tensor(message.tensor_part)).all()):
-                    self.reducer_offenses[check_from] = "sent an averaged part holding NaN or Inf"
-                    logger.warning("refused an averaged part from %s: it holds NaN or Inf", check_from)
-                    raise AllreduceException(f"{check_from} sent a non-finite averaged part")
+                part = deserialize_torch_tensor(message.tensor_part)
+                why = self._misfit(part, shapes, index) or (
+                    None if bool(torch.isfinite(part).all()) else "holds NaN or Inf")  # fmt: skip
+                if why is not None:
+                    self.reducer_offenses[check_from] = f"sent an averaged part that {why}"
+                    logger.warning("refused an averaged part from %s: it %s", check_from, why)
+                    raise AllreduceException(f"{check_from} sent an averaged part that {why}")
+                index += 1
             yield message
+
+    @staticmethod
+    def _misfit(part: torch.Tensor, shapes: Any, index: int) -> str | None:
+        """Why `part` cannot be the `index`-th of parts of `shapes` (None: it can): more parts than there are, another
+        shape, or not float32. Checked before any use: a scalar was broadcast to every coordinate, and a part of
+        shape (2, n) raised in the reducer and stalled the other senders."""
+        if index >= len(shapes):
+            return f"is one more than the {len(shapes)} expected"
+        if part.shape != shapes[index] or part.dtype != torch.float32:
+            return f"has shape {tuple(part.shape)} and dtype {part.dtype} where {tuple(shapes[index])} float32 was expected"
+        return None
 
     def _get_peer_stub(self, peer: PeerID) -> Any:
         return _CountingStub(super()._get_peer_stub(peer), self, peer)
@@ -251,6 +276,10 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
+            if self.malformed_parts:  # fault injection: a hostile sender's parts of another shape
+                part = deserialize_torch_tensor(message.tensor_part)
+                bad = part.norm() if self.malformed_parts == "scalar" else torch.stack([part, part])  # norms pass the screen
+                message.tensor_part.CopyFrom(serialize_torch_tensor(bad))
             self.bytes_sent += message.ByteSize()
             yield message
 
@@ -280,6 +309,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             ):
                 if self.kill_on_first_part:
                     injection.kill_peer("kill_peer_in_allreduce")
+                if (why := self._misfit(tensor_part, self.tensor_part_reducer.part_shapes, part_index)) is not None:
+                    self.tensor_part_reducer.offenses.setdefault(sender_index, f"its part {part_index} {why}")
+                    logger.warning("refused the parts of sender %s: its part %d %s", self.sender_peer_ids[sender_index],
+                                   part_index, why)  # fmt: skip
+                    break  # banned below: the others' parts are averaged without it, nobody waits for it
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part)
                     part_index += 1

@@ -112,6 +112,8 @@ class GroupRound:
             withhold=injection.armed("withhold_average", round=round, stage=self.stage),
             hoard=injection.armed("hoard_average", round=round, stage=self.stage),
             nan_average=injection.armed("send_nan_average", round=round, stage=self.stage),
+            malformed_parts=next((shape for shape in ("scalar", "wide") if injection.armed(
+                "send_malformed_parts", round=round, stage=self.stage, shape=shape)), ""),  # fmt: skip
             max_norm_ratio=self.max_norm_ratio,
             **kwargs,
         )

@@ -7,7 +7,9 @@ gets the exact, unweighted mean summed in a fixed order, and members that miss p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import os
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -116,26 +118,40 @@ class LeadingAverager(DilocoxAverager):
             future.set_exception(e)
 
 
+@contextlib.contextmanager
+def _faults(text: str):
+    before = os.environ.get("DILOCOX_FAULTS")
+    os.environ["DILOCOX_FAULTS"] = text
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DILOCOX_FAULTS")
+        else:
+            os.environ["DILOCOX_FAULTS"] = before
+
+
 class Group:
     def __init__(
         self, n: int, averager_class: type[DilocoxAverager] = DilocoxAverager, *,
-        min_matchmaking_time: float = 5.0, request_timeout: float = 5.0,
+        min_matchmaking_time: float = 5.0, request_timeout: float = 5.0, faults_of: dict[int, str] | None = None,
     ):  # fmt: skip
+        """`faults_of`: member index -> faults armed in that member's averager process alone (injection.py)."""
         first = signed_node("ar")
         nodes = [first] + [signed_node("ar", initial_peers=first[0].get_visible_maddrs()) for _ in range(n - 1)]
         self.dhts = [dht for dht, _, _ in nodes]
         # request_timeout as a peer sets it (stage.py): hivemind's follower gives up on a leader's ACCEPTED
         # after it, while the leader already counts it in, so a 2 s timeout on a loaded machine left a member
         # out of the group it was counted in (it found no group, and the others missed its parts)
-        self.averagers = [
-            averager_class(
-                [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
-                start=True, min_group_size=2, min_matchmaking_time=min_matchmaking_time,
-                request_timeout=request_timeout, allreduce_timeout=30.0, next_chunk_timeout=5.0,
-                allow_state_sharing=False, signer=signer, gate=gate,
-            )
-            for dht, signer, gate in nodes
-        ]
+        self.averagers = []
+        for i, (dht, signer, gate) in enumerate(nodes):
+            with _faults((faults_of or {}).get(i, os.environ.get("DILOCOX_FAULTS", ""))):  # its process forks with them
+                self.averagers.append(averager_class(
+                    [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
+                    start=True, min_group_size=2, min_matchmaking_time=min_matchmaking_time,
+                    request_timeout=request_timeout, allreduce_timeout=30.0, next_chunk_timeout=5.0,
+                    allow_state_sharing=False, signer=signer, gate=gate,
+                ))  # fmt: skip
         self.ids = [dht.peer_id.to_base58() for dht in self.dhts]
 
     def all_reduce(self, round: int, inputs: list[list[torch.Tensor]], weights: list[float]):
@@ -237,6 +253,37 @@ def test_a_member_refuses_non_finite_averages_from_a_reducer_and_names_it(group)
         assert set(result.offenders) == others, result.offenders  # every reducer but itself sent NaN
         assert all("NaN" in reason for reason in result.offenders.values())
         assert result.missing and all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("shape", ["scalar", "wide"])
+def test_parts_of_another_shape_are_refused_and_their_sender_named_without_stalling_the_others(request, shape):
+    # issue 38: a scalar part was broadcast to every coordinate (the mean moved 838x), or raised in the reducer
+    # (a (2, n) part, or a scalar first) and stalled the other senders
+    group = Group(3, faults_of={2: f"send_malformed_parts:round=5:stage=0:shape={shape}"})
+    request.addfinalizer(group.close)
+    inputs = _inputs(3)
+    started = time.monotonic()
+    outcomes = group.all_reduce(5, inputs, weights=[1.0, 1.0, 1.0])
+
+    assert time.monotonic() - started < 15, "the others waited out a timeout for the refused sender"
+    hostile, honest = group.ids[2], outcomes[:2]
+    for result, _ in honest:
+        assert set(result.offenders) == {hostile}, result.offenders
+        assert "float32 was expected" in result.offenders[hostile]
+        assert not result.missing
+    a, b = honest[0][1], honest[1][1]
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "the honest members hold different averages"
+    # an honest reducer's span holds the mean of the honest members; the hostile reducer's own span, the mean of
+    # all three (it reduces its span with its own true parts): nowhere anything of the refused parts
+    group_order = [group.ids.index(p) for p in honest[0][0].group]
+
+    def mean_of(members: list[int]) -> torch.Tensor:
+        return torch.cat([ordered_mean([inputs[i][k] for i in group_order if i in members], inputs[0][k].shape).flatten()
+                          for k in range(len(SHAPES))])  # fmt: skip
+
+    flat, of_honest, of_all = torch.cat([t.flatten() for t in a]), mean_of([0, 1]), mean_of([0, 1, 2])
+    assert bool(((flat == of_honest) | (flat == of_all)).all()), "a refused part was averaged"
+    assert (flat == of_honest).double().mean() >= 0.5  # the two honest reducers' spans
 
 
 def test_a_member_without_an_average_borrows_the_whole_average_from_the_group(group):
