@@ -11,9 +11,10 @@ they are stored under):
                                   key holds, and a shared key's N records of N digests each grew as N^2)
     {run}:config:{hash}           ConfigRecord: the shared config behind a hash
 
-Records are checked twice: by the DHT node itself (`EnvelopeValidator`, a hivemind
+Records are checked twice: by the DHT node itself (`EnvelopeValidator` in record_rules.py, a hivemind
 RecordValidator: a record signed by another key than its subkey's, for another key, run or
-protocol, or by a key a closed run does not admit is neither stored nor returned), and when
+protocol, by a key a closed run does not admit, or expiring later than its signature allows, and
+any plain value, is neither stored nor returned), and when
 read (`RunRecords`: the same checks plus the payload's type, schema and round, with the
 reason logged and counted as `records_refused`). A lookup that fails raises (the caller
 counts it).
@@ -32,8 +33,8 @@ from typing import Any
 
 import hivemind
 from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils import get_dht_time
 from multiaddr import Multiaddr
 
 from ..average import malformed_average
@@ -45,15 +46,22 @@ from ..identity import peer_id_of, worker_identity
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .dht_process import HelperDHT
-from .faults import FaultCounter, RefusalLog
+from .faults import FaultCounter
+from .record_rules import (
+    AVERAGE_RECORD_TTL_S,
+    EXPIRY_SLACK_S,
+    JOINED_FLOOR,
+    MEMBER_TTL_S,
+    ROUND_RECORD_TTL_S,
+    EnvelopeValidator,
+    run_keys,
+)
 
 __all__ = ["EnvelopeValidator", "Member", "RunRecords", "dht_result", "node_id_of", "run_keys", "start_dht"]
 
 logger = logging.getLogger(__name__)
 
-MEMBER_TTL_S = 15.0
 HEARTBEAT_S = 5.0
-ROUND_RECORD_TTL_S = 600.0
 JOIN_ATTEMPTS = 3  # an initial peer that is busy or restarting is tried again, JOIN_RETRY_S x attempt later
 JOIN_RETRY_S = 2
 LISTEN_POLL_S = 0.1  # how often an initial peer that does not listen yet is probed
@@ -63,7 +71,6 @@ LISTEN_POLL_S = 0.1  # how often an initial peer that does not listen yet is pro
 # key's nodes from whatever node is known: nothing needs the walk done before the node is used. On loopback the walk
 # takes a few milliseconds and the limit changes nothing measurable (benchmarks/startup.py, side by side).
 BOOTSTRAP_S = 0.2
-AVERAGE_RECORD_TTL_S = 300.0
 # A record is stored on its key's REPLICAS nearest DHT nodes (hivemind's num_replicas), and a walk to them asks
 # each node it meets for the key's value: every member's record under it. hivemind walks a beam of 20 nodes
 # (its bucket size) for a store and a get alike, so every node of a swarm of up to 20 answered every walk with
@@ -71,59 +78,6 @@ AVERAGE_RECORD_TTL_S = 300.0
 REPLICAS = 5
 BEAM_SIZE = REPLICAS
 DHT_CALL_CHECK_S = 1.0  # a DHT call still running checks this often that the DHT process is alive
-
-
-MAX_STAGES_GUARDED = 64  # member keys of stages 0..63 only take signed records (EnvelopeValidator)
-
-
-def run_keys(run_id: str, config_hash: str) -> list[str]:
-    """The run's DHT keys known in advance: nobody may store an unsigned or plain value under them."""
-    return [f"{run_id}:members:s{s}" for s in range(MAX_STAGES_GUARDED)] + [f"{run_id}:config:{config_hash}"]
-
-
-class EnvelopeValidator(RecordValidatorBase):
-    """hivemind RecordValidator for the run's records, run by the DHT node on every record it is asked
-    to store and every record a lookup returns.
-
-    A record with a string subkey is one of ours (hivemind's own matchmaking records use bytes
-    subkeys): it must be a SignedEnvelope signed by the worker its subkey names, for the key it is
-    stored under, of this run, from an admitted key (the payload and protocol version are checked when
-    read, where a peer running other code is told why it is refused). Under the run's fixed keys
-    (`run_keys`) only such records are taken. Refusals are logged at their 1st, 10th, 100th... time.
-    """
-
-    def __init__(self, gate: Gate, guarded_keys: Iterable[str]):
-        self.gate = gate
-        self.guarded = {DHTID.generate(source=k).to_bytes() for k in guarded_keys}
-        self.refusals = RefusalLog()
-
-    def validate(self, record: DHTRecord) -> bool:
-        try:
-            subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
-            if not isinstance(subkey, str):
-                if record.key in self.guarded:
-                    raise WireRejected("a plain value (no signed subkey) under one of the run's keys")
-                return True
-            # another protocol passes here (if signed right) so that its peer is told why it is refused
-            envelope = self.gate.check(MSGPackSerializer.loads(record.value), sender=subkey, any_protocol=True)
-            if DHTID.generate(source=envelope.topic).to_bytes() != record.key:
-                raise WireRejected(f"a record of {subkey[:20]}... signed for {envelope.topic[:60]!r} stored under "
-                                   "another key (replayed)")  # fmt: skip
-            return True
-        except WireRejected as e:
-            self._log(str(e))
-        except Exception as e:  # msgpack or anything else that cannot be read
-            self._log(f"unreadable record ({type(e).__name__})")
-        return False
-
-    def _log(self, reason: str) -> None:
-        n = self.refusals.count(reason)
-        if n is not None:
-            logger.warning("DHT refused a record: %s [%d such so far]", reason, n)
-
-    @property
-    def priority(self) -> int:
-        return 20  # checked before any other validator strips anything
 
 
 def node_id_of(peer_id: str) -> DHTID:
@@ -426,6 +380,11 @@ class RunRecords:
                 "records_refused", "refused the member record of %s: run %r stage %d under this run's key",
                 peer_id, record.run_id, record.stage,
             )
+            return None
+        if not JOINED_FLOOR <= record.joined_at <= opened.envelope.sent_at + EXPIRY_SLACK_S:
+            self.faults.count("records_refused", "refused the member record of %s: it joined at %r, not between %d "
+                              "and when it signed the record (%.0f)", peer_id, record.joined_at, JOINED_FLOOR,
+                              opened.envelope.sent_at)  # fmt: skip
             return None
         if expiration <= get_dht_time():
             return None

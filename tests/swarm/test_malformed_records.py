@@ -42,3 +42,27 @@ def test_average_records_with_an_unknown_kind_or_crossed_spans_are_refused_and_c
     finally:
         for dht, _, _ in nodes:
             dht.shutdown()
+
+
+def test_a_member_record_that_claims_to_have_joined_before_this_software_ran_or_after_it_signed_is_refused(tmp_path):
+    # joined_at = -1e300 was taken, and the oldest member decides the config check (issue 38, point 3)
+    import time
+
+    nodes = [signed_node("mr", root=tmp_path)]
+    nodes += [signed_node("mr", root=tmp_path, initial_peers=nodes[0][0].get_visible_maddrs()) for _ in range(2)]
+    faults = FaultCounter()
+    honest, ancient, future = (RunRecords(dht, "mr", 0, faults, signer=signer, gate=gate) for dht, signer, gate in nodes)
+
+    def record(joined_at: float) -> swarm_pb2.MemberRecord:
+        return swarm_pb2.MemberRecord(run_id="mr", stage=0, training=True, joined_at=joined_at, peer_name="m")
+
+    try:
+        honest.publish_member(record(time.time()))
+        ancient.publish_member(record(-1e300))
+        future.publish_member(record(time.time() + 3600))
+
+        assert [m.peer_id for m in honest.members()] == [honest.peer_id]
+        assert faults.take()["records_refused"] == 2
+    finally:
+        for dht, _, _ in nodes:
+            dht.shutdown()

@@ -140,7 +140,7 @@ def test_a_changed_record_reaches_the_others_at_once_while_its_store_waits_on_a_
 
 def _record(averaging_round: int) -> swarm_pb2.MemberRecord:
     return swarm_pb2.MemberRecord(run_id=RUN, config_hash=CONFIG, stage=0, boundary=0, training=True,
-                                  averaging_round=averaging_round, peer_name="a")  # fmt: skip
+                                  averaging_round=averaging_round, joined_at=time.time(), peer_name="a")  # fmt: skip
 
 
 def test_a_pushed_record_signed_by_another_worker_is_refused_and_an_older_copy_never_replaces_a_newer(

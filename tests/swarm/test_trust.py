@@ -92,7 +92,7 @@ def test_forged_records_and_nan_or_outsized_contributions_are_refused_their_send
             "stored under another key (replayed)",  # a victim's real record of an earlier boundary
             "refused before parsing",  # oversized
             "malformed envelope",
-            "a plain value (no signed subkey) under one of the run's keys",
+            "a plain value (no signed subkey): it would replace every record under its key",
             "envelope of run 'another-run'",
         ):
             assert reason in log, f"no refusal logged for: {reason}"

@@ -433,7 +433,45 @@ def test_the_validator_refuses_a_plain_value_under_a_run_key(validator, key):
     )  # fmt: skip
     assert validator.validate(plain) is False
     assert validator.validate(_record(key, None, b"x")) is False  # subkey = serializer.dumps(None)
-    assert validator.refusals["a plain value"] == 2
+    assert validator.refusals["a value with no signed subkey under one of the run's keys"] == 1
+    assert validator.refusals["a plain value"] == 1
+
+
+@pytest.mark.parametrize("key", [f"{RUN}:round:s0:5", f"{RUN}:average:s0:5", "any.other.key"])
+def test_the_validator_refuses_a_plain_value_under_every_key(validator, key):
+    # a plain value with a far expiration replaced every record under a round or average key (issue 38, point 3)
+    plain = _record(key, None, b"x")  # subkey = serializer.dumps(None): hivemind's regular value
+    plain = DHTRecord(plain.key, plain.subkey, plain.value, expiration_time=get_dht_time() + 31 * 365 * 86400)
+    assert validator.validate(plain) is False
+    assert validator.refusals["a plain value"] == 1
+
+
+def _resigned(signer: Signer, blob: bytes, **fields: object) -> bytes:
+    """`blob` (a sealed record) with envelope `fields` changed, signed again by its worker: as it would have
+    sealed it then."""
+    envelope = envelope_pb2.Envelope.FromString(envelope_pb2.SignedEnvelope.FromString(blob).body)
+    for name, value in fields.items():
+        setattr(envelope, name, value)
+    body = envelope.SerializeToString()
+    return envelope_pb2.SignedEnvelope(body=body, signature=signer.worker_key.sign(body)).SerializeToString()
+
+
+@pytest.mark.parametrize(("signed_ago", "expires_in", "taken"), [
+    (0.0, 15.0, True),  # as its worker stores it: a member record lives MEMBER_TTL_S
+    (0.0, 365 * 86400.0, False),  # given a year: it would outlast (and block) every newer record of its worker
+    (100.0, 15.0, False),  # an old record stored again as if fresh: replayed
+    (100.0, -85.0, True),  # an old record as it was stored (hivemind hands records on with their expiration)
+])  # fmt: skip
+def test_the_validator_refuses_a_record_expiring_later_than_its_signature_allows(
+    validator, signer, signed_ago, expires_in, taken
+):
+    key, now = f"{RUN}:members:s0", get_dht_time()
+    member = swarm_pb2.MemberRecord(run_id=RUN, stage=0, training=True, joined_at=now - 1000)
+    blob = _resigned(signer, signer.seal(member, topic=key), sent_at=now - signed_ago)
+    record = _record(key, signer.worker_id, blob)
+    record = DHTRecord(record.key, record.subkey, record.value, expiration_time=now + expires_in)
+    assert validator.validate(record) is taken
+    assert validator.refusals["a record expiring later than its signature allows"] == (0 if taken else 1)
 
 
 def test_the_validator_refuses_unreadable_values_without_raising(validator, signer):
