@@ -42,7 +42,7 @@ from .identity import peer_id_of, worker_identity
 from .logs import set_log_context
 from .swarm.dht import node_id_of, reachable_maddrs
 from .swarm.hello import serve_hello
-from .swarm.hivemind_patches import guard_unary_replies
+from .swarm.hivemind_patches import cap_stream_frames, guard_unary_replies
 
 __all__ = ["BootstrapNode", "BootstrapOptions", "load_node_identity"]
 
@@ -294,6 +294,7 @@ def _start_dht(opts: BootstrapOptions, peer_id: str) -> hivemind.DHT:
     if opts.relay:
         kwargs.update(use_relay=True, force_reachability="public")
     guard_unary_replies()  # swarm.hivemind_patches: before the DHT process forks
+    cap_stream_frames()
     try:
         return _NodeProcess(**kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, ValueError...

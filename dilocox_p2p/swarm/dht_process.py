@@ -9,7 +9,7 @@ from typing import Any
 
 import hivemind
 
-from .hivemind_patches import guard_unary_replies
+from .hivemind_patches import cap_stream_frames, guard_unary_replies
 from .priority import lower_priority
 
 __all__ = ["HelperDHT"]
@@ -27,6 +27,7 @@ class HelperDHT(hivemind.DHT):
     def __init__(self, *, nice: int, **kwargs: Any):
         self.nice = nice
         guard_unary_replies()  # before the fork: the DHT process and the averager forked later run the guarded reader
+        cap_stream_frames()  # ... and refuse a stream frame too large to be one of ours before reading it
         super().__init__(**kwargs)
 
     def run(self) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 from uuid import UUID
 
 __all__ = [
-    "CHECKED_VERSIONS", "PATCHES", "check_version", "defer_scipy_optimize", "guard_unary_replies", "own_process_locks",
+    "CHECKED_VERSIONS", "MAX_FRAME_BYTES", "PATCHES", "FrameTooLarge", "cap_stream_frames", "check_version",
+    "defer_scipy_optimize", "guard_unary_replies", "own_process_locks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ PATCHES: dict[str, str] = {
     "DHT._get / _store / _run_coroutine": "wrapped (dht_process.HelperDHT) to hold each call's task until it ends: the DHT "
     "process keeps no reference to them, and one destroyed by the cycle collector left its caller waiting for good",
     "DHTProtocol.call_ping": "pings a lost peer; its answer puts it back in both routing tables",
+    "P2P.receive_raw_data / HEADER_LEN / BYTEORDER": "replaced (cap_stream_frames below): a frame's declared length "
+    "above MAX_FRAME_BYTES is refused before its bytes are read (hivemind buffered any length a peer declared)",
     # p2p/p2p_daemon_bindings/control.py: the persistent connection to the p2p daemon (unary calls, both ways)
     "ControlClient._read_from_persistent_conn": "replaced (guard_unary_replies below): a reply to a call cancelled a "
     "moment before no longer ends the reader; _pending_calls / _handler_tasks / _handle_persistent_request used as "
@@ -242,6 +245,39 @@ def guard_unary_replies() -> None:
     from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 
     ControlClient._read_from_persistent_conn = _read_from_persistent_conn
+
+
+MAX_FRAME_BYTES = 16 << 20
+"""The largest protobuf frame a peer reads from a libp2p stream: ours are at most half a MiB (hivemind's averaging
+parts, gather.PAYLOAD_PART, transfer's chunks), a DHT answer a few hundred KiB."""
+
+
+class FrameTooLarge(ConnectionError):
+    """A stream's frame declared more bytes than MAX_FRAME_BYTES: refused before any of them was read."""
+
+
+async def _receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+    """hivemind's P2P.receive_raw_data (1.1.11, 1.1.12: an 8-byte length, then that many bytes), refusing a length
+    above MAX_FRAME_BYTES before reading on: hivemind's read and buffered whatever length a peer declared (a 48 MiB
+    request took 710 MiB of memory before our checks refused it; a declared 2^40 was waited for as long as the peer
+    kept sending)."""
+    from hivemind.p2p import P2P
+
+    header = await reader.readexactly(P2P.HEADER_LEN)
+    content_length = int.from_bytes(header, P2P.BYTEORDER)
+    if content_length > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"a frame of {content_length} bytes declared (the most read is {MAX_FRAME_BYTES})")
+    return await reader.readexactly(content_length)
+
+
+def cap_stream_frames() -> None:
+    """Replace P2P.receive_raw_data (above), which reads every frame of every protobuf stream both ways (requests to
+    this process's handlers, replies to its calls), in this process and those it forks after. A handler whose
+    request is refused closes the stream (hivemind logs "Exception while receiving requests"); a call whose reply
+    is refused raises."""
+    from hivemind.p2p import P2P
+
+    P2P.receive_raw_data = staticmethod(_receive_raw_data)
 
 
 def check_version() -> None:
