@@ -145,6 +145,8 @@ class Gate:
 
     policy: Policy
     banned: set[str] = field(default_factory=set)
+    banned_keys: set[bytes] = field(default_factory=set)
+    """Peer keys banned with a worker of theirs: every worker they certify is refused (one key, one ban)."""
     _nonces: collections.OrderedDict[bytes, None] = field(default_factory=collections.OrderedDict)
     # signatures found good: (signer, signature, sha256 of the body). A record read again (every poll of the DHT
     # returns the same ones) skips its Ed25519 check, 0.2 ms of CPU each on a slow core
@@ -191,9 +193,11 @@ class Gate:
         """Verify signature, sender, run and admission (and unless `any_protocol`, the version); any payload type."""
         return self._verify(blob, max_bytes, sender, any_protocol=any_protocol)[0]
 
-    def ban(self, peer_ids: Collection[str]) -> None:
+    def ban(self, peer_ids: Collection[str], keys: Collection[bytes] = ()) -> None:
+        """Refuse these workers' envelopes, and every worker's whose certificate names one of `keys`."""
         with self._lock:
             self.banned.update(peer_ids)
+            self.banned_keys.update(bytes(k) for k in keys)
 
     def _verify(
         self, blob: object, max_bytes: int, sender: str | None, *, any_protocol: bool = False, even_banned: bool = False
@@ -229,6 +233,8 @@ class Gate:
         self._check_signature(signer, signed)
         if signer in self.banned and not even_banned:
             raise WireRejected(f"{_short(signer)} is banned for this run")
+        if bytes(envelope.sender.peer_key) in self.banned_keys and not even_banned:
+            raise WireRejected(f"{_short(signer)} is banned for this run (the peer key that certifies it is)")
         refusal = self.policy.refusal(envelope)
         if refusal:
             raise WireRejected(f"{_short(signer)} (peer {envelope.sender.peer_name[:40]!r}) not admitted: {refusal}")

@@ -272,6 +272,7 @@ class DilocoxAverager(
         *,
         admitted: Sequence[str] = (),
         banned: Sequence[str] = (),
+        banned_keys: Sequence[bytes] = (),
         expected: Sequence[str] | None = None,
         ranks: Sequence[int] = (),
         leader: str = "",
@@ -286,7 +287,8 @@ class DilocoxAverager(
         Returns the signed GroupTicket to pass to `step(gather=...)`."""
         size = self._stage(payload) if payload is not None else -1
         kwargs = dict(round=round, target=target_group_size, payload_size=size, admitted=list(admitted), banned=list(banned),
-                      expected=None if expected is None else list(expected), leader=leader)  # fmt: skip
+                      banned_keys=list(banned_keys), expected=None if expected is None else list(expected),
+                      leader=leader)  # fmt: skip
         self._call("_prepare_round", 30.0, **kwargs)
         return self.signer.seal(envelope_pb2.GroupTicket(schema=self.schema_hash, ranks=list(ranks)), round=round)
 
@@ -356,13 +358,13 @@ class DilocoxAverager(
     # ----- averager process: the all-reduce -------------------------------------------------
     async def _prepare_round(
         self, round: int, target: int, payload_size: int, admitted: list[str], banned: list[str],
-        expected: list[str] | None, leader: str, future: MPFuture,
+        banned_keys: list[bytes], expected: list[str] | None, leader: str, future: MPFuture,
     ) -> None:  # fmt: skip
         try:
             self._designated.set(leader, self.peer_id.to_base58(), self._matchmaking.min_matchmaking_time * LEAD_SHARE)
             self._payload = self._unstage(payload_size) if payload_size >= 0 else None
             self._admitted = frozenset(admitted) - frozenset(banned)
-            self.gate.ban(banned)
+            self.gate.ban(banned, banned_keys)  # a ticket of any worker a banned peer key certifies is refused too
             mm = self._matchmaking
             if not getattr(mm.potential_leaders, "_dilocox_filtered", False):
                 ask_designated_then_admitted(mm.potential_leaders, self)

@@ -322,6 +322,10 @@ class RunRecords:
             self._owners[subkey] = bytes(opened.peer_key)
         return out
 
+    def key_of(self, worker_id: str) -> bytes | None:
+        """The peer key that certifies `worker_id`, as its signed records showed (None: none read yet)."""
+        return self._owners.get(worker_id)
+
     def rank(self, worker_id: str) -> tuple[bytes, str]:
         """Who wins a tie between hashes (agreement.majority_hash): the worker whose peer key is smallest, then
         the smallest worker id. One peer's workers rank alike in every stage, so a peer wins or loses a tie in

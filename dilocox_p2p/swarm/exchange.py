@@ -232,7 +232,8 @@ class RoundExchange(CompressedRound, GroupVote):
                     buf.copy_(t)
         ticket = self.averager.prepare_round(
             self.round, expected, payload=payload,
-            admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()), expected=self._expected,
+            admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()),
+            banned_keys=sorted(self.membership.banned_keys()), expected=self._expected,
             ranks=ranks, leader=leader,
         )  # fmt: skip
         started = time.monotonic()

@@ -87,6 +87,7 @@ class Membership:
         self._gone: dict[str, float] = {}  # peer id -> joined_at of the life found gone (drop_gone); a restart is a new one
         self._refused: set[str] = set()
         self._banned: set[str] = set()
+        self._banned_keys: set[bytes] = set()  # peer keys banned with a worker of theirs: all their workers are
         self._pushed: dict[str, Member] = {}  # the latest record each member pushed (member_push.py)
         self.pushed: Any = None  # the queue of pushed records (DilocoxAverager.pushed_records); None: polls only
         self._looked = self._tried = float("-inf")  # time.monotonic() of the last lookup that succeeded, and tried
@@ -224,15 +225,31 @@ class Membership:
         now = get_dht_time()
         return [
             m
-            for m in members
-            if m.record.config_hash == self.config_hash
-            and self._live(m, now)
-            and gone.get(m.peer_id) != m.record.joined_at  # not the record of a life found gone
+            for m in self._one_per_key(members, now)
+            if gone.get(m.peer_id) != m.record.joined_at  # not the record of a life found gone
             and (m.record.training or not training_only)
             and (m.peer_id != self.peer_id or not others_only)
             and m.peer_id not in banned
             and (suspects_too or not suspected(m, suspects.get(m.peer_id)))
         ]
+
+    def _one_per_key(self, members: list[Member], now: float) -> list[Member]:
+        """The live members with this run's config and no banned key, one per peer key (one key, one group slot and
+        one vote, however many workers it certifies for this stage): this worker itself, else the newest life
+        (latest joined_at, then the smallest worker id: a peer restarted with a new worker key replaces its old one)."""
+        with self._lock:
+            banned_keys = set(self._banned_keys)
+        chosen: dict[bytes, Member] = {}
+        for m in members:
+            if m.record.config_hash != self.config_hash or not self._live(m, now) or m.peer_key in banned_keys:
+                continue
+            key = m.peer_key or m.peer_id.encode()  # a record read before its key was known stands for itself
+            held = chosen.get(key)
+            mine = held is not None and held.peer_id == self.peer_id
+            if held is None or (not mine and (m.peer_id == self.peer_id or
+                                              (-m.record.joined_at, m.peer_id) < (-held.record.joined_at, held.peer_id))):
+                chosen[key] = m
+        return [m for m in members if chosen.get(m.peer_key or m.peer_id.encode()) is m]
 
     def _live(self, member: Member, now: float) -> bool:
         """Whether `member`'s record still counts at DHT time `now`: unexpired, this worker's own, or expired since
@@ -241,22 +258,29 @@ class Membership:
         alone: churn soak, CI)."""
         return member.expiration > now or member.peer_id == self.peer_id or member.expiration > self._looked_dht
 
-    def ban(self, peer_ids: list[str]) -> None:
-        """Peers banned for the run (stage.strike): never members again."""
+    def ban(self, peer_ids: list[str], keys: list[bytes] = ()) -> None:
+        """Peers banned for the run (stage.strike): never members again, nor any worker their peer `keys` certify."""
         with self._lock:
             self._banned.update(peer_ids)
+            self._banned_keys.update(keys)
 
     def banned(self) -> set[str]:
         with self._lock:
             return set(self._banned)
+
+    def banned_keys(self) -> set[bytes]:
+        with self._lock:
+            return set(self._banned_keys)
 
     def voters(self) -> set[str]:
         """Workers whose round records count (agreement.py): live members with this run's config, this one
         included. A validly signed record of a key that is no member (a third party) has no vote."""
         now = get_dht_time()
         with self._lock:
-            members = {m.peer_id for m in self._members if m.record.config_hash == self.config_hash and self._live(m, now)}
-            return (members - self._banned) | {self.peer_id}
+            members = list(self._members)
+        voters = {m.peer_id for m in self._one_per_key(members, now)}
+        with self._lock:
+            return (voters - self._banned) | {self.peer_id}
 
     def suspect(self, peer_ids: list[str]) -> None:
         """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again."""

@@ -270,8 +270,9 @@ class SwarmStage:
 
     def _ban(self, peer_id: str, why: str) -> None:
         self.faults.count("peers_banned", "banned %s for the rest of the run %s", peer_id, why, level=logging.ERROR)
-        self.gate.ban([peer_id])
-        self.membership.ban([peer_id])
+        keys = [key] if (key := self.records.key_of(peer_id)) else []  # every worker its peer key certifies, too
+        self.gate.ban([peer_id], keys)
+        self.membership.ban([peer_id], keys)
 
     # ----- the Averager protocol ---------------------------------------------------------------------
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:

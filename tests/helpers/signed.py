@@ -30,14 +30,17 @@ def signed_node(
     home: Path | None = None,
     initial_peers: Sequence[Any] = (),
     stage: int = 0,
+    peer_home: Path | None = None,
     **swarm: Any,
 ) -> tuple[hivemind.DHT, Signer, Gate]:
     """`home`: the node's directory (its keys), to start a node again under the keys of one that stopped;
-    None: a new directory under `root`."""
+    None: a new directory under `root`. `peer_home`: where its peer key is (default: `home`), so that several
+    nodes' workers can be certified by one peer key."""
     root = home or Path(tempfile.mkdtemp(prefix="signed-node-", dir=root))
     key_path = root / f"stage{stage}.ed25519"
     worker_key = worker_identity(key_path)
-    cert = certify_worker(run_identity(root), peer_id_of(worker_key), run_id=run_id, stage=stage, peer_name=root.name)
+    cert = certify_worker(run_identity(peer_home or root), peer_id_of(worker_key), run_id=run_id, stage=stage,
+                          peer_name=root.name)  # fmt: skip
     signer, gate = Signer(worker_key, cert), Gate(Policy(run_id=run_id))
     overrides = {"swarm.host_maddrs": ["/ip4/127.0.0.1/tcp/0"], **{f"swarm.{k}": v for k, v in swarm.items()}}
     cfg = load_config(overrides=overrides)

@@ -245,6 +245,18 @@ def test_a_banned_sender_is_refused(signer, gate):
         gate.open(blob, swarm_pb2.RoundRecord)
 
 
+def test_a_ban_reaches_every_worker_the_banned_workers_peer_key_certifies(keys, gate, tmp_path):
+    # bans counted worker ids: after one allowlisted key's 5 workers were banned, a sixth was taken (issue 38, point 2)
+    worker_key, peer_key = keys
+    banned, sixth = _signer(worker_key, peer_key), _signer(identity.worker_identity(tmp_path / "w6.key"), peer_key)
+    stranger = _signer(identity.worker_identity(tmp_path / "s.key"), identity.write_identity(tmp_path / "s.pem"))
+    gate.ban([banned.worker_id], [bytes(banned.certificate.peer_key)])
+
+    with pytest.raises(WireRejected, match="banned for this run \\(the peer key that certifies it is\\)"):
+        gate.open(sixth.seal(RECORD), swarm_pb2.RoundRecord)
+    assert gate.open(stranger.seal(RECORD), swarm_pb2.RoundRecord).sender == stranger.worker_id
+
+
 def test_a_worker_certificate_not_signed_by_the_peer_key_it_names_is_refused(keys, gate, tmp_path):
     worker_key, peer_key = keys
     cert = identity.certify_worker(peer_key, identity.peer_id_of(worker_key), run_id=RUN, stage=0, peer_name="t")
