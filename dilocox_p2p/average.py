@@ -171,10 +171,12 @@ def screen(norms: Mapping[int, float], max_ratio: float) -> dict[int, str]:
     if len(finite) < 2:
         return out
     median = finite[(len(finite) - 1) // 2]
-    if median <= 0:
-        return out
     for i, n in norms.items():
-        if i not in out and n > max_ratio * median:
+        if i in out or n <= max_ratio * median:
+            continue
+        if median <= 0:  # most sent nothing: any value at all is infinitely far above them ({0, 0, 1e30})
+            out[i] = f"norm {n:.3g} where the group's median is 0"
+        else:
             out[i] = f"norm {n:.3g} is {n / median:.0f}x the group's median {median:.3g} (limit {max_ratio:g}x)"
     return out
 

@@ -18,6 +18,7 @@ from dilocox_p2p.average import (
     fill_missing,
     intersect_spans,
     malformed_average,
+    screen,
     spans_by_tensor,
 )
 from dilocox_p2p.config import OuterConfig
@@ -178,3 +179,18 @@ def test_a_malformed_kind_or_span_says_what_is_wrong(kind, spans, total, why):
 def test_every_kind_this_software_writes_with_sorted_disjoint_spans_is_well_formed():
     for kind in AverageKind:
         assert malformed_average(kind.value, [(0, 4), (4, 8), (9, 10)], 10) is None
+
+
+# ----- the norm screen ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("norms", "refused"), [
+    ({0: 1.0, 1: 1.2, 2: 50.0}, [2]),  # outsized
+    ({0: 1.0, 1: float("nan"), 2: 1.1}, [1]),  # not finite
+    ({0: 0.0, 1: 0.0, 2: 1e30}, [2]),  # a zero median: nothing was refused (issue 38, point 1)
+    ({0: 0.0, 1: 0.0, 2: 0.0}, []),  # nothing sent by anyone: nothing to refuse
+    ({0: 1.0, 1: 9.0}, []),  # two members: the smaller is the bar, 9x passes
+])  # fmt: skip
+def test_the_screen_leaves_out_what_is_not_finite_or_far_above_the_groups_lower_median(norms, refused):
+    assert sorted(screen(norms, 10.0)) == refused
+
