@@ -49,6 +49,7 @@ from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .dial import redial
+from .transfer import limit_per_peer
 
 __all__ = ["GatherResult", "MessageGather"]
 
@@ -266,6 +267,7 @@ class MessageGather:
             return None, f"refused: {sender}'s message does not match its author's signed SHA-256 (altered)", size
         return (blob, head), "", size
 
+    @limit_per_peer(swarm_pb2.GatherHeader)
     async def rpc_download_message(
         self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
     ) -> AsyncIterator[swarm_pb2.Chunk]:

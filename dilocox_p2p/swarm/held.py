@@ -27,7 +27,7 @@ from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .dial import gone, redial, unreachable
-from .transfer import MAX_WAIT_S, Oversized, read_stream, same_shapes
+from .transfer import MAX_WAIT_S, Oversized, limit_per_peer, read_stream, same_shapes
 
 __all__ = ["KEEP_AVERAGES", "RESTARTED", "AverageService", "Collected", "HeldAverage"]
 
@@ -240,6 +240,7 @@ class AverageService:
             return None, f"refused: the signed header's {why}", size
         return HeldAverage(round, AverageKind(info.kind), tensors, missing, tuple(info.group), info.group_id), "", size
 
+    @limit_per_peer(swarm_pb2.AverageHeader)
     async def rpc_download_average(
         self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
     ) -> AsyncIterator[swarm_pb2.Chunk]:

@@ -27,7 +27,7 @@ from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
-from .transfer import MAX_WAIT_S, Oversized, Reply, read_stream, same_shapes
+from .transfer import MAX_WAIT_S, Oversized, Reply, limit_per_peer, read_stream, same_shapes
 
 __all__ = ["StateDownload", "StateProvider", "StateService"]
 
@@ -51,6 +51,7 @@ StateProvider = Callable[[int, bool], StageState | None]  # the state of a bound
 class StateService:
     """The averager's (DilocoxAverager's) state serving and downloading."""
 
+    @limit_per_peer(swarm_pb2.StateHeader)
     async def rpc_download_round(
         self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
     ) -> AsyncIterator[swarm_pb2.Chunk]:

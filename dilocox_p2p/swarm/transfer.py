@@ -11,9 +11,11 @@ Used by the averages a worker serves (held.py) and the states it serves (state_s
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
 
@@ -28,9 +30,45 @@ from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 
-__all__ = ["MAX_WAIT_S", "Oversized", "Reply", "SignedReplies", "claimed_nonce", "read_stream", "same_shapes"]
+__all__ = [
+    "MAX_HELD_PER_PEER", "MAX_WAIT_S", "Oversized", "Reply", "SignedReplies", "claimed_nonce", "limit_per_peer",
+    "read_stream", "same_shapes",
+]  # fmt: skip
 
 MAX_WAIT_S = 600.0  # the longest a request may ask a donor to wait
+MAX_HELD_PER_PEER = 16
+"""Requests of one peer a worker's download handlers hold at once (each may wait up to its wait_s for what it asks):
+one more is refused at once, "busy". An honest member asks one donor for a handful at a time (a part or reduced
+part per phase, its average, a state); 10,000 waiting requests of one peer each held a coroutine polling every
+50-200 ms (issue 38, point 4)."""
+
+
+def limit_per_peer(header_cls: type) -> Callable[[Callable], Callable]:
+    """A download handler (rpc_download_*) that holds at most MAX_HELD_PER_PEER requests of one peer at once, and
+    answers one more with a signed `header_cls` refusal at once."""
+
+    def wrap(handler: Callable) -> Callable:
+        @functools.wraps(handler)  # hivemind reads the handler's argument names and (unwrapped) type hints
+        async def limited(self: Any, sealed: envelope_pb2.SignedEnvelope, context: P2PContext) -> AsyncIterator[Any]:
+            held = self.__dict__.setdefault("_held_requests", collections.Counter())
+            peer = context.remote_id.to_base58()
+            if held[peer] >= MAX_HELD_PER_PEER:
+                reason = f"busy: {held[peer]} requests of {peer} are held here already, the most for one peer"
+                self._refused(f"a request from {peer}", reason)
+                yield self._head(header_cls(status=swarm_pb2.STATE_REFUSED, reason=reason), sealed)
+                return
+            held[peer] += 1
+            try:
+                async for chunk in handler(self, sealed, context):
+                    yield chunk
+            finally:
+                held[peer] -= 1
+                if held[peer] <= 0:
+                    del held[peer]
+
+        return limited
+
+    return wrap
 
 
 class SignedReplies:

@@ -286,6 +286,29 @@ def test_parts_of_another_shape_are_refused_and_their_sender_named_without_stall
     assert (flat == of_honest).double().mean() >= 0.5  # the two honest reducers' spans
 
 
+def test_a_peer_that_floods_a_member_with_waiting_requests_is_held_to_a_few_and_refused_at_once_beyond(group):
+    # 10,000 waiting requests of one peer each held a coroutine polling the round (issue 38, point 4)
+    from dilocox_p2p.swarm.transfer import MAX_HELD_PER_PEER
+
+    asker, asked, flood = group.averagers[1], group.ids[0], MAX_HELD_PER_PEER + 4
+    wait_s = 6.0  # round 99 is never held: each request held waits all of it
+
+    def ask(_):
+        started = time.monotonic()
+        got = asker.collect(99, [asked], start=None, wait_s=wait_s, deadline_s=wait_s + 10.0)
+        return time.monotonic() - started, got.failures
+
+    with ThreadPoolExecutor(flood) as pool:
+        outcomes = list(pool.map(ask, range(flood)))
+    busy = [seconds for seconds, failures in outcomes if any("busy" in f for f in failures)]
+    held = [seconds for seconds, failures in outcomes if any("NOT_READY" in f for f in failures)]
+    assert len(busy) == flood - MAX_HELD_PER_PEER and len(held) == MAX_HELD_PER_PEER, outcomes
+    assert max(busy) < wait_s / 2 <= min(held), outcomes  # refused at once; the ones held waited
+    # once the flood is over the asked member holds this peer's requests again
+    failures = asker.collect(99, [asked], start=None, wait_s=0.5, deadline_s=5.0).failures
+    assert failures and not any("busy" in f for f in failures), failures
+
+
 def test_a_member_without_an_average_borrows_the_whole_average_from_the_group(group):
     inputs = _inputs(3)
     outcomes = group.all_reduce(5, inputs, weights=[1.0, 1.0, 1.0])
