@@ -45,6 +45,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import dilocox_p2p.compression.payload as payload
+from dilocox_p2p.compression.butterfly import assemble, cut_all, part_spans, reduce
 from dilocox_p2p.compression.codec import MessageRejected, StageCodec
 from dilocox_p2p.compression.payload import frame, unframe
 from dilocox_p2p.config import CompressionConfig
@@ -574,3 +575,55 @@ def test_read_stream_refuses_garbage_tensor_parts_only_with_its_documented_error
         _read(chunks, max_bytes=1 << 20)
     except (TimeoutError, Oversized, WireRejected):
         pass
+
+
+# ----- compressed butterfly parts (butterfly.reduce, butterfly.assemble) ------------------------------------------
+BUTTERFLY_KINDS = ["fp16", "int8", "fp4", "topk"]
+GROUP = 3
+
+
+def _butterfly(kind: str) -> tuple[list, list[list[bytes]], list[tuple[int, int]], list[bytes]]:
+    """A group of GROUP members' round: their RoundCodecs, parts[sender][reducer], the reducers' spans and the
+    reduced parts, all valid (topk through the butterfly at every group size here)."""
+    cfg = CompressionConfig(kind=kind, topk_chunk=16, topk_density=0.25, topk_transport="butterfly", block=16)
+    generator = torch.Generator().manual_seed(1)
+    rounds = [StageCodec(cfg, NAMES, SHAPES, run_id="fuzz").begin(ROUND, [torch.randn(s, generator=generator) * 1e-3
+                                                                           for s in SHAPES]) for _ in range(GROUP)]  # fmt: skip
+    messages = [r.message(1) for r in rounds]
+    parts, spans = [cut_all(m, GROUP) for m in messages], part_spans(messages[0], GROUP)
+    reduced = [reduce(rounds[k], [p[k] for p in parts], span=spans[k]).blob for k in range(GROUP)]
+    return rounds, parts, spans, reduced
+
+
+BUTTERFLIES = {kind: _butterfly(kind) for kind in BUTTERFLY_KINDS}
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@fuzz(1600)
+@given(kind=st.sampled_from(BUTTERFLY_KINDS), sender=st.integers(0, GROUP - 1), ops=edits)
+def test_a_mutated_butterfly_part_is_reduced_with_the_others_or_refused_never_raised(kind, sender, ops):
+    rounds, parts, spans, reduced = BUTTERFLIES[kind]
+    mine = [p[1] for p in parts]  # reducer 1's span of each member's message
+    mine[sender] = mutate(mine[sender], ops)
+    with small_slices():
+        out = reduce(rounds[1], mine, span=spans[1])
+        assert (sender in out.rejected) != (sender in out.used)
+        assert set(out.used) | set(out.rejected) == set(range(GROUP))
+        assembled = assemble(rounds[0], [reduced[0], out.blob, reduced[2]], spans=spans, own=0)
+    assert not assembled.refused and _finite(assembled.tensors)  # what a reducer serves always assembles, finite
+
+
+@fuzz(1600)
+@given(kind=st.sampled_from(BUTTERFLY_KINDS), reducer=st.integers(0, GROUP - 1), ops=edits)
+def test_a_mutated_reduced_part_is_assembled_or_refused_never_raised(kind, reducer, ops):
+    rounds, _, spans, reduced = BUTTERFLIES[kind]
+    blobs = list(reduced)
+    blobs[reducer] = mutate(blobs[reducer], ops)
+    with small_slices():
+        assembled = assemble(rounds[(reducer + 1) % GROUP], blobs, spans=spans, own=(reducer + 1) % GROUP)
+    assert set(assembled.refused) <= {reducer} and _finite(assembled.tensors)
+    if reducer in assembled.refused:  # its span is missing (in unpadded coordinates), nothing of it applied
+        assert assembled.missing
