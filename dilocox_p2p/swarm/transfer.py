@@ -36,11 +36,11 @@ __all__ = [
 ]  # fmt: skip
 
 MAX_WAIT_S = 600.0  # the longest a request may ask a donor to wait
-MAX_HELD_PER_PEER = 16
+MAX_HELD_PER_PEER = 32
 """Requests of one peer a worker's download handlers hold at once (each may wait up to its wait_s for what it asks):
 one more is refused at once, "busy". An honest member asks one donor for a handful at a time (a part or reduced
-part per phase, its average, a state); 10,000 waiting requests of one peer each held a coroutine polling every
-50-200 ms (issue 38, point 4)."""
+part per phase, its average, a state; a relay of an all-gather at most a message per other member); 10,000 waiting
+requests of one peer each held a coroutine polling every 50-200 ms (issue 38, point 4)."""
 
 
 def limit_per_peer(header_cls: type) -> Callable[[Callable], Callable]:
