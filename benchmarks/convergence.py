@@ -40,13 +40,13 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.common import RESULTS, write_result  # noqa: E402
 from benchmarks.netns.gpu import GpuSetting  # noqa: E402
+from benchmarks.quality_group import GroupAverager  # noqa: E402
 from benchmarks.quality_report import frontier_plot, summarize  # noqa: E402
 from benchmarks.quality_store import RunKey, RunStore  # noqa: E402
 
@@ -110,111 +110,14 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
                       "compression.topk_reduced_multiple": 2}, [(3.0, 0.0), (4.0, 0.0)]),
     "sync topk x3": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "butterfly",
                       "compression.topk_reduced_multiple": 3}, [(3.0, 0.0), (4.0, 0.0)]),
+    # bounded influence (issue 38): each contribution clipped to clip_ratio times its group's lower median norm, with
+    # honest peers only: what it costs them at sync fp32's and int8's settings
+    "sync fp32 clip 1.5": ({"outer.mode": "sync", "swarm.clip_ratio": 1.5}, [(1.0, 0.7)]),
+    "sync int8 clip 1.5": ({"outer.mode": "sync", "compression.kind": "int8", "swarm.clip_ratio": 1.5}, [(0.7, 0.7)]),
 }  # fmt: skip
 BUTTERFLY_CHECK = {"sync int8", "sync int8 all-gather", "sync fp4", "sync fp4 all-gather", "sync lowrank",
                    "sync lowrank all-gather", "sync topk all-gather", "sync topk x1", "sync topk x2",
                    "sync topk x3"}  # fmt: skip
-
-
-class GroupAverager:
-    """The stage group in memory: each member's all_reduce resolves once every member has sent its
-    pseudo-gradient of the round, with what the swarm would deliver (the exact fp32 mean, or the
-    decoded mean of the members' compressed messages, in group order)."""
-
-    def __init__(self, codecs: list, fragments: int = 1, *, butterfly: bool = True):
-        self.codecs = codecs  # per member: one codec per fragment (None: fp32)
-        self.fragments = fragments
-        self.butterfly = butterfly  # through the compressed butterfly as the swarm runs them (False: all-gathered)
-        self.lock = threading.Lock()
-        self.pending: dict[int, dict[int, tuple[list, Future]]] = {}
-        self.bytes_sent = [0] * len(codecs)
-        self.left_out = 0  # messages or parts some member or reducer left out (norm screen, malformed): none expected
-
-    def member(self, index: int) -> "Member":
-        return Member(self, index)
-
-    def submit(self, index: int, tensors: list, round: int) -> Future:
-        from dilocox_p2p.average import Average, AverageKind, ordered_mean
-        from dilocox_p2p.fragments import fragment_of
-
-        future: Future = Future()
-        with self.lock:
-            box = self.pending.setdefault(round, {})
-            box[index] = (list(tensors), future)
-            if len(box) < len(self.codecs):
-                return future
-            del self.pending[round]
-        members = [box[i] for i in range(len(self.codecs))]
-        n = len(members)
-        codecs = [c[fragment_of(round, self.fragments)] if c is not None else None for c in self.codecs]
-        if codecs[0] is None:
-            shapes = [t.shape for t in members[0][0]]
-            mean = [ordered_mean([m[0][j] for m in members], s) for j, s in enumerate(shapes)]
-            results = [mean] * len(members)
-            sent = [4 * sum(t.numel() for t in members[0][0]) * 2 * (n - 1) / n] * n  # ring share
-        else:
-            rounds = [c.begin(round, m[0]) for c, m in zip(codecs, members)]
-            results, sent = self._exchange(rounds)
-            assert all(all(a.equal(b) for a, b in zip(results[0], r)) for r in results[1:]), "members differ"
-        for i, ((_, fut), tensors) in enumerate(zip(members, results)):
-            self.bytes_sent[i] += int(sent[i])
-            fut.set_result(Average(kind=AverageKind.AVERAGED, tensors=[t.clone() for t in tensors],
-                                   group=tuple(map(str, range(len(members))))))  # fmt: skip
-        return future
-
-
-    def _exchange(self, rounds: list) -> tuple[list, list[float]]:
-        """Each member's decoded average and the bytes it sent: through the compressed butterfly (its parts and
-        its reduced part, 2 (N-1)/N of a message), or all-gathered (its message N-1 times)."""
-        from dilocox_p2p.compression.butterfly import low_rank_average, low_rank_second
-
-        n, kind = len(rounds), rounds[0].codec.cfg.kind
-        if self.butterfly and kind == "lowrank":  # the group's ranks: every member's here (one shared history)
-            for r in rounds:
-                r.use_ranks([rounds[0].codec.ranks[i] for i in rounds[0].codec.factored])
-            first, reduced, sent = _butterfly_phase(rounds, [r.message(1) for r in rounds], phase=1)
-            self.left_out += sum(len(r.rejected) for r in reduced)
-            second, reduced, more = _butterfly_phase(rounds, [low_rank_second(r, a) for r, a in zip(rounds, first)], phase=2)
-            self.left_out += sum(len(r.rejected) for r in reduced)
-            averages = [low_rank_average(r, a, reduced[i].energies) for i, (r, a) in enumerate(zip(rounds, second))]
-            return averages, [a + b for a, b in zip(sent, more)]
-        messages = [r.message(1) for r in rounds]
-        if self.butterfly and rounds[0].codec.rides_butterfly(n):  # quantizers; top-k as its transport says
-            assembled, reduced, sent = _butterfly_phase(rounds, messages, phase=1)
-            self.left_out += sum(len(r.rejected) for r in reduced)
-            return [a.tensors for a in assembled], sent
-        sizes = [len(m) for m in messages]
-        if rounds[0].codec.phases == 2:
-            messages = [r.message(2, messages) for r in rounds]
-            sizes = [a + len(m) for a, m in zip(sizes, messages)]
-        decoded = [r.average(messages, own=i) for i, r in enumerate(rounds)]
-        self.left_out += len(decoded[0].rejected)
-        return [d.tensors for d in decoded], [s * (n - 1) for s in sizes]
-
-
-def _butterfly_phase(rounds: list, messages: list[bytes], *, phase: int) -> tuple[list, list, list[float]]:
-    """One compressed-butterfly step in memory: each member's assembly of the reduced parts, each reducer's Reduced,
-    and the bytes each member sent (its parts to the others, its reduced part to them)."""
-    from dilocox_p2p.compression.butterfly import assemble, cut_all, part_spans, reduce
-
-    n = len(rounds)
-    parts, spans = [cut_all(m, n) for m in messages], part_spans(messages[0], n)
-    reduced = [reduce(rounds[k], [p[k] for p in parts], span=spans[k], phase=phase) for k in range(n)]
-    blobs = [r.blob for r in reduced]
-    assembled = [assemble(r, blobs, spans=spans, own=i, phase=phase) for i, r in enumerate(rounds)]
-    sent = [sum(len(p) for j, p in enumerate(parts[i]) if j != i) + len(blobs[i]) * (n - 1) for i in range(n)]
-    return assembled, reduced, sent
-
-
-class Member:
-    def __init__(self, group: GroupAverager, index: int):
-        self.group, self.index = group, index
-
-    def all_reduce(self, tensors, *, round: int) -> Future:
-        return self.group.submit(self.index, tensors, round)
-
-    def close(self) -> None:
-        pass
 
 
 def shape_of(args: argparse.Namespace) -> dict:
@@ -266,11 +169,13 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     steps, n_syncs = cfg.inner.steps // syncs, cfg.run.rounds * syncs
     fragments = fragment_tensors(names, syncs)
     codecs = [
-        [StageCodec(cfg.compression, [names[i] for i in f], [t.params[i].shape for i in f], run_id="bench") for f in fragments]
+        [StageCodec(cfg.compression, [names[i] for i in f], [t.params[i].shape for i in f], run_id="bench",
+                    max_norm_ratio=cfg.swarm.max_norm_ratio, clip_ratio=cfg.swarm.clip_ratio) for f in fragments]
         if cfg.compression.kind != "none" else None
         for t in trainers
     ]  # fmt: skip
-    group = GroupAverager(codecs, fragments=syncs, butterfly=butterfly)
+    group = GroupAverager(codecs, fragments=syncs, butterfly=butterfly, max_norm_ratio=cfg.swarm.max_norm_ratio,
+                          clip_ratio=cfg.swarm.clip_ratio)  # fmt: skip
     outers = [OuterLoop(t.params, cfg.outer, group.member(i), fragments=fragments) for i, t in enumerate(trainers)]
     samplers = [BatchSampler(corpus.train, shape.seq_len, cfg.inner.batch_size, seed) for seed in range(args.peers)]
     key = RunKey(label, lr, momentum)

@@ -38,6 +38,7 @@ __all__ = [
     "alone",
     "applies_nothing",
     "average_hash",
+    "bound",
     "covered_share",
     "fill_missing",
     "intersect_spans",
@@ -158,6 +159,20 @@ def ordered_mean(parts: Iterable[torch.Tensor], shape: torch.Size) -> torch.Tens
     if total is None:
         return torch.zeros(shape)
     return total.div_(count).to(torch.float32)
+
+
+def bound(norms: Mapping[int, float], max_ratio: float, clip_ratio: float = 0.0) -> tuple[dict[int, str], dict[int, float]]:
+    """Robust aggregation with bounded influence: the contributions `screen` leaves out, and for each other one whose
+    norm exceeds `clip_ratio` times the group's lower median, the scale that brings it down to that (0: none is
+    scaled). An outlier below the screen's bar (a sign flip at 9x the median) then weighs at most `clip_ratio`
+    honest contributions, not 9. The scale is applied as one rounded float32 multiply per value before the float64
+    sum (payload.ScaledReader, allreduce.py): the same bits on any CPU."""
+    refused = screen(norms, max_ratio)
+    finite = sorted(n for n in norms.values() if math.isfinite(n))
+    if clip_ratio <= 0 or len(finite) < 2:
+        return refused, {}
+    bar = clip_ratio * finite[(len(finite) - 1) // 2]
+    return refused, {i: bar / n for i, n in norms.items() if i not in refused and n > bar > 0}
 
 
 def screen(norms: Mapping[int, float], max_ratio: float) -> dict[int, str]:

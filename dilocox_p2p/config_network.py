@@ -63,6 +63,10 @@ class SwarmConfig:
     """Closed runs: this peer's certificate file from `dilocox-peer certify`."""
     max_norm_ratio: float = 10.0
     """A contribution whose norm exceeds this many times the group's median is left out of the average."""
+    clip_ratio: float = 0.0
+    """A contribution whose norm exceeds this many times the group's lower median is scaled down to it before it is
+    averaged (bounded influence: a sign flip below max_norm_ratio weighs at most this many honest contributions);
+    0 scales none. Every member of a run must agree on it (the config hash covers it)."""
     ban_after: int = 3
     """Strikes (refused contributions or messages) after which a peer is banned for the rest of the run."""
 
@@ -89,6 +93,8 @@ class SwarmConfig:
             fail("swarm.admission", self.admission, "a closed run needs swarm.allowlist or swarm.run_key")
         if self.max_norm_ratio <= 1:
             fail("swarm.max_norm_ratio", self.max_norm_ratio, "must be above 1 (times the group's median norm)")
+        if self.clip_ratio != 0 and not 1 <= self.clip_ratio <= self.max_norm_ratio:
+            fail("swarm.clip_ratio", self.clip_ratio, f"must be 0 (off) or within [1, max_norm_ratio = {self.max_norm_ratio}]")
         if self.ban_after < 1:
             fail("swarm.ban_after", self.ban_after, "must be at least 1 strike")
         for name in ("initial_peers", "host_maddrs", "announce_maddrs") if self.enabled else ():  # unused alone

@@ -45,11 +45,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..average import Spans, screen
+from ..average import Spans, bound
 from ..proto_gen import compression_pb2 as pb
-from .codec import NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
+from .codec import (
+    NOT_RECEIVED,
+    OTHER_BASIS,
+    Decoded,
+    MessageRejected,
+    RoundCodec,
+    StageCodec,
+)
 from .lowrank import basis_digest
-from .payload import FlatLayout, PayloadReader, encode_payload, frame, slice_step, streamed_mean, unframe
+from .payload import (
+    FlatLayout,
+    PayloadReader,
+    ScaledReader,
+    encode_payload,
+    frame,
+    slice_step,
+    streamed_mean,
+    unframe,
+)
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, unpack_topk
 from .transport import reduced_config
 
@@ -218,9 +234,11 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
         except MessageRejected as e:
             rejected[index] = str(e)
     step = slice_step(codec.cfg, hi - lo)
-    for index, reason in screen({i: r.norm(step) for i, r in readers.items()}, codec.max_norm_ratio).items():
+    refused, scales = bound({i: r.norm(step) for i, r in readers.items()}, codec.max_norm_ratio, codec.clip_ratio)
+    for index, reason in refused.items():
         rejected[index] = reason
         del readers[index]
+    readers.update({i: ScaledReader(readers[i], scale) for i, scale in scales.items()})
     used = sorted(readers)
     mean = streamed_mean([readers[i] for i in used], FlatLayout([torch.Size((hi - lo,))], 1), step)[0]
     message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=reduced_phase(phase), span_lo=lo,

@@ -43,12 +43,13 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..average import ordered_mean, screen
+from ..average import bound, ordered_mean
 from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
@@ -67,6 +68,7 @@ from .lowrank import (
 from .payload import (
     FlatLayout,
     PayloadReader,
+    ScaledReader,
     Section,
     encode_payload,
     encoding_of,
@@ -119,10 +121,11 @@ class StageCodec:
         *,
         run_id: str,
         max_norm_ratio: float = 10.0,
+        clip_ratio: float = 0.0,
     ):
         if cfg.kind == "none":
             raise ValueError("compression.kind none needs no codec: the butterfly averages fp32")
-        self.cfg, self.run_id, self.max_norm_ratio = cfg, run_id, max_norm_ratio
+        self.cfg, self.run_id, self.max_norm_ratio, self.clip_ratio = cfg, run_id, max_norm_ratio, clip_ratio
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         decay = cfg.effective_feedback_decay
         self.feedback = ErrorFeedback([torch.empty(s, device="meta") for s in self.shapes], decay=decay) if decay > 0 else None
@@ -476,9 +479,13 @@ class RoundCodec(Settlement):
                 rejected[index] = OTHER_BASIS
                 del received[index]
         # robust aggregation: every member screens the same messages alike (average.screen)
-        for index, reason in screen({i: r.norm() for i, r in received.items()}, self.codec.max_norm_ratio).items():
+        refused, scales = bound({i: r.norm() for i, r in received.items()}, self.codec.max_norm_ratio,
+                                self.codec.clip_ratio)  # fmt: skip
+        for index, reason in refused.items():
             rejected[index] = reason
             del received[index]
+        for index, scale in scales.items():  # bounded influence: every member scales the same messages alike
+            received[index] = dataclasses.replace(received[index], reader=ScaledReader(received[index].reader, scale))
         return received, rejected
 
 

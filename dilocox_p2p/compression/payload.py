@@ -41,7 +41,10 @@ from ..proto_gen import compression_pb2 as pb
 from .quantize import Quantized, dequantize, dequantize_fp4, quantize, quantize_fp4
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, select_topk, unpack_topk
 
-__all__ = ["FlatLayout", "PayloadReader", "encode_payload", "encoding_of", "frame", "rows_per_slice", "streamed_mean", "unframe"]
+__all__ = [
+    "FlatLayout", "PayloadReader", "ScaledReader", "encode_payload", "encoding_of", "frame", "rows_per_slice",
+    "streamed_mean", "unframe",
+]  # fmt: skip
 
 SLICE = 1 << 20
 """Values encoded or decoded at a time (4 MB of fp32): temporaries stay a few slices big."""
@@ -346,6 +349,17 @@ class _SparseReader(PayloadReader):
         first, stop = lo // chunk, -(-hi // chunk)
         assert self.kept is not None, "an empty payload has no values to read"
         return self.kept.dense(first, stop, chunk)[: hi - lo]
+
+
+class ScaledReader(PayloadReader):
+    """Another reader's values times `scale` (average.bound's clip): one rounded float32 multiply per value."""
+
+    def __init__(self, reader: PayloadReader, scale: float):
+        super().__init__(reader.numel)
+        self.reader, self.scale = reader, scale
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        return self.reader.read(lo, hi).mul(self.scale)
 
 
 def streamed_mean(

@@ -41,7 +41,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from .. import injection
-from ..average import Spans, norm, ordered_mean, screen
+from ..average import Spans, bound, norm, ordered_mean
 
 __all__ = ["ExactAllReduceRunner"]
 
@@ -58,8 +58,8 @@ class _OrderedMeanReducer(TensorPartReducer):
     - a part finished twice raised InvalidStateError and broke the reducer's streams.
     """
 
-    def __init__(self, *args: Any, max_norm_ratio: float, **kwargs: Any):
-        self.max_norm_ratio = max_norm_ratio
+    def __init__(self, *args: Any, max_norm_ratio: float, clip_ratio: float = 0.0, **kwargs: Any):
+        self.max_norm_ratio, self.clip_ratio = max_norm_ratio, clip_ratio
         self.offenses: dict[int, str] = {}  # sender index -> why a part of it was left out (the first such)
         super().__init__(*args, **kwargs)
 
@@ -100,10 +100,12 @@ class _OrderedMeanReducer(TensorPartReducer):
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders and not self.current_part_future.done():
-            refused = screen({i: norm(t) for i, t in self.contributions.items()}, self.max_norm_ratio)
+            norms = {i: norm(t) for i, t in self.contributions.items()}
+            refused, scales = bound(norms, self.max_norm_ratio, self.clip_ratio)
             for i, reason in refused.items():
                 self.offenses.setdefault(i, f"its part {self.current_part_index} {reason}")
-            parts = [self.contributions[i] for i in sorted(self.contributions) if i not in refused]
+            parts = [self.contributions[i].mul(scales[i]) if i in scales else self.contributions[i]
+                     for i in sorted(self.contributions) if i not in refused]  # fmt: skip
             self.current_part_future.set_result(ordered_mean(parts, self.part_shapes[self.current_part_index]))
             self.reset_accumulators()
 
@@ -131,6 +133,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         nan_average: bool = False,
         malformed_parts: str = "",
         max_norm_ratio: float = 10.0,
+        clip_ratio: float = 0.0,
         **kwargs: Any,
     ):
         kwargs["weight"] = 1.0  # every member counts once (module docstring, point 2)
@@ -140,6 +143,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
             max_norm_ratio=max_norm_ratio,
+            clip_ratio=clip_ratio,
         )
         self.nan_average = nan_average
         self.malformed_parts = malformed_parts  # fault injection: "scalar" or "wide" parts sent to every reducer

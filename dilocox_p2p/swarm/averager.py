@@ -122,13 +122,14 @@ class DilocoxAverager(
         signer: Signer,
         gate: Gate,
         max_norm_ratio: float = 10.0,
+        clip_ratio: float = 0.0,
         fragments: Sequence[Sequence[int]] | None = None,
         **kwargs: Any,
     ):
         self.run_id, self.config_hash, self.stage, self.nice = run_id, config_hash, stage, nice
         # streaming: round r averages the tensors of fragment fragment_of(r, P) only (fragments.py)
         self.fragments = as_fragments(fragments, len(averaged_tensors))
-        self.signer, self.gate, self.max_norm_ratio = signer, gate, max_norm_ratio
+        self.signer, self.gate, self.max_norm_ratio, self.clip_ratio = signer, gate, max_norm_ratio, clip_ratio
         self._admitted: frozenset[str] = frozenset()  # this round's admissible group members (prepare_round)
         self._expected: frozenset[str] | None = None  # the members this round's target counts (None: any member)
         self._extras: set[str] = set()  # followers accepted this round that the target did not count

@@ -81,6 +81,7 @@ class GroupRound:
     _group_ranks: list[int]
     _allreduce_timeout: float
     max_norm_ratio: float
+    clip_ratio: float
     stage: int
     prefix: str
     peer_id: Any
@@ -115,6 +116,7 @@ class GroupRound:
             malformed_parts=next((shape for shape in ("scalar", "wide") if injection.armed(
                 "send_malformed_parts", round=round, stage=self.stage, shape=shape)), ""),  # fmt: skip
             max_norm_ratio=self.max_norm_ratio,
+            clip_ratio=self.clip_ratio,
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"

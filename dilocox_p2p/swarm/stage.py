@@ -112,7 +112,7 @@ class SwarmStage:
             self.codecs = [
                 StageCodec(
                     cfg.compression, [names[i] for i in f], [tensors[i].shape for i in f], run_id=cfg.run.run_id,
-                    max_norm_ratio=self.sw.max_norm_ratio,
+                    max_norm_ratio=self.sw.max_norm_ratio, clip_ratio=self.sw.clip_ratio,
                 )  # fmt: skip
                 for f in self.fragments
             ]
@@ -128,6 +128,7 @@ class SwarmStage:
             signer=self.signer,
             gate=self.gate,
             max_norm_ratio=self.sw.max_norm_ratio,
+            clip_ratio=self.sw.clip_ratio,
             prefix=f"{cfg.run.run_id}_{self.config_hash[:16]}_s{stage}",
             start=True,
             min_group_size=self.sw.min_group_size,

@@ -17,6 +17,7 @@ from dilocox_p2p.average import (
     covered_share,
     fill_missing,
     intersect_spans,
+    bound,
     malformed_average,
     screen,
     spans_by_tensor,
@@ -193,4 +194,11 @@ def test_every_kind_this_software_writes_with_sorted_disjoint_spans_is_well_form
 ])  # fmt: skip
 def test_the_screen_leaves_out_what_is_not_finite_or_far_above_the_groups_lower_median(norms, refused):
     assert sorted(screen(norms, 10.0)) == refused
+
+
+def test_the_clip_scales_what_is_above_its_bar_down_to_it_and_nothing_else():
+    refused, scales = bound({0: 1.0, 1: 1.2, 2: 9.0, 3: 50.0}, 10.0, 1.5)  # lower median 1.2: bar 1.8
+    assert refused.keys() == {3} and scales == pytest.approx({2: 1.8 / 9.0})
+    assert bound({0: 1.0, 1: 1.2, 2: 9.0}, 10.0, 0.0) == ({}, {})  # off
+    assert bound({0: 0.0, 1: 0.0, 2: 0.0}, 10.0, 1.5) == ({}, {})  # nothing sent: nothing to scale
 

@@ -140,6 +140,24 @@ def test_a_reducer_leaves_out_an_outsized_part_and_every_member_applies_its_deci
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0].tensors, r.tensors))
 
 
+@pytest.mark.parametrize(("clip_ratio", "agrees"), [(0.0, False), (1.5, True)])
+def test_a_sign_flip_under_the_screens_bar_is_bounded_by_the_clip(clip_ratio, agrees):
+    # issue 38: a member sending -9x the others' direction passes the 10x screen and turned the mean around
+    # (cosine -0.97); clipped to 1.5x the lower median it weighs 1.5 honest members, and the mean keeps their way
+    n = 3
+    codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r", clip_ratio=clip_ratio)
+              for _ in range(n)]  # fmt: skip
+    honest = [_deltas(0), [d * 1.1 for d in _deltas(0)]]  # two members that agree, norms within 10%
+    flipped = [d * -9 for d in _deltas(0)]
+    results, reduced, _ = _butterfly(codecs, [honest[0], flipped, honest[1]])
+    assert all(r.used == [0, 1, 2] for r in reduced)  # nobody left out: 9x is under the screen's bar of 10x
+    mean = torch.cat([t.reshape(-1) for t in results[0].tensors])
+    truth = torch.cat([(a + b).reshape(-1) / 2 for a, b in zip(*honest)])
+    cosine = float(torch.nn.functional.cosine_similarity(mean, truth, dim=0))
+    assert (cosine > 0) == agrees, cosine
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0].tensors, r.tensors))
+
+
 def test_a_part_of_another_span_or_encoding_is_refused_by_its_reducer():
     n = 3
     codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]

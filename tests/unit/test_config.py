@@ -176,7 +176,7 @@ def test_as_many_stages_as_layers_is_allowed():
         ({"inner.batch_size": 10, "inner.microbatches": 4}, r"inner\.microbatches = 4: must divide inner\.batch_size \(10\)"),
         ({"model.stages": 4, "inner.microbatches": 2, "inner.batch_size": 4},
          r"inner\.microbatches = 2: must be at least model\.stages \(4\)"),
-        ({"model.preset": "huge"}, r"model\.preset = 'huge': unknown preset.*tiny, small, 125m, 350m, 1b"),
+        ({"model.preset": "huge"}, r"model\.preset = 'huge': unknown preset.*tiny, mini, small, 125m, 350m, 1b"),
         ({"outer.mode": "fast"}, r"outer\.mode = 'fast': must be one of: sync, delayed"),
         ({"inner.schedule": "zb"}, r"inner\.schedule = 'zb'"),
         ({"outer.momentum": 1.0}, r"outer\.momentum"),
@@ -377,3 +377,10 @@ def test_outer_momentum_defaults_to_0_9_and_to_0_with_top_k_whose_error_feedback
     assert load_config(overrides={"compression.kind": "lowrank"}).compression.effective_feedback_decay == 1.0
     # the resolved momentum is part of what peers must share
     assert config_hash(load_config()) != config_hash(load_config(overrides={"compression.kind": "topk"}))
+
+
+@pytest.mark.parametrize("clip", [0.5, 11.0, -1.0])
+def test_a_clip_ratio_outside_one_to_the_screens_bar_is_refused_with_the_range(clip):
+    with pytest.raises(ConfigError, match=r"swarm.clip_ratio = .*must be 0 \(off\) or within \[1, max_norm_ratio = 10.0\]"):
+        load_config(overrides={"swarm.clip_ratio": clip})
+
