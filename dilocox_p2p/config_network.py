@@ -63,10 +63,12 @@ class SwarmConfig:
     """Closed runs: this peer's certificate file from `dilocox-peer certify`."""
     max_norm_ratio: float = 10.0
     """A contribution whose norm exceeds this many times the group's median is left out of the average."""
-    clip_ratio: float = 0.0
+    clip_ratio: float = 1.5
     """A contribution whose norm exceeds this many times the group's lower median is scaled down to it before it is
-    averaged (bounded influence: a sign flip below max_norm_ratio weighs at most this many honest contributions);
-    0 scales none. Every member of a run must agree on it (the config hash covers it)."""
+    averaged (bounded influence: a sign flip below max_norm_ratio weighs at most this many honest contributions, and
+    at 1.5 no longer turns a group of 3's mean around); 0 scales none. Honest peers were never clipped at 1.5 (4
+    `tiny` peers, 30 rounds, fp32 and int8: the same curves to the bit, docs/benchmarks.md section 7). Every member
+    of a run must agree on it (the config hash covers it)."""
     ban_after: int = 3
     """Strikes (refused contributions or messages) after which a peer is banned for the rest of the run."""
 
