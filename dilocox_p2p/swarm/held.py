@@ -27,7 +27,7 @@ from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .dial import gone, redial, unreachable
-from .transfer import MAX_WAIT_S, Oversized, limit_per_peer, read_stream, same_shapes
+from .transfer import Oversized, limit_per_peer, read_stream, same_shapes
 
 __all__ = ["KEEP_AVERAGES", "RESTARTED", "AverageService", "Collected", "HeldAverage"]
 
@@ -254,7 +254,7 @@ class AverageService:
             header.status = swarm_pb2.STATE_NOT_READY
             yield self._head(header, nonce=nonce)
             return
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
+        deadline = time.monotonic() + self._hold_s(request.wait_s)
 
         def restarted() -> bool:  # the member of that round's group that asks knew this worker's earlier life
             # a round before this life began, or one whose exchange the earlier life had begun and this one has not

@@ -27,7 +27,7 @@ from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..state import PendingAverage, StageState
 from ..wire import swarm_pb2
-from .transfer import MAX_WAIT_S, Oversized, Reply, limit_per_peer, read_stream, same_shapes
+from .transfer import Oversized, Reply, limit_per_peer, read_stream, same_shapes
 
 __all__ = ["StateDownload", "StateProvider", "StateService"]
 
@@ -61,7 +61,7 @@ class StateService:
         if refusal is not None:
             yield refusal
             return
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
+        deadline = time.monotonic() + self._hold_s(request.wait_s)
         with self._state_wanted.get_lock():
             self._state_wanted.value += 1
         try:
@@ -111,7 +111,7 @@ class StateService:
         if request.part == swarm_pb2.STATE_NOW and metadata.get("follows", -1) >= 0:
             with self._pending_owed.get_lock():
                 self._pending_owed.value = boundary
-                self._pending_owed_until.value = time.time() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
+                self._pending_owed_until.value = time.time() + self._hold_s(request.wait_s)
         elif request.part == swarm_pb2.STATE_PENDING and self._pending_owed.value == boundary:
             self._pending_owed.value = -1
 

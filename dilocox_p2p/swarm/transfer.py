@@ -84,6 +84,13 @@ class SignedReplies:
             self._refused(f"a {cls.DESCRIPTOR.name} from {sender}", str(e))
             return None, f"refused: {e}"[:300]
 
+    def _hold_s(self, wait_s: float) -> float:
+        """How long a handler holds a request that asks to wait `wait_s`: at most what an honest member ever asks
+        (round_wait + allreduce_timeout: a borrow or a pending average after a failed round), MAX_WAIT_S in all.
+        A request asking 600 s held its handler 600 s (issue 38, point 4)."""
+        limit = self._matchmaking.min_matchmaking_time + self._allreduce_timeout  # round_wait + allreduce_timeout
+        return min(max(wait_s, 0.0), limit, MAX_WAIT_S)
+
     def _stage_request(
         self, sealed: envelope_pb2.SignedEnvelope, cls: type, context: P2PContext, header: Any
     ) -> tuple[Any, bytes, swarm_pb2.Chunk | None]:

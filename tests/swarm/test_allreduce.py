@@ -135,6 +135,7 @@ class Group:
     def __init__(
         self, n: int, averager_class: type[DilocoxAverager] = DilocoxAverager, *,
         min_matchmaking_time: float = 5.0, request_timeout: float = 5.0, faults_of: dict[int, str] | None = None,
+        allreduce_timeout: float = 30.0,
     ):  # fmt: skip
         """`faults_of`: member index -> faults armed in that member's averager process alone (injection.py)."""
         first = signed_node("ar")
@@ -149,7 +150,7 @@ class Group:
                 self.averagers.append(averager_class(
                     [torch.zeros(s) for s in SHAPES], dht, run_id="ar", config_hash="0" * 64, stage=0, prefix="ar_s0",
                     start=True, min_group_size=2, min_matchmaking_time=min_matchmaking_time,
-                    request_timeout=request_timeout, allreduce_timeout=30.0, next_chunk_timeout=5.0,
+                    request_timeout=request_timeout, allreduce_timeout=allreduce_timeout, next_chunk_timeout=5.0,
                     allow_state_sharing=False, signer=signer, gate=gate,
                 ))  # fmt: skip
         self.ids = [dht.peer_id.to_base58() for dht in self.dhts]
@@ -307,6 +308,17 @@ def test_a_peer_that_floods_a_member_with_waiting_requests_is_held_to_a_few_and_
     # once the flood is over the asked member holds this peer's requests again
     failures = asker.collect(99, [asked], start=None, wait_s=0.5, deadline_s=5.0).failures
     assert failures and not any("busy" in f for f in failures), failures
+
+
+def test_a_request_that_asks_to_be_held_longer_than_any_honest_one_is_answered_within_the_rounds_deadlines(request):
+    # a request asking 600 s held its handler 600 s (issue 38, point 4): now round_wait + allreduce_timeout at most
+    group = Group(2, min_matchmaking_time=1.0, allreduce_timeout=3.0)  # an honest request waits at most 4 s
+    request.addfinalizer(group.close)
+    started = time.monotonic()
+    got = group.averagers[1].collect(99, [group.ids[0]], start=None, wait_s=600.0, deadline_s=60.0)
+    held = time.monotonic() - started
+    assert any("NOT_READY" in f for f in got.failures), got.failures
+    assert 3.5 < held < 10.0, held
 
 
 def test_a_member_without_an_average_borrows_the_whole_average_from_the_group(group):
