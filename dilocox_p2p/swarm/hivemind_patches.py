@@ -101,7 +101,9 @@ PATCHES: dict[str, str] = {
     "once every sender has started or is banned (hivemind's rpc_aggregate_part counts started ones only): a sender "
     "is added to active_senders before hivemind's handler runs, and the event checked",
     # averaging/partition.py
-    "TensorPartContainer._input_parts_by_peer": "read for each reducer's part sizes (missing spans)",
+    "TensorPartContainer._input_parts_by_peer": "read for each reducer's part sizes (missing spans) and shapes (an "
+    "averaged part of another shape is refused: allreduce._misfit)",
+    "TensorPartReducer.part_shapes": "read: a sender's part of another shape is refused before it is accumulated",
     "TensorPartContainer._outputs_registered_by_peer": "read when a reducer fails: its first undelivered part",
     "TensorPartContainer.register_failed_reducer": "wrapped (per instance) to record failed reducers",
     "TensorPartReducer.reset_accumulators / accumulate_part / check_current_part_finished":
