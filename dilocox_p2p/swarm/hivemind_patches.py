@@ -117,6 +117,8 @@ PATCHES: dict[str, str] = {
     "DHT._get / _store / _run_coroutine": "wrapped (dht_process.HelperDHT) to hold each call's task until it ends: the DHT "
     "process keeps no reference to them, and one destroyed by the cycle collector left its caller waiting for good",
     "DHTProtocol.call_ping": "pings a lost peer; its answer puts it back in both routing tables",
+    "DHTProtocol.IS_REGULAR_VALUE": "read (record_rules.EnvelopeValidator): the subkey bytes of a plain value, refused "
+    "under every key (it would replace every record under its key)",
     "P2P.receive_raw_data / HEADER_LEN / BYTEORDER": "replaced (cap_stream_frames below): a frame's declared length "
     "above MAX_FRAME_BYTES is refused before its bytes are read (hivemind buffered any length a peer declared)",
     # p2p/p2p_daemon_bindings/control.py: the persistent connection to the p2p daemon (unary calls, both ways)
