@@ -151,6 +151,11 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     from dilocox_p2p.inner import InnerTrainer
     from dilocox_p2p.outer import OuterLoop
 
+    key = RunKey(label, lr, momentum)
+    store = RunStore(args.store, shape_of(args)) if args.store else None
+    if store is not None and (done := store.finished(key)) is not None:  # before any model is built
+        print(f"  {label} lr {lr} momentum {momentum}: finished before, in {store.root}", flush=True)
+        return done
     settings = dict(settings)
     butterfly = settings.pop(EXCHANGE, "butterfly") == "butterfly"
     overrides = {
@@ -178,11 +183,6 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
                           clip_ratio=cfg.swarm.clip_ratio)  # fmt: skip
     outers = [OuterLoop(t.params, cfg.outer, group.member(i), fragments=fragments) for i, t in enumerate(trainers)]
     samplers = [BatchSampler(corpus.train, shape.seq_len, cfg.inner.batch_size, seed) for seed in range(args.peers)]
-    key = RunKey(label, lr, momentum)
-    store = RunStore(args.store, shape_of(args)) if args.store else None
-    if store is not None and (done := store.finished(key)) is not None:
-        print(f"  {label} lr {lr} momentum {momentum}: finished before, in {store.root}", flush=True)
-        return done
     curve: list[float] = []
     first, spent = 0, 0.0
     if store is not None:

@@ -167,12 +167,17 @@ def bound(norms: Mapping[int, float], max_ratio: float, clip_ratio: float = 0.0)
     scaled). An outlier below the screen's bar (a sign flip at 9x the median) then weighs at most `clip_ratio`
     honest contributions, not 9. The scale is applied as one rounded float32 multiply per value before the float64
     sum (payload.ScaledReader, allreduce.py): the same bits on any CPU."""
-    refused = screen(norms, max_ratio)
-    finite = sorted(n for n in norms.values() if math.isfinite(n))
-    if clip_ratio <= 0 or len(finite) < 2:
+    refused, median = screen(norms, max_ratio), _lower_median(norms)
+    if clip_ratio <= 0 or median is None:
         return refused, {}
-    bar = clip_ratio * finite[(len(finite) - 1) // 2]
+    bar = clip_ratio * median
     return refused, {i: bar / n for i, n in norms.items() if i not in refused and n > bar > 0}
+
+
+def _lower_median(norms: Mapping[int, float]) -> float | None:
+    """The lower median of the finite norms (None: fewer than two): with two, the smaller one."""
+    finite = sorted(n for n in norms.values() if math.isfinite(n))
+    return finite[(len(finite) - 1) // 2] if len(finite) >= 2 else None
 
 
 def screen(norms: Mapping[int, float], max_ratio: float) -> dict[int, str]:
@@ -182,10 +187,9 @@ def screen(norms: Mapping[int, float], max_ratio: float) -> dict[int, str]:
     cannot drag the bar up with it. Norms are float64 sums of squares' roots (any rounding will do:
     one reducer decides for every member)."""
     out = {i: "not finite (NaN or Inf)" for i, n in norms.items() if not math.isfinite(n)}
-    finite = sorted(n for i, n in norms.items() if i not in out)
-    if len(finite) < 2:
+    median = _lower_median(norms)
+    if median is None:
         return out
-    median = finite[(len(finite) - 1) // 2]
     for i, n in norms.items():
         if i in out or n <= max_ratio * median:
             continue

@@ -135,7 +135,9 @@ class StatusBoard:
             out.CopyFrom(self.status)
             return out
 
-    def subscribe(self, *, include_current: bool, limit: int | None = None) -> queue.Queue[control_pb2.RoundEvent | None] | None:
+    def subscribe(
+        self, *, include_current: bool, limit: int | None = None
+    ) -> queue.Queue[control_pb2.RoundEvent | None] | None:
         """A queue of this board's events from now on (None: `limit` watchers are subscribed already)."""
         q: queue.Queue[control_pb2.RoundEvent | None] = queue.Queue(maxsize=_WATCH_QUEUE)
         with self._lock:

@@ -31,8 +31,8 @@ from .proto_gen import libp2p_keys_pb2  # libp2p's key messages (hivemind's cryp
 
 __all__ = [
     "certify_peer",
-    "check_worker_key",
     "certify_worker",
+    "check_worker_key",
     "load_identity",
     "load_run_certificate",
     "peer_id_of",
@@ -110,7 +110,7 @@ def check_worker_key(path: Path) -> None:
 def worker_identity(path: Path) -> Ed25519PrivateKey:
     """A stage worker's libp2p key, in p2pd's file format (`-id`): made on first use, reused on restart."""
     if path.exists():
-        check_worker_key(path)  # it signs every envelope of its stage: as secret as the peer key
+        _refuse_if_shared(path, "worker key")  # it signs every envelope of its stage: as secret as the peer key
         try:
             stored = libp2p_keys_pb2.PrivateKey.FromString(path.read_bytes())
         except Exception as e:

@@ -47,25 +47,9 @@ import torch
 
 from ..average import Spans, bound
 from ..proto_gen import compression_pb2 as pb
-from .codec import (
-    NOT_RECEIVED,
-    OTHER_BASIS,
-    Decoded,
-    MessageRejected,
-    RoundCodec,
-    StageCodec,
-)
+from .codec import NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
 from .lowrank import basis_digest
-from .payload import (
-    FlatLayout,
-    PayloadReader,
-    ScaledReader,
-    encode_payload,
-    frame,
-    slice_step,
-    streamed_mean,
-    unframe,
-)
+from .payload import FlatLayout, PayloadReader, ScaledReader, encode_payload, frame, slice_step, streamed_mean, unframe
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, unpack_topk
 from .transport import reduced_config
 
@@ -235,10 +219,8 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
             rejected[index] = str(e)
     step = slice_step(codec.cfg, hi - lo)
     refused, scales = bound({i: r.norm(step) for i, r in readers.items()}, codec.max_norm_ratio, codec.clip_ratio)
-    for index, reason in refused.items():
-        rejected[index] = reason
-        del readers[index]
-    readers.update({i: ScaledReader(readers[i], scale) for i, scale in scales.items()})
+    rejected.update(refused)
+    readers = {i: ScaledReader(r, scales[i]) if i in scales else r for i, r in readers.items() if i not in refused}
     used = sorted(readers)
     mean = streamed_mean([readers[i] for i in used], FlatLayout([torch.Size((hi - lo,))], 1), step)[0]
     message = pb.CompressedMessage(codec=codec.cfg.kind, round=rc.round, phase=reduced_phase(phase), span_lo=lo,

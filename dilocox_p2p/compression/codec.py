@@ -43,8 +43,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -478,15 +477,11 @@ class RoundCodec(Settlement):
             if phase == 2 and received[index].basis != self.basis:
                 rejected[index] = OTHER_BASIS
                 del received[index]
-        # robust aggregation: every member screens the same messages alike (average.screen)
-        refused, scales = bound({i: r.norm() for i, r in received.items()}, self.codec.max_norm_ratio,
-                                self.codec.clip_ratio)  # fmt: skip
-        for index, reason in refused.items():
-            rejected[index] = reason
-            del received[index]
-        for index, scale in scales.items():  # bounded influence: every member scales the same messages alike
-            received[index] = dataclasses.replace(received[index], reader=ScaledReader(received[index].reader, scale))
-        return received, rejected
+        # robust aggregation, bounded influence: every member screens and scales the same messages alike (average.bound)
+        refused, scales = bound({i: r.norm() for i, r in received.items()}, self.codec.max_norm_ratio, self.codec.clip_ratio)
+        rejected.update(refused)
+        return {i: replace(r, reader=ScaledReader(r.reader, scales[i])) if i in scales else r
+                for i, r in received.items() if i not in refused}, rejected  # fmt: skip
 
 
 def _said(encoded: pb.EncodedTensor) -> str:

@@ -239,17 +239,19 @@ class Membership:
         (latest joined_at, then the smallest worker id: a peer restarted with a new worker key replaces its old one)."""
         with self._lock:
             banned_keys = set(self._banned_keys)
+
+        def key(m: Member) -> bytes:
+            return m.peer_key or m.peer_id.encode()  # a record read before its key was known stands for itself
+
+        def rank(m: Member) -> tuple[bool, float, str]:
+            return m.peer_id != self.peer_id, -m.record.joined_at, m.peer_id
+
         chosen: dict[bytes, Member] = {}
         for m in members:
-            if m.record.config_hash != self.config_hash or not self._live(m, now) or m.peer_key in banned_keys:
-                continue
-            key = m.peer_key or m.peer_id.encode()  # a record read before its key was known stands for itself
-            held = chosen.get(key)
-            mine = held is not None and held.peer_id == self.peer_id
-            if held is None or (not mine and (m.peer_id == self.peer_id or
-                                              (-m.record.joined_at, m.peer_id) < (-held.record.joined_at, held.peer_id))):
-                chosen[key] = m
-        return [m for m in members if chosen.get(m.peer_key or m.peer_id.encode()) is m]
+            if m.record.config_hash == self.config_hash and self._live(m, now) and m.peer_key not in banned_keys:
+                if key(m) not in chosen or rank(m) < rank(chosen[key(m)]):
+                    chosen[key(m)] = m
+        return [m for m in members if chosen.get(key(m)) is m]
 
     def _live(self, member: Member, now: float) -> bool:
         """Whether `member`'s record still counts at DHT time `now`: unexpired, this worker's own, or expired since

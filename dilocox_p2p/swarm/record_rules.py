@@ -58,9 +58,10 @@ class EnvelopeValidator(RecordValidatorBase):
 
     A record with a string subkey is one of ours (hivemind's own matchmaking records use bytes
     subkeys): it must be a SignedEnvelope signed by the worker its subkey names, for the key it is
-    stored under, of this run, from an admitted key (the payload and protocol version are checked when
-    read, where a peer running other code is told why it is refused). Under the run's fixed keys
-    (`run_keys`) only such records are taken. Refusals are logged at their 1st, 10th, 100th... time.
+    stored under, of this run, from an admitted key, expiring no later than `signed_expiry` (the payload
+    and protocol version are checked when read, where a peer running other code is told why it is
+    refused). A plain value is refused under every key; under the run's fixed keys (`run_keys`) only
+    signed records are taken. Refusals are logged at their 1st, 10th, 100th... time.
     """
 
     def __init__(self, gate: Gate, guarded_keys: Iterable[str]):
