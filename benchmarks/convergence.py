@@ -55,6 +55,9 @@ EXCHANGE = "exchange"
 did for every compression before the compressed butterfly (quantizers and low-rank ride it by default, as in the
 swarm)."""
 
+TOPK_X3 = {"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "butterfly",
+           "compression.topk_reduced_multiple": 3}
+
 # configuration -> (settings, (outer lr, outer momentum) pairs swept). The grids start where
 # notes/outer-loop-variants.md found each mode best and reach past where earlier 50-round runs of
 # this benchmark found it (fp32 sync: lr 0.7 / momentum 0.7; the one-step delay: lr 0.35 / 0.5;
@@ -110,6 +113,16 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
                       "compression.topk_reduced_multiple": 2}, [(3.0, 0.0), (4.0, 0.0)]),
     "sync topk x3": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "butterfly",
                       "compression.topk_reduced_multiple": 3}, [(3.0, 0.0), (4.0, 0.0)]),
+    # issue 40, item 2: what closes top-k's gap at >= 100x. Outer Nesterov momentum on the decoded average with error
+    # feedback that keeps everything (decay 1), or beside SparseLoCo's decay; precision against density of the kept
+    # values (4 bits at half the density costs fewer bytes than 2 bits; 4 bits at 1/64 and 2 bits at 1/32 are the
+    # two single-lever diagnostics, below 100x)
+    "sync topk x3 nesterov": ({**TOPK_X3, "compression.feedback_decay": 1.0}, [(0.7, 0.9), (1.0, 0.7), (1.5, 0.5)]),
+    "sync topk x3 decay nesterov": (TOPK_X3, [(1.0, 0.7), (2.0, 0.5)]),
+    "sync topk x3 4-bit 1/128": ({**TOPK_X3, "compression.topk_bits": 4, "compression.topk_density": 1 / 128},
+                                 [(4.0, 0.0)]),
+    "sync topk x3 4-bit": ({**TOPK_X3, "compression.topk_bits": 4}, [(4.0, 0.0)]),
+    "sync topk x3 1/32": ({**TOPK_X3, "compression.topk_density": 1 / 32}, [(4.0, 0.0)]),
     # bounded influence (issue 38): each contribution clipped to clip_ratio times its group's lower median norm, with
     # honest peers only: what it costs them at sync fp32's and int8's settings
     "sync fp32 clip 1.5": ({"outer.mode": "sync", "swarm.clip_ratio": 1.5}, [(1.0, 0.7)]),
