@@ -37,6 +37,8 @@ Hostile peers (docs/security.md), which skip this peer's own checks:
 - `send_malformed_parts:round=R:stage=S:shape=scalar|wide` makes stage S send each reducer of round R's fp32
   butterfly parts of another shape: a scalar (the part's norm: the norm screen passes it) or the part stacked
   twice, (2, n).
+- `lie_to_borrowers:round=R:stage=S` makes stage S serve a worker outside its group of round R (a borrower)
+  the negated average, signed, with a group list naming only itself (so that the borrower would skip the vote).
 - `flip_served_bit:stage=S` flips one bit of every compressed message and average stage S
   serves to another member (after signing it, as a faulty relay or link would).
 - `equivocate_reduced:stage=S` makes stage S's reducer serve each member that asks for one of its
@@ -65,7 +67,7 @@ KNOWN = (
     "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "skip_adopting",
     "abandon_accepted", "lose_begin", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "send_malformed_parts",
-    "flip_served_bit", "cut_served_message",
+    "lie_to_borrowers", "flip_served_bit", "cut_served_message",
     "equivocate_reduced",
     "speak_other_protocol", "ignore_admission",
 )  # fmt: skip

@@ -13,6 +13,7 @@ takes the copy most of the group announced (phase 5, agreement). Runs in the ave
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
@@ -281,6 +282,9 @@ class AverageService:
                 header.reason = f"{RESTARTED} at round {self._life_start.value}"
             yield self._head(header, nonce=nonce)
             return
+        if context.remote_id.to_base58() not in held.group and injection.armed(
+                "lie_to_borrowers", round=request.round, stage=self.stage):  # fmt: skip
+            held = dataclasses.replace(held, tensors=[-t for t in held.tensors], group=(self.peer_id.to_base58(),))
         chunks, digest = self._tensor_chunks(held.tensors)
         header = swarm_pb2.AverageHeader(
             status=swarm_pb2.STATE_OK, average=held.info(), n_tensors=len(held.tensors), sha256=digest

@@ -74,12 +74,15 @@ class GroupVote:
         """
         voters = set(average.group if voters is None else voters)
         me = self.stage.peer_id
+        borrowed = me not in voters
+        if borrowed and average.kind.applies and not self.abandoned():
+            voters = self._borrowers_voters(voters, average.group_id)
         if not average.kind.applies or len(voters) < 2 or self.abandoned():
             return average
         mine = average_hash(average.tensors, average.missing)
         if me in voters:
             self._announce(average, mine)
-        records = self._group_records(average.group_id, voters, mine if me in voters else None)
+        records = self._group_records(average.group_id, voters, mine if me in voters else None, grow=borrowed)
         convicted = self._convict_equivocators(average, records)
         hashes = {p: r.average_hash for p, r in records.items() if p not in convicted}  # a liar votes no more
         if me in voters:
@@ -156,16 +159,38 @@ class GroupVote:
             time.sleep(AGREE_POLL_S)
         return found
 
-    def _group_records(self, group_id: bytes, voters: set[str], mine: str | None) -> dict[str, swarm_pb2.AverageRecord]:
+    def _borrowers_voters(self, claimed: set[str], group_id: bytes) -> set[str]:
+        """Who votes on a borrowed copy: admitted members (signed member records, one per key, none banned) that
+        the serving peer named, or whose own signed AverageRecord names the group. The group list comes from the
+        peer that served the copy: one that names only itself would skip the vote, and its copy would be applied
+        unchecked."""
+        admitted = self.membership.voters()
+        try:
+            found = self.stage.records.average_records(self.round)
+        except Exception as e:
+            self.stage.faults.count("lookups_failed", "round %d: the group's average records could not be read: %r",
+                                    self.round, e)  # fmt: skip
+            found = {}
+        announced = {p for p, r in found.items() if r.group_id == group_id}
+        return (claimed | announced) & admitted - {self.stage.peer_id}
+
+    def _group_records(
+        self, group_id: bytes, voters: set[str], mine: str | None, *, grow: bool = False
+    ) -> dict[str, swarm_pb2.AverageRecord]:
         """The other voters' AverageRecords for `group_id`, read until the majority is settled (this worker's
-        own copy, `mine`, counts if it votes)."""
+        own copy, `mine`, counts if it votes). With `grow` (a borrower), admitted members whose records name the
+        group join `voters` as their records come in."""
         started = time.monotonic()
         deadline, others = started + self.sw.allreduce_timeout, voters - {self.stage.peer_id}
+        admitted = self.membership.voters() - {self.stage.peer_id} if grow else set()
         records: dict[str, swarm_pb2.AverageRecord] = {}
         probed = False
         while not self.abandoned():
             try:
                 found = self.stage.records.average_records(self.round)
+                if grow:
+                    voters |= {p for p, r in found.items() if p in admitted and r.group_id == group_id}
+                    others = voters - {self.stage.peer_id}
                 records = {p: r for p, r in found.items() if p in others and r.group_id == group_id}
             except Exception as e:
                 self.stage.faults.count("lookups_failed", "round %d: the group's average records could not be read: %r",

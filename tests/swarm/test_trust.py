@@ -148,6 +148,30 @@ def test_a_reducer_that_sends_members_different_bytes_is_proven_by_its_own_diges
     assert all(r["group_size"] <= 2 for r in honest[0].metrics()[1:]), "the proven liar was averaged with again"
 
 
+def test_a_serving_peer_that_names_only_itself_cannot_skip_a_borrowers_vote(swarm):
+    # The third peer's pseudo-gradient of round 2 is NaN: the other two average without it and it borrows their
+    # average. Both serve an outsider the negated average, signed, with a group list naming only the server: with
+    # the borrower's voters taken from that list (one voter: no vote) it applied the lie. Its voters are now the
+    # admitted members whose own signed records name the group: they hold another copy, the borrower cannot have
+    # theirs (the same liars serve it), and it takes the swarm's state at the boundary instead of applying the lie.
+    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "5", "--min-peers", "3", "--compression", "none")
+    liars = [swarm.start_peer(*args, env={"DILOCOX_FAULTS": "lie_to_borrowers:round=2:stage=0"}) for _ in range(2)]
+    borrower = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "nan_pseudo_gradient:round=2:stage=0"})
+    for peer in (*liars, borrower):
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    _agree(*liars)
+    theirs, its = _by_round(liars[0]), _by_round(borrower)
+    assert 4 in its
+    for t, record in its.items():  # every state it recorded is the group's: it never used the negated average
+        # (round 2's record is there or not, as the state it took was the boundary's or the one after)
+        assert record["stage_hashes"] == theirs[t]["stage_hashes"], f"round {t}: the borrower's state differs"
+    log = borrower.stage_log(0)
+    assert "differs from its group's majority (2 of 2 hold" in log, log[-3000:]
+    assert _faults(borrower, "downloads_failed") >= 1  # the liars' copies, refused against their own records' hash
+    assert "its copy is not the one its record announced" in log
+
+
 def test_a_message_cut_short_on_the_way_is_asked_again_and_never_costs_its_author_a_strike(swarm):
     # A connection reset mid-reply ends hivemind's stream as cleanly as a finished one: fewer bytes come than
     # the author signed. That is the link failing, not a forgery. One strike bans here, and CI once saw an
