@@ -16,8 +16,6 @@ Armed through the environment of the peer's processes, several separated by `;`:
   collapses once it has everyone's data): it holds the whole average, the others miss its span.
 - `skip_mending:round=R:stage=S` makes stage S keep round R's average with the spans that
   missed it, without asking the other members for them (its requests would all time out).
-- `skip_adopting:round=R:stage=S` makes stage S keep its own copy of round R's average when
-  most of its group holds another, without downloading theirs (its requests would all fail).
 - `abandon_accepted:round=R:stage=S` makes stage S drop every group its leader began with it in
   round R (BEGIN_ALLREDUCE), as a follower whose request_timeout ran out just before does: the
   leader counted it in, the group runs with a member that never learnt of it, and it goes on looking.
@@ -64,7 +62,7 @@ __all__ = ["FOLLOWER_FAULTS", "KNOWN", "armed", "first_armed", "flip_last_bit", 
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
-    "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending", "skip_adopting",
+    "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending",
     "abandon_accepted", "lose_begin", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "send_malformed_parts",
     "lie_to_borrowers", "flip_served_bit", "cut_served_message",

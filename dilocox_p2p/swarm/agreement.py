@@ -39,7 +39,7 @@ from .dht import RunRecords
 from .faults import FaultCounter
 from .membership import Membership
 
-__all__ = ["Agreement", "Repair", "held_by_most", "majority_hash", "tied_with"]
+__all__ = ["Agreement", "Repair", "held_by_most", "majority_hash", "split_evenly", "tied_with"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,9 @@ ANNOUNCED_WAIT_S = 5.0
 
 def majority_hash(hashes: dict[str, str], rank: Callable[[str], Any] = str) -> str | None:
     """The hash most workers hold. Empty ones don't vote. A tie goes to the hash held by the worker of
-    smallest `rank` (RunRecords.rank: its peer's key first, then its worker id): every peer picks the same,
-    and the same peer wins a tie at every boundary and in every stage, so a split pair is repaired one way
-    (the other peer takes the state of all its stages) instead of trading states. Ranked by worker id
-    alone, a pair whose two stages both split could each be in the minority in one stage: both resynced,
-    and neither found a donor that trained."""
+    smallest `rank` (RunRecords.rank: its peer's key first, then its worker id): every peer picks the same.
+    Only a worker that must pick a side uses a tie's winner (a joiner choosing a donor and checking the state
+    it took); a member holding one of the tied copies or states keeps its own (`split_evenly`)."""
     holders: dict[str, list[str]] = {}
     for peer, h in hashes.items():
         if h:
@@ -66,6 +64,14 @@ def majority_hash(hashes: dict[str, str], rank: Callable[[str], Any] = str) -> s
     if not holders:
         return None
     return min(holders, key=lambda h: (-len(holders[h]), min(rank(p) for p in holders[h])))
+
+
+def split_evenly(hashes: dict[str, str]) -> bool:
+    """Whether no hash is held by more workers than every other (empty ones don't vote). A member never gives up
+    its own copy or state for a tie: whoever holds the smallest rank would win it, and a key can be chosen (generated
+    until it ranks first) to win every tie its own lie forces. A tie is kept until a third vote settles it."""
+    top = collections.Counter(h for h in hashes.values() if h).most_common(2)
+    return len(top) == 2 and top[0][1] == top[1][1]
 
 
 def held_by_most(hashes: Iterable[str]) -> int:
@@ -280,6 +286,13 @@ class Agreement:
         return hashes
 
     def _decide(self, boundary: int, state_hash: str, hashes: dict[str, str], *, when: str) -> Repair | None:
+        if split_evenly(hashes):
+            self.faults.count(
+                "ties_kept", "the state at round %d is split evenly among %d workers (this one %s): no side is repaired "
+                "for a tie, which a hostile key could force and win; a third member's vote settles it", boundary,
+                len(hashes), state_hash[:12],
+            )  # fmt: skip
+            return None
         winner = majority_hash(hashes, self.records.rank)
         if winner is None or winner == state_hash:
             return None

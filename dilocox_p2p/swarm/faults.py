@@ -28,6 +28,8 @@ FAULTS = {
     "catch_ups": "the state was replaced because this worker fell behind, was stranded or (re)joined",
     "hash_checks_skipped": "a boundary's hash check could not run (lookup failed); it is retried next round",
     "lookups_failed": "a DHT lookup of members or round records failed",
+    "ties_kept": "the stage group's hashes (at a boundary) or copies of an average (in phase 5) were split evenly: "
+    "no side took another's state, and nobody applied the tied average (a tie is never adopted: docs/security.md)",
     "downloads_failed": "a state or average download failed, was refused or did not match the majority",
     "records_refused": "a DHT record could not be decoded or did not belong to this run",
     "publishes_failed": "a record of this worker (heartbeat, round record) could not be stored in the DHT",

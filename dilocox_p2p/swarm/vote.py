@@ -14,6 +14,7 @@ whose digests differ read each other's and convict a reducer that signed two dif
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -21,10 +22,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .. import injection
-from ..average import Average, AverageKind, average_hash, intersect_spans, spans_by_tensor
+from ..average import Average, AverageKind, applies_nothing, average_hash, intersect_spans, spans_by_tensor
 from ..wire import swarm_pb2
-from .agreement import held_by_most, majority_hash
+from .agreement import held_by_most, majority_hash, split_evenly
 from .equivocation import equivocators
 
 __all__ = ["AGREE_POLL_S", "DIGESTS_WAIT_S", "GroupVote", "digests_hash"]
@@ -64,8 +64,8 @@ class GroupVote:
         without one (it took another copy). After `chunk_timeout`, members that failed in the
         round (suspects) or left are not waited for, members still mending are; after
         `allreduce_timeout` it decides with the records there are (a split left then is found
-        by the hash check and repaired at the next boundary). The majority's copy (a tie: the
-        the one its smallest-ranked holder holds, as in agreement.py) is made from this worker's own where it covers
+        by the hash check and repaired at the next boundary). The majority's copy (a tie: none, and
+        nobody applies the round's average: `_tie`) is made from this worker's own where it covers
         more (the majority's missing spans left out again: no download), else downloaded from
         a holder and checked against its hash; if that fails too, the average is marked
         `off_majority` and the worker takes the swarm's state at the boundary, before theta_g is
@@ -87,14 +87,13 @@ class GroupVote:
         hashes = {p: r.average_hash for p, r in records.items() if p not in convicted}  # a liar votes no more
         if me in voters:
             hashes[me] = mine
+        if split_evenly(hashes):
+            return self._tie(average, hashes)
         winner = majority_hash(hashes, self.stage.records.rank)
         if winner is None or winner == mine:
             return average
         holders = sorted(p for p, h in hashes.items() if h == winner and p != me)
-        skip = injection.armed("skip_adopting", round=self.round, stage=self.stage.stage)
-        adopted = None if skip else (
-            self._restricted(average, records[holders[0]], winner) or self._downloaded(average, holders, winner)
-        )
+        adopted = self._restricted(average, records[holders[0]], winner) or self._downloaded(average, holders, winner)
         if adopted is None:  # the failures were counted as downloads_failed; the boundary repairs this worker
             logger.warning("round %d: this worker's average differs from its group's majority (%d of %d hold %s) and "
                            "theirs could not be had: taking the swarm's state at the boundary", self.round,
@@ -108,6 +107,18 @@ class GroupVote:
         if me in voters:  # members still deciding count this worker in the majority now; the digests it got stay
             self._announce(dataclasses.replace(adopted, digests=average.digests), winner, digests_too=False)
         return adopted
+
+    def _tie(self, average: Average, hashes: dict[str, str]) -> Average:
+        """No copy is held by more members than another: nobody adopts another's copy (a key generated to rank first
+        would win every tie its own lie forces), and nobody applies its own, so that the group stays as one. Every
+        member that read the same records decides the same; the hash check settles any other."""
+        counts = sorted(collections.Counter(h for h in hashes.values() if h).values(), reverse=True)
+        self.stage.faults.count("ties_kept", "round %d: the group's copies of its average are split evenly (%s of %d "
+                                "voters): nobody applies this round's average", self.round,
+                                " / ".join(map(str, counts)), len(hashes))  # fmt: skip
+        note = "the group's copies of its average were split evenly (a tie is never adopted)"
+        started = average.window[0] if average.window else self._window_start
+        return dataclasses.replace(applies_nothing(AverageKind.STRANDED, note, started), stranded_alike=True)
 
     def _announce(self, average: Average, average_hash_: str, *, digests_too: bool = True) -> None:
         """Publish this worker's copy's hash (AverageRecord) with the hash of the reducers' digests of what it was

@@ -17,7 +17,7 @@ import pytest
 from dilocox_p2p import injection
 from dilocox_p2p.compression.codec import NOT_RECEIVED
 from dilocox_p2p.swarm import dial
-from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, tied_with
+from dilocox_p2p.swarm.agreement import held_by_most, majority_hash, split_evenly, tied_with
 from dilocox_p2p.swarm.dht import HEARTBEAT_S, MEMBER_TTL_S, Member
 from dilocox_p2p.swarm.exchange import gather_suspects, mending_order, suspects_after
 from dilocox_p2p.swarm.faults import FAULTS, FaultCounter
@@ -36,6 +36,14 @@ def test_the_majority_is_the_most_held_hash_and_a_tie_goes_to_the_smallest_peer_
     assert majority_hash({"z": "h1", "a": "h2", "b": "h2", "c": "h1"}) == "h2"
     assert majority_hash({"a": "", "b": "h3"}) == "h3"  # an empty hash (not known yet) does not vote
     assert majority_hash({}) is None and majority_hash({"a": ""}) is None
+
+
+def test_a_tie_at_the_top_is_split_evenly_and_a_hash_held_by_more_than_any_other_is_not():
+    # a member never gives up its copy or state for a tie (vote.py, agreement.py): a tie is kept
+    assert split_evenly({"a": "h1", "b": "h2"}) and split_evenly({"a": "h1", "b": "h2", "c": "h3"})
+    assert split_evenly({"z": "h1", "a": "h2", "b": "h2", "c": "h1"})
+    assert not split_evenly({"a": "h1", "b": "h1", "c": "h2"}) and not split_evenly({"a": "h1", "b": "h1"})
+    assert not split_evenly({"a": "h1", "b": ""}) and not split_evenly({})  # an empty hash does not vote
 
 
 def test_a_suspected_member_counts_again_once_it_heartbeats_after_its_failure_or_restarts_as_a_new_life():
