@@ -310,6 +310,29 @@ def test_a_peer_that_floods_a_member_with_waiting_requests_is_held_to_a_few_and_
     assert failures and not any("busy" in f for f in failures), failures
 
 
+def test_a_peer_that_asks_faster_than_any_honest_one_is_refused_beyond_its_rate_and_served_again_after(group):
+    # no request rate limit (issue 38, point 4): a peer could ask as fast as its link carried signed requests, each
+    # one opened, checked and answered. Now REQUESTS_PER_S a second (REQUEST_BURST at once) are; the rest refused
+    from dilocox_p2p.swarm.transfer import REQUEST_BURST, REQUESTS_PER_S
+
+    asker, asked, flood = group.averagers[1], group.ids[0], 2 * REQUEST_BURST
+
+    def ask(_):  # round 99 is never held; with no wait, each taken request is answered NOT_READY at once
+        return asker.collect(99, [asked], start=None, wait_s=0.0, deadline_s=10.0).failures
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(ask, range(flood)))
+    elapsed = time.monotonic() - started
+    refused = sum(any("too many requests" in f for f in failures) for failures in outcomes)
+    taken = sum(any("NOT_READY" in f for f in failures) for failures in outcomes)
+    assert refused + taken == flood, outcomes
+    assert REQUEST_BURST <= taken <= REQUEST_BURST + REQUESTS_PER_S * elapsed + 1, (taken, elapsed)
+    time.sleep(2 / REQUESTS_PER_S)  # a quiet spell gives tokens back
+    failures = asker.collect(99, [asked], start=None, wait_s=0.0, deadline_s=5.0).failures
+    assert failures and not any("too many requests" in f for f in failures), failures
+
+
 def test_a_request_that_asks_to_be_held_longer_than_any_honest_one_is_answered_within_the_rounds_deadlines(request):
     # a request asking 600 s held its handler 600 s (issue 38, point 4): now round_wait + allreduce_timeout at most
     group = Group(2, min_matchmaking_time=1.0, allreduce_timeout=3.0)  # an honest request waits at most 4 s

@@ -46,6 +46,18 @@ def test_a_tie_at_the_top_is_split_evenly_and_a_hash_held_by_more_than_any_other
     assert not split_evenly({"a": "h1", "b": ""}) and not split_evenly({})  # an empty hash does not vote
 
 
+def test_a_peers_requests_are_taken_up_to_a_burst_then_at_its_rate_and_each_peer_has_its_own_bucket():
+    from dilocox_p2p.swarm.transfer import RequestRate
+
+    rate, started = RequestRate(per_s=20.0, burst=5), time.monotonic()
+    taken = sum(rate.take("a") for _ in range(50))
+    assert 5 <= taken <= 5 + 20.0 * (time.monotonic() - started) + 1
+    assert rate.take("b"), "another peer's bucket is its own"
+    time.sleep(0.2)  # 4 tokens back
+    taken_after = sum(rate.take("a") for _ in range(50))
+    assert 3 <= taken_after <= 5
+
+
 def test_a_suspected_member_counts_again_once_it_heartbeats_after_its_failure_or_restarts_as_a_new_life():
     failed_at, life = 1000.0, 900.0
 
