@@ -127,6 +127,10 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     # honest peers only: what it costs them at sync fp32's and int8's settings
     "sync fp32 clip 1.5": ({"outer.mode": "sync", "swarm.clip_ratio": 1.5}, [(1.0, 0.7)]),
     "sync int8 clip 1.5": ({"outer.mode": "sync", "compression.kind": "int8", "swarm.clip_ratio": 1.5}, [(0.7, 0.7)]),
+    # the direction screen (swarm.direction_screen, on by default) off, against the defaults above
+    "sync fp32 no direction screen": ({"outer.mode": "sync", "swarm.direction_screen": False}, [(1.0, 0.7)]),
+    "sync int8 no direction screen": ({"outer.mode": "sync", "compression.kind": "int8", "swarm.direction_screen": False},
+                                      [(0.7, 0.7)]),
 }  # fmt: skip
 BUTTERFLY_CHECK = {"sync int8", "sync int8 all-gather", "sync fp4", "sync fp4 all-gather", "sync lowrank",
                    "sync lowrank all-gather", "sync topk all-gather", "sync topk x1", "sync topk x2",
@@ -188,12 +192,13 @@ def run(label: str, settings: dict, lr: float, momentum: float, args: argparse.N
     fragments = fragment_tensors(names, syncs)
     codecs = [
         [StageCodec(cfg.compression, [names[i] for i in f], [t.params[i].shape for i in f], run_id="bench",
-                    max_norm_ratio=cfg.swarm.max_norm_ratio, clip_ratio=cfg.swarm.clip_ratio) for f in fragments]
+                    max_norm_ratio=cfg.swarm.max_norm_ratio, clip_ratio=cfg.swarm.clip_ratio,
+                    direction_screen=cfg.swarm.direction_screen) for f in fragments]
         if cfg.compression.kind != "none" else None
         for t in trainers
     ]  # fmt: skip
     group = GroupAverager(codecs, fragments=syncs, butterfly=butterfly, max_norm_ratio=cfg.swarm.max_norm_ratio,
-                          clip_ratio=cfg.swarm.clip_ratio)  # fmt: skip
+                          clip_ratio=cfg.swarm.clip_ratio, direction_screen=cfg.swarm.direction_screen)  # fmt: skip
     outers = [OuterLoop(t.params, cfg.outer, group.member(i), fragments=fragments) for i, t in enumerate(trainers)]
     samplers = [BatchSampler(corpus.train, shape.seq_len, cfg.inner.batch_size, seed) for seed in range(args.peers)]
     curve: list[float] = []

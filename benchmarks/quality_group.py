@@ -23,10 +23,11 @@ class GroupAverager:
     decoded mean of the members' compressed messages, in group order)."""
 
     def __init__(self, codecs: list, fragments: int = 1, *, butterfly: bool = True, max_norm_ratio: float = 10.0,
-                 clip_ratio: float = 0.0):  # fmt: skip
+                 clip_ratio: float = 0.0, direction_screen: bool = False):  # fmt: skip
         self.codecs = codecs  # per member: one codec per fragment (None: fp32)
         self.fragments = fragments
         self.max_norm_ratio, self.clip_ratio = max_norm_ratio, clip_ratio  # fp32: the reducers' screen and clip
+        self.direction_screen = direction_screen  # ... and direction screen (average.against_the_group)
         self.butterfly = butterfly  # through the compressed butterfly as the swarm runs them (False: all-gathered)
         self.lock = threading.Lock()
         self.pending: dict[int, dict[int, tuple[list, Future]]] = {}
@@ -70,13 +71,16 @@ class GroupAverager:
         its reducer (average.bound, as allreduce.py does), averaged in group order."""
         import torch
 
-        from dilocox_p2p.average import bound, norm, ordered_mean
+        from dilocox_p2p.average import against_the_group, bound, norm, ordered_mean
 
         flat = [torch.cat([t.reshape(-1) for t in c]) for c in contributions]
         out = torch.empty_like(flat[0])
         for lo in range(0, out.numel(), FP32_PART):
             parts = [f[lo : lo + FP32_PART] for f in flat]
             refused, scales = bound({i: norm(p) for i, p in enumerate(parts)}, self.max_norm_ratio, self.clip_ratio)
+            if self.direction_screen:
+                refused |= against_the_group({i: (lambda a, b, p=p: p[a:b]) for i, p in enumerate(parts)
+                                              if i not in refused}, parts[0].numel())  # fmt: skip
             self.left_out += len(refused)
             kept = [p.mul(scales[i]) if i in scales else p for i, p in enumerate(parts) if i not in refused]
             out[lo : lo + FP32_PART] = ordered_mean(kept, parts[0].shape)

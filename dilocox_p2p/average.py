@@ -22,7 +22,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,11 +30,13 @@ from typing import Protocol
 import torch
 
 __all__ = [
+    "AGAINST",
     "Average",
     "AverageKind",
     "Averager",
     "LocalAverager",
     "Spans",
+    "against_the_group",
     "alone",
     "applies_nothing",
     "average_hash",
@@ -198,6 +200,31 @@ def screen(norms: Mapping[int, float], max_ratio: float) -> dict[int, str]:
         else:
             out[i] = f"norm {n:.3g} is {n / median:.0f}x the group's median {median:.3g} (limit {max_ratio:g}x)"
     return out
+
+
+AGAINST = "points against the group's coordinate-wise median (left out, not struck)"
+DIRECTION_STEP = 1 << 18  # values of each contribution read at once by the direction screen
+
+
+def against_the_group(read: Mapping[int, Callable[[int, int], torch.Tensor]], numel: int) -> dict[int, str]:
+    """Direction screen, beside `bound` (whose clip weighs a sign flip under the norm screen's bar as 1.5 honest
+    contributions, still pulling the mean back): with three or more contributions, those whose dot product with
+    the group's coordinate-wise (lower) median is negative are left out of the mean. One contribution of three or
+    more cannot move that median far, so an honest one points with it. `read[i](lo, hi)` gives contribution i's
+    values [lo, hi) of `numel`. Not struck (an honest one that is mostly noise can fall below now and then; with
+    error feedback it is sent again); the same bits on any CPU: exact medians, float64 products summed in a fixed
+    order (fixed_order_sum), slices of DIRECTION_STEP in order."""
+    if len(read) < 3:
+        return {}
+    order = sorted(read)
+    dots = dict.fromkeys(order, 0.0)
+    for lo in range(0, numel, DIRECTION_STEP):
+        hi = min(numel, lo + DIRECTION_STEP)
+        rows = torch.stack([read[i](lo, hi).reshape(-1).to(torch.float64) for i in order])
+        median = rows.median(dim=0).values
+        for i, row in zip(order, rows):
+            dots[i] += fixed_order_sum(row * median)
+    return {i: AGAINST for i in order if dots[i] < 0}
 
 
 def fixed_order_sum(values: torch.Tensor) -> float:

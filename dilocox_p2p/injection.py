@@ -31,6 +31,8 @@ Armed through the environment of the peer's processes, several separated by `;`:
 Hostile peers (docs/security.md), which skip this peer's own checks:
 - `send_nan_pseudo_gradient:round=R:stage=S` sends a pseudo-gradient full of NaN in round R.
 - `send_huge_pseudo_gradient:round=R:stage=S` sends 1000x its pseudo-gradient in round R.
+- `send_flipped_pseudo_gradient:round=R:stage=S` sends -9x its pseudo-gradient (without `round`: every round), just
+  under the norm screen's bar: the largest sign flip no screen leaves out (only the clip bounds it).
 - `send_nan_average:round=R:stage=S` makes stage S's reducer hand NaN averages to the others.
 - `send_malformed_parts:round=R:stage=S:shape=scalar|wide` makes stage S send each reducer of round R's fp32
   butterfly parts of another shape: a scalar (the part's norm: the norm screen passes it) or the part stacked
@@ -64,7 +66,7 @@ ENV = "DILOCOX_FAULTS"
 KNOWN = (
     "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending",
     "abandon_accepted", "lose_begin", "corrupt_state", "nan_pseudo_gradient",
-    "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_nan_average", "send_malformed_parts",
+    "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_flipped_pseudo_gradient", "send_nan_average", "send_malformed_parts",
     "lie_to_borrowers", "flip_served_bit", "cut_served_message",
     "equivocate_reduced",
     "speak_other_protocol", "ignore_admission",

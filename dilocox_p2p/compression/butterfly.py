@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..average import Spans, bound
+from ..average import Spans, against_the_group, bound
 from ..proto_gen import compression_pb2 as pb
 from .codec import NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
 from .lowrank import basis_digest
@@ -219,6 +219,8 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
             rejected[index] = str(e)
     step = slice_step(codec.cfg, hi - lo)
     refused, scales = bound({i: r.norm(step) for i, r in readers.items()}, codec.max_norm_ratio, codec.clip_ratio)
+    if codec.direction_screen:  # (not low-rank's: a factor's sign is its basis' choice, not a direction)
+        refused |= against_the_group({i: r.read for i, r in readers.items() if i not in refused}, hi - lo)
     rejected.update(refused)
     readers = {i: ScaledReader(r, scales[i]) if i in scales else r for i, r in readers.items() if i not in refused}
     used = sorted(readers)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..average import bound, ordered_mean
+from ..average import AGAINST, against_the_group, bound, ordered_mean
 from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
@@ -87,7 +87,7 @@ NOT_RECEIVED = "not received"
 OTHER_BASIS = "its factors are in the basis of another set of phase-1 messages"
 """Why a low-rank phase-2 message of a member that averaged other phase-1 messages is left out: a set that
 differs is a loss on the way (the gather relays what it can), not its author's fault. Every other reason is."""
-NO_FAULT = frozenset({NOT_RECEIVED, OTHER_BASIS})
+NO_FAULT = frozenset({NOT_RECEIVED, OTHER_BASIS, AGAINST})
 
 
 
@@ -121,10 +121,12 @@ class StageCodec:
         run_id: str,
         max_norm_ratio: float = 10.0,
         clip_ratio: float = 0.0,
+        direction_screen: bool = False,
     ):
         if cfg.kind == "none":
             raise ValueError("compression.kind none needs no codec: the butterfly averages fp32")
         self.cfg, self.run_id, self.max_norm_ratio, self.clip_ratio = cfg, run_id, max_norm_ratio, clip_ratio
+        self.direction_screen = direction_screen and cfg.kind != "lowrank"  # average.against_the_group
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         decay = cfg.effective_feedback_decay
         self.feedback = ErrorFeedback([torch.empty(s, device="meta") for s in self.shapes], decay=decay) if decay > 0 else None
@@ -479,6 +481,9 @@ class RoundCodec(Settlement):
                 del received[index]
         # robust aggregation, bounded influence: every member screens and scales the same messages alike (average.bound)
         refused, scales = bound({i: r.norm() for i, r in received.items()}, self.codec.max_norm_ratio, self.codec.clip_ratio)
+        kept = {i: r.reader for i, r in received.items() if i not in refused}
+        if kept and self.codec.direction_screen:
+            refused |= against_the_group({i: r.read for i, r in kept.items()}, next(iter(kept.values())).numel)
         rejected.update(refused)
         return {i: replace(r, reader=ScaledReader(r.reader, scales[i])) if i in scales else r
                 for i, r in received.items() if i not in refused}, rejected  # fmt: skip

@@ -41,7 +41,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from .. import injection
-from ..average import Spans, bound, norm, ordered_mean
+from ..average import AGAINST, Spans, against_the_group, bound, norm, ordered_mean
 
 __all__ = ["ExactAllReduceRunner"]
 
@@ -58,8 +58,9 @@ class _OrderedMeanReducer(TensorPartReducer):
     - a part finished twice raised InvalidStateError and broke the reducer's streams.
     """
 
-    def __init__(self, *args: Any, max_norm_ratio: float, clip_ratio: float = 0.0, **kwargs: Any):
-        self.max_norm_ratio, self.clip_ratio = max_norm_ratio, clip_ratio
+    def __init__(self, *args: Any, max_norm_ratio: float, clip_ratio: float = 0.0, direction_screen: bool = False,
+                 **kwargs: Any):  # fmt: skip
+        self.max_norm_ratio, self.clip_ratio, self.direction_screen = max_norm_ratio, clip_ratio, direction_screen
         self.offenses: dict[int, str] = {}  # sender index -> why a part of it was left out (the first such)
         super().__init__(*args, **kwargs)
 
@@ -104,8 +105,13 @@ class _OrderedMeanReducer(TensorPartReducer):
             refused, scales = bound(norms, self.max_norm_ratio, self.clip_ratio)
             for i, reason in refused.items():
                 self.offenses.setdefault(i, f"its part {self.current_part_index} {reason}")
+            flat = {i: t.reshape(-1) for i, t in self.contributions.items() if i not in refused}
+            against = {} if not self.direction_screen else against_the_group({i: (lambda lo, hi, t=t: t[lo:hi]) for i, t in flat.items()},
+                                        self.part_shapes[self.current_part_index].numel())  # fmt: skip
+            if against:  # not struck: an honest part that is mostly noise can point against it now and then
+                logger.debug("part %d: senders %s %s", self.current_part_index, sorted(against), AGAINST)
             parts = [self.contributions[i].mul(scales[i]) if i in scales else self.contributions[i]
-                     for i in sorted(self.contributions) if i not in refused]  # fmt: skip
+                     for i in sorted(self.contributions) if i not in refused and i not in against]  # fmt: skip
             self.current_part_future.set_result(ordered_mean(parts, self.part_shapes[self.current_part_index]))
             self.reset_accumulators()
 
@@ -134,6 +140,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         malformed_parts: str = "",
         max_norm_ratio: float = 10.0,
         clip_ratio: float = 0.0,
+        direction_screen: bool = False,
         **kwargs: Any,
     ):
         kwargs["weight"] = 1.0  # every member counts once (module docstring, point 2)
@@ -144,6 +151,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             len(self.sender_peer_ids),
             max_norm_ratio=max_norm_ratio,
             clip_ratio=clip_ratio,
+            direction_screen=direction_screen,
         )
         self.nan_average = nan_average
         self.malformed_parts = malformed_parts  # fault injection: "scalar" or "wide" parts sent to every reducer

@@ -123,6 +123,7 @@ class DilocoxAverager(
         gate: Gate,
         max_norm_ratio: float = 10.0,
         clip_ratio: float = 0.0,
+        direction_screen: bool = False,
         fragments: Sequence[Sequence[int]] | None = None,
         **kwargs: Any,
     ):
@@ -130,6 +131,7 @@ class DilocoxAverager(
         # streaming: round r averages the tensors of fragment fragment_of(r, P) only (fragments.py)
         self.fragments = as_fragments(fragments, len(averaged_tensors))
         self.signer, self.gate, self.max_norm_ratio, self.clip_ratio = signer, gate, max_norm_ratio, clip_ratio
+        self.direction_screen = direction_screen
         self._admitted: frozenset[str] = frozenset()  # this round's admissible group members (prepare_round)
         self._expected: frozenset[str] | None = None  # the members this round's target counts (None: any member)
         self._extras: set[str] = set()  # followers accepted this round that the target did not count

@@ -56,6 +56,7 @@ COUNTED_OUT = "a leader counted this worker into a group after it had given up o
 FOLLOWER_LAG_S = 2.5  # a follower of a designated leader declares this much later than the leader (_scheduled_time)
 ALONE_WITH_OUTSIDERS = "every other member of its group had given up on this group's leader"
 NOBODY_ELSE = "no other member of the stage group takes part in this round any more"
+FLIPPED_SCALE = 9.0  # send_flipped_pseudo_gradient: a sign flip just under the norm screen's bar (swarm.max_norm_ratio 10)
 
 
 def mending_order(result: RoundResult, me: str) -> list[str]:
@@ -186,6 +187,8 @@ class RoundExchange(CompressedRound, GroupVote):
             self.tensors = [torch.full_like(t, float("nan")) for t in self.tensors]
         elif injection.armed("send_huge_pseudo_gradient", **where):
             self.tensors = [t * 1000 for t in self.tensors]
+        elif injection.armed("send_flipped_pseudo_gradient", quiet=True, **where):
+            self.tensors = [t * -FLIPPED_SCALE for t in self.tensors]
 
     # ----- phase 2 -------------------------------------------------------------------------
     def _grouped(

@@ -82,6 +82,7 @@ class GroupRound:
     _allreduce_timeout: float
     max_norm_ratio: float
     clip_ratio: float
+    direction_screen: bool
     stage: int
     prefix: str
     peer_id: Any
@@ -117,6 +118,7 @@ class GroupRound:
                 "send_malformed_parts", round=round, stage=self.stage, shape=shape)), ""),  # fmt: skip
             max_norm_ratio=self.max_norm_ratio,
             clip_ratio=self.clip_ratio,
+            direction_screen=self.direction_screen,
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"

@@ -113,6 +113,7 @@ class SwarmStage:
                 StageCodec(
                     cfg.compression, [names[i] for i in f], [tensors[i].shape for i in f], run_id=cfg.run.run_id,
                     max_norm_ratio=self.sw.max_norm_ratio, clip_ratio=self.sw.clip_ratio,
+                    direction_screen=self.sw.direction_screen,
                 )  # fmt: skip
                 for f in self.fragments
             ]
@@ -129,6 +130,7 @@ class SwarmStage:
             gate=self.gate,
             max_norm_ratio=self.sw.max_norm_ratio,
             clip_ratio=self.sw.clip_ratio,
+            direction_screen=self.sw.direction_screen,
             prefix=f"{cfg.run.run_id}_{self.config_hash[:16]}_s{stage}",
             start=True,
             min_group_size=self.sw.min_group_size,

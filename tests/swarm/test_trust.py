@@ -19,6 +19,7 @@ import pytest
 from dilocox_p2p.cli.__main__ import main as cli
 from dilocox_p2p.identity import peer_id_of, worker_identity
 from dilocox_p2p.wire import PROTOCOL_VERSION
+from tests.helpers.peers import Swarm
 
 pytestmark = pytest.mark.swarm
 
@@ -102,6 +103,37 @@ def test_forged_records_and_nan_or_outsized_contributions_are_refused_their_send
     # nothing it sent reached theta_g: the model stays finite and goes on learning
     losses = [r["val_loss"] for _, r in sorted(a.items()) if r["val_loss"] is not None]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def _final_val(peer) -> float:
+    return [r["val_loss"] for r in peer.metrics() if r["val_loss"] is not None][-1]
+
+
+def test_an_admitted_peer_sending_sign_flipped_contributions_under_the_screen_for_ten_rounds_costs_the_others_little(
+    swarm, tmp_path
+):
+    # The hostile peer sends -9x its pseudo-gradient every round (int8, join's default): just under the norm
+    # screen's bar, so nothing leaves it out; the clip (swarm.clip_ratio 1.5 x the group's lower median) bounds it.
+    # Its three honest partners end within 2% of the val loss of the same three (same data) alone, at equal tokens
+    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "10")
+    by_themselves = Swarm(tmp_path / "all-honest", run_id=f"{swarm.run_id}-all-honest")
+    try:
+        alone = [by_themselves.start_peer(*args, "--min-peers", "3") for _ in range(3)]
+        for peer in alone:
+            assert peer.wait(timeout=300) == 0, peer.output()
+    finally:
+        by_themselves.stop_all()
+    honest = [swarm.start_peer(*args, "--min-peers", "4") for _ in range(3)]
+    hostile = swarm.start_peer(*args, "--min-peers", "4", env={"DILOCOX_FAULTS": "send_flipped_pseudo_gradient:stage=0"})
+    for peer in honest:
+        assert peer.wait(timeout=300) == 0, peer.output()
+    hostile.kill()
+
+    _agree(*honest)
+    _agree(*alone)
+    assert all(r["group_size"] == 4 for r in honest[0].metrics()[1:]), "the hostile peer was left out: not tested"
+    base, attacked = _final_val(alone[0]), _final_val(honest[0])
+    assert attacked <= 1.02 * base, f"val loss {attacked:.4f} beside the hostile peer, {base:.4f} without it"
 
 
 def test_a_bit_flipped_message_is_refused_and_a_peer_speaking_another_protocol_is_turned_away(swarm):
