@@ -123,6 +123,12 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
                                  [(4.0, 0.0)]),
     "sync topk x3 4-bit": ({**TOPK_X3, "compression.topk_bits": 4}, [(4.0, 0.0)]),
     "sync topk x3 1/32": ({**TOPK_X3, "compression.topk_density": 1 / 32}, [(4.0, 0.0)]),
+    # one byte budget (x3 at 1/64's, ~114x at 4 peers) shared otherwise between senders and reducers: denser
+    # messages, fewer values kept of each span's mean
+    "sync topk x2 1/48": ({**TOPK_X3, "compression.topk_reduced_multiple": 2, "compression.topk_density": 1 / 48},
+                          [(4.0, 0.0)]),
+    "sync topk x1 1/32": ({**TOPK_X3, "compression.topk_reduced_multiple": 1, "compression.topk_density": 1 / 32},
+                          [(4.0, 0.0)]),
     # bounded influence (issue 38): each contribution clipped to clip_ratio times its group's lower median norm, with
     # honest peers only: what it costs them at sync fp32's and int8's settings
     "sync fp32 clip 1.5": ({"outer.mode": "sync", "swarm.clip_ratio": 1.5}, [(1.0, 0.7)]),
