@@ -28,7 +28,7 @@ from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .dial import gone, redial, unreachable
-from .transfer import Oversized, limit_per_peer, read_stream, same_shapes
+from .transfer import Oversized, Reply, limit_per_peer, read_stream, same_shapes
 
 __all__ = ["KEEP_AVERAGES", "RESTARTED", "AverageService", "Collected", "HeldAverage"]
 
@@ -220,11 +220,22 @@ class AverageService:
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
             stream = await asyncio.wait_for(stub.rpc_download_average(sealed), min(timeout, self.next_chunk_timeout))
             reply = await read_stream(stream, max_bytes=self._tensor_bytes(1), **self._reply_limits(wait_s, timeout))
-            header = self._open_head(reply, swarm_pb2.AverageHeader, peer, sealed)
         except (WireRejected, Oversized) as e:
             return None, f"refused: {e}", 0
         except Exception as e:
             return None, repr(e)[:200], 0
+        return self._average_reply(reply, sealed, peer, round)
+
+    def _average_reply(
+        self, reply: Reply, sealed: envelope_pb2.SignedEnvelope, peer: str, round: int
+    ) -> tuple[HeldAverage | None, str, int]:
+        """A copy of round `round`'s average from `peer`'s reply to `sealed`, or why not (and the bytes received):
+        its header signed by `peer` in answer, its tensors of this stage's shapes, their bytes those the header's
+        SHA-256 names, finite, and the header's kind and spans well formed."""
+        try:
+            header = self._open_head(reply, swarm_pb2.AverageHeader, peer, sealed)
+        except WireRejected as e:
+            return None, f"refused: {e}", 0
         tensors, size = reply.tensors, reply.size
         if header.status != swarm_pb2.STATE_OK:
             return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
