@@ -30,7 +30,7 @@ from ..round_outcome import RoundOutcome
 from ..logs import set_log_context
 from ..state import StageState
 from ..worker import StageWorker
-from .agreement import majority_hash
+from .agreement import majority_hash, split_evenly
 from .state_service import StateDownload
 from .dht import Member
 from .priority import lower_priority, settle
@@ -440,15 +440,17 @@ class SwarmStageWorker(StageWorker):
             logger.info("left with workers of stage %d still on another state at the final round", self.stage)
 
     def _all_hold(self, boundary: int, ours: str) -> bool:
-        """Every other live worker of this stage announced `ours` for `boundary`, suspects too: a member that
-        failed the last exchange (one a leader counted in after it had given up on the leader is suspected by the
-        others) borrows the group's average from those still here, and only then announces the final state."""
+        """Every other live worker of this stage announced `ours` for `boundary`, suspects too (one that failed the
+        last exchange borrows the group's average from those still here, then announces the final state), or the
+        announced states are split evenly: a tie is kept (agreement.split_evenly), and nobody comes for this one."""
         others = {m.peer_id for m in self.swarm.membership.members(suspects_too=True)}
         try:
             hashes = {p: r.state_hash for p, r in self.swarm.records.round_records(boundary).items()}
         except Exception as e:
             self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
             return False
+        if split_evenly({p: hashes[p] for p in others if p in hashes} | {self.swarm.peer_id: ours}):
+            return True
         silent = sorted(p for p in others if hashes.get(p) != ours)
         if silent and not self._final_probed:  # a member killed in the last rounds never announces one
             self._final_probed = True

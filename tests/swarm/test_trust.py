@@ -116,17 +116,15 @@ def test_an_admitted_peer_sending_sign_flipped_contributions_under_the_screen_fo
     # screen's bar, so nothing leaves it out; the clip (swarm.clip_ratio 1.5 x the group's lower median) bounds it.
     # Its three honest partners end within 2% of the val loss of the same three (same data) alone, at equal tokens
     args = (*ONE_STAGE, "--mode", "sync", "--rounds", "10")
-    by_themselves = Swarm(tmp_path / "all-honest", run_id=f"{swarm.run_id}-all-honest")
+    by_themselves = Swarm(tmp_path / "all-honest", run_id=f"{swarm.run_id}-all-honest")  # both swarms at once
     try:
         alone = [by_themselves.start_peer(*args, "--min-peers", "3") for _ in range(3)]
-        for peer in alone:
+        honest = [swarm.start_peer(*args, "--min-peers", "4") for _ in range(3)]
+        hostile = swarm.start_peer(*args, "--min-peers", "4", env={"DILOCOX_FAULTS": "send_flipped_pseudo_gradient:stage=0"})
+        for peer in [*alone, *honest]:
             assert peer.wait(timeout=300) == 0, peer.output()
     finally:
         by_themselves.stop_all()
-    honest = [swarm.start_peer(*args, "--min-peers", "4") for _ in range(3)]
-    hostile = swarm.start_peer(*args, "--min-peers", "4", env={"DILOCOX_FAULTS": "send_flipped_pseudo_gradient:stage=0"})
-    for peer in honest:
-        assert peer.wait(timeout=300) == 0, peer.output()
     hostile.kill()
 
     _agree(*honest)
