@@ -31,8 +31,9 @@ Armed through the environment of the peer's processes, several separated by `;`:
 Hostile peers (docs/security.md), which skip this peer's own checks:
 - `send_nan_pseudo_gradient:round=R:stage=S` sends a pseudo-gradient full of NaN in round R.
 - `send_huge_pseudo_gradient:round=R:stage=S` sends 1000x its pseudo-gradient in round R.
-- `send_flipped_pseudo_gradient:round=R:stage=S` sends -9x its pseudo-gradient (without `round`: every round), just
-  under the norm screen's bar: the largest sign flip no screen leaves out (only the clip bounds it).
+- `send_flipped_pseudo_gradient:round=R:stage=S` sends -4x its pseudo-gradient (without `round`: every round): far
+  enough under the norm screen's bar (10x) that no part of it is struck, while the clip (1.5x) still weighs it as
+  much as any larger flip.
 - `send_nan_average:round=R:stage=S` makes stage S's reducer hand NaN averages to the others.
 - `send_malformed_parts:round=R:stage=S:shape=scalar|wide` makes stage S send each reducer of round R's fp32
   butterfly parts of another shape: a scalar (the part's norm: the norm screen passes it) or the part stacked

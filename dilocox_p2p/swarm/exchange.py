@@ -56,7 +56,7 @@ COUNTED_OUT = "a leader counted this worker into a group after it had given up o
 FOLLOWER_LAG_S = 2.5  # a follower of a designated leader declares this much later than the leader (_scheduled_time)
 ALONE_WITH_OUTSIDERS = "every other member of its group had given up on this group's leader"
 NOBODY_ELSE = "no other member of the stage group takes part in this round any more"
-FLIPPED_SCALE = 9.0  # send_flipped_pseudo_gradient: a sign flip just under the norm screen's bar (swarm.max_norm_ratio 10)
+FLIPPED_SCALE = 4.0  # send_flipped_pseudo_gradient: a sign flip that no part of passes the norm screen's bar (10x)
 
 
 def mending_order(result: RoundResult, me: str) -> list[str]:
