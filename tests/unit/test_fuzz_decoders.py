@@ -141,7 +141,7 @@ MESSAGE_CLASSES = [
 
 
 @pytest.mark.parametrize("cls", MESSAGE_CLASSES, ids=lambda c: c.DESCRIPTOR.name)
-@fuzz(100)
+@fuzz(150)
 @given(blob=peer_bytes, max_bytes=st.sampled_from([64 * 1024, 256, 16]))
 def test_wire_decode_accepts_or_refuses_any_bytes_with_wire_rejected(cls, blob, max_bytes):
     try:
@@ -602,7 +602,7 @@ def _finite(tensors: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-@fuzz(1600)
+@fuzz(800)
 @given(kind=st.sampled_from(BUTTERFLY_KINDS), sender=st.integers(0, GROUP - 1), ops=edits)
 def test_a_mutated_butterfly_part_is_reduced_with_the_others_or_refused_never_raised(kind, sender, ops):
     rounds, parts, spans, reduced = BUTTERFLIES[kind]
@@ -616,7 +616,7 @@ def test_a_mutated_butterfly_part_is_reduced_with_the_others_or_refused_never_ra
     assert not assembled.refused and _finite(assembled.tensors)  # what a reducer serves always assembles, finite
 
 
-@fuzz(1600)
+@fuzz(1100)
 @given(kind=st.sampled_from(BUTTERFLY_KINDS), reducer=st.integers(0, GROUP - 1), ops=edits)
 def test_a_mutated_reduced_part_is_assembled_or_refused_never_raised(kind, reducer, ops):
     rounds, _, spans, reduced = BUTTERFLIES[kind]
