@@ -105,9 +105,11 @@ class _OrderedMeanReducer(TensorPartReducer):
             refused, scales = bound(norms, self.max_norm_ratio, self.clip_ratio)
             for i, reason in refused.items():
                 self.offenses.setdefault(i, f"its part {self.current_part_index} {reason}")
-            flat = {i: t.reshape(-1) for i, t in self.contributions.items() if i not in refused}
-            against = {} if not self.direction_screen else against_the_group({i: (lambda lo, hi, t=t: t[lo:hi]) for i, t in flat.items()},
-                                        self.part_shapes[self.current_part_index].numel())  # fmt: skip
+            against = {}
+            if self.direction_screen:
+                flat = {i: t.reshape(-1) for i, t in self.contributions.items() if i not in refused}
+                against = against_the_group({i: (lambda lo, hi, t=t: t[lo:hi]) for i, t in flat.items()},
+                                            self.part_shapes[self.current_part_index].numel())  # fmt: skip
             if against:  # not struck: an honest part that is mostly noise can point against it now and then
                 logger.debug("part %d: senders %s %s", self.current_part_index, sorted(against), AGAINST)
             parts = [self.contributions[i].mul(scales[i]) if i in scales else self.contributions[i]
