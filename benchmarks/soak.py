@@ -1,7 +1,7 @@
 """Churn soak: many peers, many rounds, seeded chaos; the swarm must stay in agreement and keep learning.
 
     python benchmarks/soak.py                                  # 6 peers x 2 stages, 50 rounds, 12 events
-    python benchmarks/soak.py --peers 4 --rounds 26 --events 3 # the short soak (tests/swarm/test_soak.py)
+    python benchmarks/soak.py --peers 4 --rounds 26 --events 3 # the short soak (tests/netns/test_churn_soak.py, --netns)
     sudo python benchmarks/soak.py --netns                     # peers in network namespaces, + link throttling
     python benchmarks/soak.py --baseline                       # also a churn-free run of the same peers
 

@@ -89,11 +89,13 @@ def pytest_collection_modifyitems(config, items):
     items[:] = spread_swarm_tests(items)
 
 
-LONGEST_FIRST = ("test_soak.py",)  # a test this long must not be the last one a worker starts
+# tests this long must not be the last ones a worker starts (30-46 s each on 2 cores beside another test)
+LONGEST_FIRST = ("test_a_peer_frozen_for_two_rounds", "killed_mid_round_and_resumed", "matchmaking_fails_after",
+                 "sign_flipped_contributions", "bit_flipped_message")
 
 
 def spread_swarm_tests(items: list) -> list:
-    """The swarm tests spread evenly among the others, the longest first. pytest-xdist's `load` scheduler hands each
+    """The swarm tests spread evenly among the others, the longest (LONGEST_FIRST) first. pytest-xdist's `load` scheduler hands each
     worker a run of consecutive tests to start with (a quarter of its share): in collection order that put all 65
     swarm tests on one worker, which ran them one after the other (about 650 s) while the other finished the unit
     tests in 3 minutes and sat idle. Spread out, both workers run swarm tests, and each swarm test mostly shares the

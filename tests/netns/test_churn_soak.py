@@ -1,6 +1,7 @@
-"""The short churn soak (benchmarks/soak.py): 4 peers x 1 stage, 26 rounds, a freeze, a kill and a late joiner.
+"""The short churn soak (benchmarks/soak.py): 4 peers x 1 stage, 26 rounds, a freeze, a kill and a late joiner,
+each peer on a host of its own (a network namespace, its link shaped to 100 Mbit/s).
 
-    pytest tests/swarm/test_soak.py -q          # about a minute
+    sudo pytest tests/netns/test_churn_soak.py -q          # about two minutes
 
 The long soak (6 peers, 50 rounds, 12 events, network namespaces) is a documented command
 in the README; both check the same invariants from every peer's records and logs.
@@ -14,7 +15,7 @@ import pytest
 
 from benchmarks import soak
 
-pytestmark = pytest.mark.swarm
+pytestmark = pytest.mark.netns
 
 
 @pytest.mark.timeout(900)
@@ -24,7 +25,7 @@ def test_a_short_churn_soak_keeps_every_group_in_agreement_rejoins_killed_peers_
     # comes after the freeze (seed 2), at about round 7: on 2 busy cores a restart takes up to 13 s (11 rounds of
     # the others') before the peer resumes, and the swarm must go on 3 rounds more to judge its return
     args = soak.parse_args(["--peers", "4", "--stages", "1", "--rounds", "26", "--events", "3", "--seed", "2",
-                            "--timeout", "600",
+                            "--timeout", "600", "--netns", "--rate", "100",
                             "--freeze", "15", "--down", "2",
                             "--", "--set", "inner.batch_size=4", "--set", "inner.microbatches=2",
                             "--compression", "none"])  # fmt: skip
