@@ -21,6 +21,7 @@ never waits for AutoNAT before serving peers started with --auto-relay.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import signal
@@ -34,13 +35,15 @@ from typing import Any
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.node import DHTNode
+from multiaddr import Multiaddr
 
 from .doctor import listen_hostport, parse_peer_maddr
 from .endpoints import GrpcEndpoint, ensure_port_free, parse_hostport, start_metrics_http, write_atomically
-from .errors import ConfigError, IdentityError, SwarmError, SwarmUnreachable
+from .errors import ConfigError, IdentityError, SwarmError
 from .identity import peer_id_of, worker_identity
 from .logs import set_log_context
 from .swarm.dht import node_id_of, reachable_maddrs
+from .swarm.dht_join import ping_missing
 from .swarm.hello import serve_hello
 from .swarm.hivemind_patches import cap_stream_frames, guard_unary_replies
 
@@ -137,11 +140,17 @@ class _NodeProcess(hivemind.DHT):
         super().run()
 
 
-async def _node_status(_dht: hivemind.DHT, node: DHTNode) -> tuple[int, int]:
-    """(peers in the routing table, records stored here), after a lookup of a random key that contacts the
-    nearest peers and drops dead ones from the table (as hivemind's own run_dht does)."""
+async def _node_status(_dht: hivemind.DHT, node: DHTNode, fellows: tuple[str, ...] = ()) -> tuple[int, int, int]:
+    """(peers in the routing table, records stored here, fellow bootstrap nodes missing from the table), after a
+    ping of each fellow missing from it (dht_join.ping_missing: a fellow started after this node, or restarted, is
+    linked within a status period) and a lookup of a random key that contacts the nearest peers and drops dead
+    ones from the table (as hivemind's own run_dht does)."""
+    if fellows:
+        await ping_missing(_dht, node, fellows, ())
     await node.get(f"_bootstrap_probe_{secrets.token_hex(8)}", latest=True)
-    return len(node.protocol.routing_table.uid_to_peer_id), len(node.protocol.storage)
+    table = {peer.to_base58() for peer in node.protocol.routing_table.peer_id_to_uid}
+    missing = {Multiaddr(m).value_for_protocol("p2p") for m in fellows} - table - {node.peer_id.to_base58()}
+    return len(table), len(node.protocol.storage), len(missing)
 
 
 @dataclass
@@ -150,6 +159,7 @@ class _Metrics:
     up: Any
     peers: Any
     records: Any
+    fellows_missing: Any
     server: Any = None
 
     @classmethod
@@ -162,7 +172,9 @@ class _Metrics:
             Gauge("dilocox_bootstrap_up", "1 while the DHT node answers, else 0", registry=registry),
             Gauge("dilocox_bootstrap_routing_table_peers", "DHT peers in this node's routing table", registry=registry),
             Gauge("dilocox_bootstrap_stored_records", "DHT keys stored on this node", registry=registry),
-        )
+            Gauge("dilocox_bootstrap_fellows_missing", "other bootstrap nodes (--initial-peers) not in the routing "
+                  "table", registry=registry),
+        )  # fmt: skip
         uptime = Gauge("dilocox_bootstrap_uptime_seconds", "seconds since this node started", registry=registry)
         uptime.set_function(lambda: time.time() - started)
         return metrics
@@ -179,6 +191,7 @@ class BootstrapNode:
     peer_id: str
     maddrs: list[str] = field(default_factory=list)
     _peers_seen: int = -1
+    _missing_seen: int = -1
 
     @classmethod
     def start(cls, opts: BootstrapOptions) -> BootstrapNode:
@@ -186,7 +199,7 @@ class BootstrapNode:
 
         Raises:
             ConfigError, IdentityError: a flag, port or key file the user must fix.
-            SwarmError: the p2p daemon did not start or could not reach the other bootstrap nodes.
+            SwarmError: the p2p daemon did not start (other bootstrap nodes that are down are asked again later).
         """
         _check_flags(opts)
         peer_id = _prepare_state(opts)
@@ -212,7 +225,8 @@ class BootstrapNode:
         """Ask the node for its routing table; set health and metrics from the answer. Returns whether it answered."""
         status = None
         if self.dht.is_alive():
-            future = self.dht.run_coroutine(_node_status, return_future=True)
+            status_of = functools.partial(_node_status, fellows=self.opts.initial_peers)
+            future = self.dht.run_coroutine(status_of, return_future=True)
             try:
                 status = future.result(timeout=STATUS_TIMEOUT_S)
             except Exception as e:
@@ -221,13 +235,26 @@ class BootstrapNode:
         self.health.set_serving(status is not None)
         self.metrics.up.set(1 if status is not None else 0)
         if status is not None:
-            peers, records = status
+            peers, records, missing = status
             self.metrics.peers.set(peers)
             self.metrics.records.set(records)
+            self.metrics.fellows_missing.set(missing)
             if peers != self._peers_seen:
                 logger.info("routing table: %d peer(s), %d record(s) stored here", peers, records)
                 self._peers_seen = peers
+            if missing != self._missing_seen and self.opts.initial_peers:
+                self._say_fellows(missing)
+                self._missing_seen = missing
         return status is not None
+
+    def _say_fellows(self, missing: int) -> None:
+        fellows = len(self.opts.initial_peers)
+        if missing:
+            logger.warning("%d of the %d other bootstrap nodes (--initial-peers) do not answer yet; serving without "
+                           "them (this node may be the swarm's first) and asking them again every %.0f s",
+                           missing, fellows, self.opts.status_period)  # fmt: skip
+        else:
+            logger.info("linked to all %d other bootstrap node(s)", fellows)
 
     def serve(self, stop: threading.Event) -> int:
         """Watch the node until `stop` is set (exit code 0) or its DHT process dies (1)."""
@@ -281,8 +308,9 @@ def _start_endpoints(opts: BootstrapOptions) -> tuple[GrpcEndpoint, _Metrics]:
 
 
 def _start_dht(opts: BootstrapOptions, peer_id: str) -> hivemind.DHT:
+    """The DHT node, started alone: its fellow bootstrap nodes are joined once it runs (`BootstrapNode._link`),
+    so that it starts though they are all down (it may be the swarm's first)."""
     kwargs: dict[str, Any] = dict(
-        initial_peers=list(opts.initial_peers) or None,
         host_maddrs=list(opts.host_maddrs),
         announce_maddrs=list(opts.announce_maddrs) or None,
         identity_path=str(opts.identity_path),
@@ -299,9 +327,4 @@ def _start_dht(opts: BootstrapOptions, peer_id: str) -> hivemind.DHT:
         return _NodeProcess(**kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, ValueError...
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if opts.initial_peers:
-            raise SwarmUnreachable(
-                f"could not reach the other bootstrap nodes --initial-peers {' '.join(opts.initial_peers)}: {text}. "
-                "Start at least one of them first, or start this one without --initial-peers"
-            ) from None
         raise SwarmError(f"could not start the DHT node on {' '.join(opts.host_maddrs)}: {text}") from None

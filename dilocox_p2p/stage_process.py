@@ -45,9 +45,12 @@ def stage_main(
                       own_session=own_session)  # fmt: skip
     # Ctrl-C on a terminal reaches every process of the group: the launcher forwards one
     # SIGTERM instead, so the stages ignore SIGINT (and so do the DHT processes they fork).
-    # SIGTERM stops a stage (the worker installs its graceful handler), unlike the fork server.
+    # SIGTERM stops a stage (the worker installs its graceful handler), unlike the fork server. Until the worker
+    # stands, it unwinds the start: the DHT process and p2p daemon a stage has started are shut down on the way
+    # out (SIG_DFL left them running, orphaned, holding the launcher's stdout: a join that found no initial peer
+    # while its other stage still waited for one).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _stop_starting)
     n = spec.cfg.model.stages
     if spec.stage == 0:
         store = dist.TCPStore("127.0.0.1", 0, world_size=n, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
@@ -68,6 +71,10 @@ def _worker_class(cfg: Config) -> type[StageWorker]:
     from .swarm.worker import SwarmStageWorker  # imports hivemind
 
     return SwarmStageWorker
+
+
+def _stop_starting(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _run_stage(spec: WorkerSpec, *, store: Any = None) -> int:

@@ -46,7 +46,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
                    help="addresses peers should dial, e.g. /ip4/203.0.113.7/tcp/31337 (public IP or NAT mapping)")  # fmt: skip
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                   help="other bootstrap nodes of the swarm, e.g. /ip4/198.51.100.2/tcp/31337/p2p/12D3KooW...")  # fmt: skip
+                   help="other bootstrap nodes of the swarm, e.g. /ip4/198.51.100.2/tcp/31337/p2p/12D3KooW... (the "
+                   "node starts though they are down, and links to each once it answers)")  # fmt: skip
     p.add_argument("--relay", action="store_true",
                    help="serve as a circuit relay for peers behind NAT (they pass --auto-relay)")  # fmt: skip
     p.add_argument("--health-addr", default="127.0.0.1:0", metavar="HOST:PORT",
@@ -54,6 +55,9 @@ def build_parser() -> OneLineParser:
                    "address goes to STATE_DIR/health.addr)")  # fmt: skip
     p.add_argument("--metrics-addr", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")  # fmt: skip
+    p.add_argument("--status-period", type=float, default=10.0, metavar="S",
+                   help="seconds between checks of the node: health, metrics, and the other bootstrap nodes asked "
+                   "again while they are missing (default 10)")  # fmt: skip
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="text lines (default) or one JSON object per line")  # fmt: skip
@@ -72,6 +76,7 @@ def options_from_args(args: argparse.Namespace) -> BootstrapOptions:
         relay=args.relay,
         health_addr=args.health_addr,
         metrics_addr=args.metrics_addr,
+        status_period=args.status_period,
     )
 
 

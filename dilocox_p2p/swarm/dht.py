@@ -23,10 +23,8 @@ counts it).
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,6 @@ import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import get_dht_time
-from multiaddr import Multiaddr
 
 from ..average import malformed_average
 from ..config import SwarmConfig
@@ -45,7 +42,8 @@ from ..errors import SwarmError, SwarmUnreachable, WireRejected
 from ..identity import peer_id_of, worker_identity
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
-from .dht_process import HelperDHT
+from .dht_join import join_any
+from .dht_process import HelperDHT, dht_result, shutdown_whole
 from .faults import FaultCounter
 from .record_rules import (
     AVERAGE_RECORD_TTL_S,
@@ -62,22 +60,13 @@ __all__ = ["EnvelopeValidator", "Member", "RunRecords", "dht_result", "node_id_o
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
-JOIN_ATTEMPTS = 3  # an initial peer that is busy or restarting is tried again, JOIN_RETRY_S x attempt later
-JOIN_RETRY_S = 2
-LISTEN_POLL_S = 0.1  # how often an initial peer that does not listen yet is probed
-# hivemind's DHTNode.create, once one initial peer answered its ping, waits up to bootstrap_timeout (by default
-# wait_timeout, 3 s) for the others' pings and for its walk to its own nearest nodes, a few round trips each on the
-# internet. The walk goes on in the background after that (it is not cancelled), and every store or get walks to its
-# key's nodes from whatever node is known: nothing needs the walk done before the node is used. On loopback the walk
-# takes a few milliseconds and the limit changes nothing measurable (benchmarks/startup.py, side by side).
-BOOTSTRAP_S = 0.2
+JOIN_S = 8.0  # how long a node waits for one of its initial peers to answer (one still starting or restarting)
 # A record is stored on its key's REPLICAS nearest DHT nodes (hivemind's num_replicas), and a walk to them asks
 # each node it meets for the key's value: every member's record under it. hivemind walks a beam of 20 nodes
 # (its bucket size) for a store and a get alike, so every node of a swarm of up to 20 answered every walk with
 # every record (N^2 bytes per member and walk); a beam of REPLICAS finds the nodes that hold the records.
 REPLICAS = 5
 BEAM_SIZE = REPLICAS
-DHT_CALL_CHECK_S = 1.0  # a DHT call still running checks this often that the DHT process is alive
 
 
 def node_id_of(peer_id: str) -> DHTID:
@@ -97,20 +86,18 @@ def start_dht(
     identity_path: Path,
     validator: RecordValidatorBase,
     extra_peers: Sequence[str] = (),
+    join_s: float = JOIN_S,
 ) -> hivemind.DHT:
-    """Start this worker's DHT node (libp2p key: `identity_path`, identity.worker_identity) and join the
-    swarm; errors name the failing address.
-
-    `extra_peers` are this peer's own stage-0 node, bootstrapped from with the initial peers, so that a peer's
-    stages share one DHT (a peer without initial peers joins its stages otherwise: reconnect.join_lead).
-    """
+    """Start this worker's DHT node (libp2p key: `identity_path`, identity.worker_identity) and join the swarm
+    through whichever of its initial peers answers first (dht_join.py), linking `extra_peers` (this peer's own
+    stage-0 node) at the same time (without initial peers: through `extra_peers`); errors name the failing
+    address: SwarmUnreachable when none answered within `join_s`."""
     kwargs: dict[str, Any] = dict(
-        initial_peers=[*cfg.initial_peers, *extra_peers] or None,
+        initial_peers=None,  # joined by dht_join.join_any once the node runs: all at once, never refused a start
         host_maddrs=[stage_maddr(m, stage) for m in cfg.host_maddrs],
         announce_maddrs=[stage_maddr(m, stage) for m in cfg.announce_maddrs] or None,
         start=True,
         startup_timeout=30,
-        bootstrap_timeout=BOOTSTRAP_S,
         record_validators=[validator],
         identity_path=str(identity_path),
         check_if_identity_free=False,  # hivemind's check reads RSA keys only; the key is this worker's own file
@@ -130,97 +117,28 @@ def start_dht(
         kwargs.update(nat_port_map=False, auto_nat=False)
     if cfg.auto_relay:  # behind NAT: reserve a slot on the relays among the initial peers (bootstrap --relay)
         kwargs.update(use_auto_relay=True, trusted_relays=list(cfg.initial_peers) or None)
-    targets = [*cfg.initial_peers, *extra_peers]
-    for attempt in range(JOIN_ATTEMPTS):
-        # a peer still starting (or restarting), or this peer's stage 0, is tried the moment it listens; while
-        # none does, starting a node (a p2p daemon that dials them) cannot join: it is not started in vain
-        listening = not targets or wait_until_listening(targets, timeout=JOIN_RETRY_S * max(attempt, 1))
-        if not listening and cfg.initial_peers:
-            if attempt + 1 < JOIN_ATTEMPTS:
-                logger.warning("no initial peer accepts connections yet; waiting up to %d s more",
-                               JOIN_RETRY_S * (attempt + 1))  # fmt: skip
-                continue
-            _raise_start_error(cfg, ConnectionRefusedError("no initial peer accepts TCP connections at its address"),
-                               unreachable=True)  # fmt: skip
-        try:
-            return HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
-        except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
-            unreachable = bool(cfg.initial_peers) and "address already in use" not in str(e)
-            if unreachable and attempt + 1 < JOIN_ATTEMPTS:  # a busy or restarting initial peer: try again shortly
-                logger.warning("could not reach the initial peers (%s); trying again as soon as one listens, within "
-                               "%d s", _first_line(e), JOIN_RETRY_S * (attempt + 1))  # fmt: skip
-                continue
-            _raise_start_error(cfg, e, unreachable=unreachable)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def wait_until_listening(maddrs: Sequence[str], *, timeout: float) -> bool:
-    """Wait (at most `timeout`) until one of `maddrs` accepts a TCP connection; whether one did. Addresses
-    that are not plain TCP (QUIC, relayed) are taken as listening: only the DHT can tell."""
-    targets = []
-    for maddr in maddrs:
-        try:
-            m = Multiaddr(maddr)
-            protocols = {p.name for p in m.protocols()}
-            if "p2p-circuit" in protocols or "tcp" not in protocols:
-                return True
-            host = next(m.value_for_protocol(p) for p in ("ip4", "ip6", "dns4", "dns6", "dns") if p in protocols)
-            targets.append((host, int(m.value_for_protocol("tcp"))))
-        except (ValueError, StopIteration, KeyError):
-            return True  # the DHT will say what is wrong with it
-    deadline = time.monotonic() + timeout
-    while True:
-        for host, port in targets:
-            try:
-                with socket.create_connection((host, port), timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
-                    return True
-            except OSError:
-                pass
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(LISTEN_POLL_S)
+    try:
+        dht = HelperDHT(nice=max(cfg.helper_nice, 0), **kwargs)
+    except Exception as e:  # hivemind raises P2PDaemonError, ValueError, TimeoutError...
+        raise SwarmError(f"could not start the DHT node on {' '.join(cfg.host_maddrs)}: {_first_line(e)}") from None
+    # the swarm is reached through an initial peer (the peer's own stage 0 is linked on the way); without any,
+    # through `extra_peers` alone
+    targets, also = (cfg.initial_peers, extra_peers) if cfg.initial_peers else (tuple(extra_peers), ())
+    try:
+        if targets and not join_any(dht, targets, timeout=join_s, also=also):
+            raise SwarmUnreachable(
+                f"could not join the swarm through --initial-peers {' '.join(targets)}: none answered "
+                f"within {join_s:.0f} s. Check that each address is complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that "
+                "the peer is running, and that its TCP port is open from this machine"
+            )
+    except BaseException:  # or a stop asked for while joining (stage_process: SystemExit)
+        shutdown_whole(dht)
+        raise
+    return dht
 
 
 def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def _raise_start_error(cfg: SwarmConfig, e: Exception, *, unreachable: bool) -> None:
-    """Turn a DHT start failure into the error that names the failing address."""
-    text = _first_line(e)
-    if unreachable:
-        raise SwarmUnreachable(
-            f"could not join the swarm through --initial-peers {' '.join(cfg.initial_peers)}: {text}. "
-            "Check that each address is complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that the peer is running, "
-            "and that its TCP port is open from this machine"
-        ) from None
-    raise SwarmError(f"could not start the DHT node on {' '.join(cfg.host_maddrs)}: {text}") from None
-
-
-def dht_result(
-    dht: hivemind.DHT,
-    future: Any,
-    what: str,
-    *,
-    check_s: float = DHT_CALL_CHECK_S,
-    deadline: float = float("inf"),
-    cancelled: Callable[[], bool] | None = None,
-) -> Any:
-    """The result of a call into `dht`'s process. hivemind waits for that process without a limit: if it died
-    (the OOM killer, a signal sent to the whole process group), every call would hang its caller for good.
-    Looks every `check_s` whether it is alive (not at all once it is known dead): SwarmError if not;
-    TimeoutError past `deadline` (time.monotonic()) or once `cancelled()` (the future is then cancelled)."""
-    while True:
-        alive = dht.is_alive()
-        try:
-            return future.result(timeout=max(0.0, min(check_s if alive else 0.05, deadline - time.monotonic())))
-        except TimeoutError:
-            if not alive or not dht.is_alive():
-                raise SwarmError(f"{what}: this worker's DHT process has died (exit code {dht.exitcode}); "
-                                 "the peer cannot go on in the swarm: restart it with --resume") from None
-            if time.monotonic() >= deadline or (cancelled is not None and cancelled()):
-                future.cancel()
-                raise
 
 
 def reachable_maddrs(dht: hivemind.DHT) -> list[str]:

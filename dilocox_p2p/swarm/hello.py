@@ -27,7 +27,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from .. import __version__
 from ..proto_gen.control_pb2 import HelloReply, HelloRequest
 from ..wire import protocol_version
-from .dht import dht_result
+from .dht_process import dht_result
 
 __all__ = ["HELLO", "SOFTWARE", "say_hello", "serve_hello"]
 

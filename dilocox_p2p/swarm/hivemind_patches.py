@@ -111,12 +111,16 @@ PATCHES: dict[str, str] = {
     "TensorPartReducer.sender_failed_after / num_parts_received / contributions": "read and kept as hivemind does",
     # p2p/p2p_daemon.py (our doctor.py): P2P has no public call to dial one given address of a peer
     "P2P._client.connect": "doctor dials each initial peer's own multiaddr to tell a dead address from a live node; "
-    "reconnect.py dials an initial peer at its address again after the DHT lost it",
-    # dht/node.py, protocol.py, routing.py (our swarm/reconnect.py): the DHT asks its initial peers only at start
+    "dht_join.py dials every initial peer at its address (a node starts alone and joins them all at once; "
+    "reconnect.py and a bootstrap node's fellows are dialed again while they are missing)",
+    # dht/node.py, protocol.py, routing.py (our swarm/dht_join.py, reconnect.py): a node is started without
+    # initial_peers (hivemind's p2p daemon dials them one by one and refuses to start when none answers)
     "DHTNode.protocol.routing_table.peer_id_to_uid": "read: which peers the DHT node still has a route to",
+    "DHTNode.find_nearest_nodes": "the walk to a joined node's own nearest nodes, which DHTNode.create does after "
+    "its pings (dht_join._walk)",
     "DHT._get / _store / _run_coroutine": "wrapped (dht_process.HelperDHT) to hold each call's task until it ends: the DHT "
     "process keeps no reference to them, and one destroyed by the cycle collector left its caller waiting for good",
-    "DHTProtocol.call_ping": "pings a lost peer; its answer puts it back in both routing tables",
+    "DHTProtocol.call_ping": "pings an initial or lost peer; its answer puts each in the other's routing table",
     "DHTProtocol.IS_REGULAR_VALUE": "read (record_rules.EnvelopeValidator): the subkey bytes of a plain value, refused "
     "under every key (it would replace every record under its key)",
     "P2P.receive_raw_data / HEADER_LEN / BYTEORDER": "replaced (cap_stream_frames below): a frame's declared length "

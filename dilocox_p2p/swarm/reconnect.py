@@ -33,59 +33,20 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hivemind.p2p import PeerID
-from multiaddr import Multiaddr
 
 from ..errors import SwarmError
-from .dht import LISTEN_POLL_S, dht_result, wait_until_listening
+from .dht_join import MAX_PINGS, PING_TIMEOUT_S, join_any, ping_missing
+from .dht_process import dht_result
 from .dial import gone
 from .faults import FaultCounter
 
-__all__ = ["FORGET_S", "LEAD_JOIN_S", "RECONNECT_S", "RouteKeeper", "gone_peers", "join_lead", "ping_missing"]
+__all__ = ["FORGET_S", "LEAD_JOIN_S", "RECONNECT_S", "RouteKeeper", "gone_peers", "join_lead"]
 
 logger = logging.getLogger(__name__)
 
 RECONNECT_S = 2.0
 FORGET_S = 300.0  # a member not seen for this long is no longer asked again (it left the run)
-PING_TIMEOUT_S = 5.0
 WAIT_SLICE_S = 0.2  # how often a look waiting for the DHT process checks that the keeper is open and the process alive
-MAX_PINGS = 16  # at most this many missing peers are asked per look (the initial peers first)
-
-
-async def ping_missing(_dht: Any, node: Any, initial: Sequence[str], members: Sequence[str]) -> tuple[int, list[str]]:
-    """In the DHT process: ping each of `initial` (full multiaddrs, dialed at that address) missing from the
-    routing table and, if the table is empty, each of `members` (peer ids). A large swarm's members do not
-    all fit in a routing table; only a node that lost every route asks them. Returns (routes before, peers
-    that answered)."""
-    table = node.protocol.routing_table
-    present = {peer.to_base58() for peer in table.peer_id_to_uid}
-    targets: dict[str, list[Multiaddr]] = {}
-    for text in initial:
-        try:
-            maddr = Multiaddr(text)
-            peer = maddr.value_for_protocol("p2p")
-        except Exception as e:  # noqa: BLE001 - config checked it at start; a bad one is skipped, not fatal here
-            logger.debug("initial peer %s skipped: %r", text, e)
-            continue
-        if peer not in present and peer != node.peer_id.to_base58():
-            targets.setdefault(peer, []).append(maddr.decapsulate(f"/p2p/{peer}"))
-    if not present:  # lost every route; with some left, lookups find the missing members through them
-        for peer in members:
-            if peer != node.peer_id.to_base58():
-                targets.setdefault(peer, [])
-    chosen = list(targets.items())[:MAX_PINGS]
-
-    async def ping(peer: str, maddrs: list[Multiaddr]) -> str | None:
-        peer_id = PeerID.from_base58(peer)
-        try:
-            if maddrs:  # the daemon may have forgotten the address of a peer it lost long ago
-                await asyncio.wait_for(node.p2p._client.connect(peer_id, maddrs), PING_TIMEOUT_S)
-            answered = await asyncio.wait_for(node.protocol.call_ping(peer_id), PING_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - a peer that is down or gone: asked again at the next look
-            return None
-        return peer if answered is not None else None
-
-    answers = await asyncio.gather(*(ping(peer, maddrs) for peer, maddrs in chosen))
-    return len(present), [peer for peer in answers if peer]
 
 
 LEAD_JOIN_S = 60.0  # how long a stage waits for its peer's stage 0 to answer (a start beside busy peers is slow)
@@ -93,27 +54,12 @@ LEAD_JOIN_S = 60.0  # how long a stage waits for its peer's stage 0 to answer (a
 
 def join_lead(dht: Any, lead: Sequence[str], *, timeout: float = LEAD_JOIN_S) -> None:
     """Join `dht` (a node started without initial peers) to this peer's stage 0 node at `lead` (its full
-    multiaddrs): the moment that node listens, ping it; the answer puts each node in the other's routing
-    table, which is all a bootstrap would have done in a DHT of these two. So a peer without initial peers
-    starts every stage's DHT node at once: a node started with stage 0 as its initial peer could only start
-    once stage 0's listened (its p2p daemon and DHT node fail to bootstrap otherwise), 0.45 s more of every
-    lone peer's start on 2 cores. SwarmError if stage 0 does not answer within `timeout`."""
-    deadline = time.monotonic() + timeout
-    ping = functools.partial(ping_missing, initial=tuple(lead), members=())
-    while True:
-        if wait_until_listening(lead, timeout=max(0.0, deadline - time.monotonic())):
-            # stage 0's daemon listens a moment before its DHT node serves: a ping then fails, and is sent again
-            try:
-                _, answered = dht_result(dht, dht.run_coroutine(ping, return_future=True), "joining stage 0's DHT node",
-                                         deadline=min(deadline, time.monotonic() + PING_TIMEOUT_S * 2 + 1))  # fmt: skip
-            except TimeoutError:  # a ping that took its whole time (a busy machine): asked again until the deadline
-                answered = []
-            if answered:
-                return
-        if time.monotonic() >= deadline:
-            raise SwarmError(f"this peer's stage 0 DHT node ({' '.join(lead)}) did not answer within {timeout:.0f} s; "
-                             "see its log (RUN_DIR/logs/stage0.log)")
-        time.sleep(LISTEN_POLL_S)
+    multiaddrs): the moment that node listens, ping it (dht_join.join_any); the answer puts each node in the
+    other's routing table, which is all a bootstrap would have done in a DHT of these two. So a peer without
+    initial peers starts every stage's DHT node at once. SwarmError if stage 0 does not answer within `timeout`."""
+    if not join_any(dht, lead, timeout=timeout):
+        raise SwarmError(f"this peer's stage 0 DHT node ({' '.join(lead)}) did not answer within {timeout:.0f} s; "
+                         "see its log (RUN_DIR/logs/stage0.log)")
 
 
 GONE_PROBE_S = 2.0  # how long a probe of one member may take (a connection refused answers at once)

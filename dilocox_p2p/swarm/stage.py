@@ -44,6 +44,7 @@ from .agreement import Agreement
 from .averager import DilocoxAverager
 from .credentials import Credentials
 from .dht import EnvelopeValidator, RunRecords, reachable_maddrs, run_keys, start_dht
+from .dht_process import shutdown_whole
 from .exchange import ExchangeQueue
 from .faults import FaultCounter
 from .heartbeat import Heartbeat
@@ -99,7 +100,7 @@ class SwarmStage:
             try:
                 join_lead(self.dht, lead)
             except BaseException:
-                self.dht.shutdown()
+                shutdown_whole(self.dht)
                 raise
         serve_hello(self.dht, role="peer", run_id=cfg.run.run_id)  # `dilocox-peer doctor` tells a dilocox node by it
         self.peer_id = self.dht.peer_id.to_base58()
