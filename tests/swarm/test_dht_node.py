@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
+import time
 import weakref
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
+from dilocox_p2p.identity import peer_id_of
 from dilocox_p2p.swarm.dht import RunRecords, node_id_of
+from dilocox_p2p.swarm.dht_join import PING_TIMEOUT_S
 from dilocox_p2p.swarm.faults import FaultCounter
 from dilocox_p2p.wire import swarm_pb2
+from tests.helpers.ports import free_port
 from tests.helpers.signed import signed_node
 
 pytestmark = pytest.mark.swarm
@@ -98,3 +104,28 @@ def test_a_dht_call_waiting_on_a_future_nothing_else_holds_is_answered_though_th
         assert future.result(timeout=10) == "answered"
     finally:
         dht.shutdown()
+
+
+def test_a_node_joins_through_the_first_initial_peer_that_answers_though_the_others_are_dead_or_silent(tmp_path):
+    # hivemind's p2p daemon dialed its initial peers one by one at start: one that accepts TCP and never completes
+    # the handshake held the start 5 s wherever it stood in the list, and none answering refused the start
+    live, signer, gate = signed_node("dj", root=tmp_path)
+    nobody = peer_id_of(Ed25519PrivateKey.generate())
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # accepts connections, never says a word
+        dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{nobody}"
+        mute = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{nobody}"
+        began = time.monotonic()
+        node, _, _ = signed_node("dj", root=tmp_path, initial_peers=[dead, mute, *map(str, live.get_visible_maddrs())])
+        joined_s = time.monotonic() - began
+    try:
+        assert joined_s < PING_TIMEOUT_S, f"the join waited {joined_s:.1f} s: for the silent peer"
+        records = RunRecords(live, "dj", 0, FaultCounter(), signer=signer, gate=gate)
+        key = "dj:average:s0:1"
+        value = signer.seal(swarm_pb2.AverageRecord(round=1, average_hash="cd" * 32), topic=key, round=1)
+        assert records.store_sealed(key, value, get_dht_time() + 60)
+        assert node.get(key, latest=True) is not None  # in one DHT with the live peer
+    finally:
+        node.shutdown()
+        live.shutdown()
