@@ -119,15 +119,26 @@ class ControlConfig:
     """text: one readable line per event; json: one JSON object per line (time, level, peer, stage, round...)."""
     control_addr: str = "127.0.0.1:0"
     """Where stage 0 serves the PeerControl gRPC service and gRPC health (`dilocox-peer status`); port 0 picks a
-    free port. The bound address is written to RUN_DIR/control.addr. It is read-only but unauthenticated: keep
-    it on loopback or a private network."""
+    free port. The bound address is written to RUN_DIR/control.addr. Requests from this machine are served as
+    they come; from other hosts only those signed by one of `operator_keys` (control_auth.py)."""
+    operator_keys: tuple[str, ...] = ()
+    """Ed25519 public keys (hex, as `dilocox-peer keygen` prints them) whose signed requests the control plane
+    serves from other hosts (`dilocox-peer status --target HOST:PORT --operator-key FILE`); empty: loopback only."""
     metrics_addr: str = ""
-    """Where stage 0 serves Prometheus metrics at /metrics (HOST:PORT); empty: not served."""
+    """Where stage 0 serves Prometheus metrics at /metrics (HOST:PORT); empty: not served. Unauthenticated (a
+    scraper cannot sign): bind it to loopback or a monitoring network, apart from `control_addr`."""
 
     def __post_init__(self) -> None:
         check_choices(self, "control")
         from .endpoints import parse_hostport
 
         parse_hostport(self.control_addr, flag="control.control_addr")
+        from .control_auth import operator_keys_from_hex
+        from .errors import ConfigError
+
+        try:
+            operator_keys_from_hex(self.operator_keys, flag="control.operator_keys")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.metrics_addr:
             parse_hostport(self.metrics_addr, flag="control.metrics_addr")

@@ -9,11 +9,12 @@
   `Watch` (a stream of RoundEvents: every completed round's metrics record, every change of
   state), with the standard grpc.health.v1 service, on `control.control_addr` (default
   127.0.0.1, a free port); the bound address goes to RUN_DIR/control.addr for
-  `dilocox-peer status RUN_DIR`. Read-only, unauthenticated: keep it on a trusted network (an address
-  beyond loopback is warned about at start). At most MAX_WATCHERS Watch streams at once, so that
+  `dilocox-peer status RUN_DIR`. Read-only. Requests from this machine are served as they come; from
+  other hosts only those signed by an operator key listed in `control.operator_keys` (control_auth.py;
+  refusals counted as the fault `control_refused`). At most MAX_WATCHERS Watch streams at once, so that
   GetStatus and health always have server threads.
-- Prometheus text format at http://`control.metrics_addr`/metrics (when set), collected from
-  the same snapshot at scrape time, so /metrics and `status` never disagree.
+- Prometheus text format at http://`control.metrics_addr`/metrics (when set, its own address), collected
+  from the same snapshot at scrape time, so /metrics and `status` never disagree. Unauthenticated.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import grpc
 
 from . import __version__
 from .config import Config
+from .control_auth import ControlGate, ControlInterceptor, operator_keys_from_hex
 from .endpoints import GrpcEndpoint, parse_hostport, start_metrics_http, write_atomically
 from .proto_gen import control_pb2, control_pb2_grpc
 
@@ -127,6 +129,12 @@ class StatusBoard:
             )
             self._last_round = event
         self._publish(event)
+
+    def count(self, fault: str) -> None:
+        """One more of `fault` (a refused control request), beside the rounds' counts."""
+        with self._lock:
+            self.status.faults[fault] = self.status.faults[fault] + 1
+            self.status.updated_at = time.time()
 
     # ----- readers -----------------------------------------------------------------------------
     def snapshot(self) -> control_pb2.PeerStatus:
@@ -261,11 +269,20 @@ class ControlPlane:
     def start(cls, cfg: Config, board: StatusBoard, run_dir: Path) -> ControlPlane:
         stopping = threading.Event()
         service = PeerControlService(board, stopping)
+        keys = operator_keys_from_hex(cfg.control.operator_keys, flag="control.operator_keys")
+        interceptor = ControlInterceptor(ControlGate(keys), _Refusals(board).record)
         endpoint = GrpcEndpoint.start(
-            cfg.control.control_addr, flag="--control-addr", workers=GRPC_THREADS,
+            cfg.control.control_addr, flag="--control-addr", workers=GRPC_THREADS, interceptors=[interceptor],
             add=lambda server: control_pb2_grpc.add_PeerControlServicer_to_server(service, server),
         )  # fmt: skip
-        _warn_if_reachable(endpoint.address, "--control-addr", "its status (run id, peer id, addresses, losses)")
+        if not _is_local(endpoint.address, "--control-addr"):
+            if keys:
+                logger.info("--control-addr %s: requests from other hosts are served when signed by one of %d operator "
+                            "key(s) (control.operator_keys)", endpoint.address, len(keys))  # fmt: skip
+            else:
+                logger.warning("--control-addr %s listens beyond this machine, but no control.operator_keys are listed: "
+                               "requests from other hosts are refused. List an operator's key (`dilocox-peer keygen`, "
+                               "then --operator-keys HEX) to read this peer from another host", endpoint.address)  # fmt: skip
         http = None
         if cfg.control.metrics_addr:
             from prometheus_client import CollectorRegistry
@@ -294,14 +311,36 @@ class ControlPlane:
         self.grpc.stop(grace=1.0)
 
 
-def _warn_if_reachable(address: str, flag: str, what: str) -> None:
-    """Say so when a read-only, unauthenticated endpoint listens beyond this machine (any address not on loopback)."""
+class _Refusals:
+    """Counts refused control requests on the board and logs them, at most one line per LOG_EVERY_S."""
+
+    LOG_EVERY_S = 10.0
+
+    def __init__(self, board: StatusBoard):
+        self.board, self._logged_at, self._since = board, -math.inf, 0
+        self._lock = threading.Lock()
+
+    def record(self, reason: str, peer: str) -> None:
+        self.board.count("control_refused")
+        with self._lock:
+            self._since += 1
+            if time.monotonic() - self._logged_at < self.LOG_EVERY_S:
+                return
+            count, self._since, self._logged_at = self._since, 0, time.monotonic()
+        logger.warning("refused %d control request(s), the last from %s: %s", count, peer, reason)
+
+
+def _is_local(address: str, flag: str) -> bool:
     host, _ = parse_hostport(address, flag=flag)
     try:
-        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: where it points is not known here
-        local = False
-    if not local:
+        return False
+
+
+def _warn_if_reachable(address: str, flag: str, what: str) -> None:
+    """Say so when an unauthenticated endpoint (/metrics) listens beyond this machine (any address not on loopback)."""
+    if not _is_local(address, flag):
         logger.warning(
             "%s %s listens beyond this machine with no authentication: anyone who reaches it reads %s. Keep it "
             "on loopback (the default), or on a trusted network behind a firewall", flag, address, what,

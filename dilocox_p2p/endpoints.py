@@ -126,10 +126,13 @@ class GrpcEndpoint:
     address: str
 
     @classmethod
-    def start(cls, addr: str, *, flag: str, add: Callable[[grpc.Server], Any] = lambda s: None, workers: int = 8) -> GrpcEndpoint:
+    def start(
+        cls, addr: str, *, flag: str, add: Callable[[grpc.Server], Any] = lambda s: None, workers: int = 8,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
+    ) -> GrpcEndpoint:  # fmt: skip
         host, port = parse_hostport(addr, flag=flag)
         ensure_port_free(host, port, flag=flag)
-        server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"))
+        server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"), interceptors=interceptors)
         servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
         add(server)

@@ -51,6 +51,7 @@ _FLAG_KEYS = {
     "log_format": "control.log_format",
     "control_addr": "control.control_addr",
     "metrics_addr": "control.metrics_addr",
+    "operator_keys": "control.operator_keys",
     "auto_relay": "swarm.auto_relay",
 }
 
@@ -96,6 +97,11 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     g.add_argument(
         "--control-addr", metavar="HOST:PORT",
         help="PeerControl gRPC + health for `dilocox-peer status` (default 127.0.0.1:0, written to RUN_DIR/control.addr)",
+    )  # fmt: skip
+    g.add_argument(
+        "--operator-keys", nargs="+", metavar="HEX",
+        help="operator public keys (from `dilocox-peer keygen`) whose signed requests --control-addr serves from other "
+        "hosts (default: none, loopback only)",
     )  # fmt: skip
     g.add_argument("--metrics-addr", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics (default: off)")
     g.add_argument(

@@ -4,6 +4,8 @@
     dilocox-peer status --target 10.0.0.5:7100    # a peer whose --control-addr is reachable from here
     dilocox-peer status runs/demo --json          # the PeerStatus fields, for scripts and monitors
     dilocox-peer status runs/demo --watch         # one line per round as the peer completes it
+    dilocox-peer status --target 10.0.0.5:7100 --operator-key operator.key
+                                                  # from another host: a key listed in its control.operator_keys
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help=HELP, description=HELP)
     p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the peer's run directory (reads RUN_DIR/control.addr)")
     p.add_argument("--target", metavar="HOST:PORT", help="the peer's --control-addr, instead of RUN_DIR")
+    p.add_argument("--operator-key", type=Path, metavar="FILE",
+                   help="sign each request with this key (`dilocox-peer keygen`): a peer on another host serves only "
+                   "keys listed in its control.operator_keys")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the status as JSON (the fields of PeerStatus)")
     p.add_argument("--watch", action="store_true", help="then print one line per completed round until the peer stops")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the peer (default 5)")
@@ -52,16 +57,31 @@ def resolve_target(run_dir: str | None, target: str | None) -> str:
     return path.read_text().strip()
 
 
-def fetch_status(target: str, timeout: float) -> control_pb2.PeerStatus:
+def _signed(key: Any, method: str, request: Any) -> Any:
+    """The metadata of one call signed by `key` (control_auth.py); None without a key."""
+    if key is None:
+        return None
+    from ..control_auth import signed_metadata
+
+    return signed_metadata(key, f"/dilocox.v1.PeerControl/{method}", request)
+
+
+def fetch_status(target: str, timeout: float, *, key: Any = None) -> control_pb2.PeerStatus:
+    request = control_pb2.StatusRequest()
     with grpc.insecure_channel(target) as channel:
         try:
-            return control_pb2_grpc.PeerControlStub(channel).GetStatus(control_pb2.StatusRequest(), timeout=timeout)
+            return control_pb2_grpc.PeerControlStub(channel).GetStatus(
+                request, timeout=timeout, metadata=_signed(key, "GetStatus", request)
+            )
         except grpc.RpcError as e:
             raise DilocoxError(_unreachable(target, e)) from None
 
 
 def _unreachable(target: str, e: grpc.RpcError) -> str:
     code = e.code()
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return (f"{target} {e.details()}: from another host, pass --operator-key FILE with a key the peer lists in "
+                "control.operator_keys (--operator-keys)")  # fmt: skip
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return f"{target} answers gRPC but is not a dilocox peer's control plane"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -115,11 +135,12 @@ def render(s: control_pb2.PeerStatus) -> str:
     return "\n".join(lines)
 
 
-def watch(target: str, *, as_json: bool) -> int:
+def watch(target: str, *, as_json: bool, key: Any = None) -> int:
+    request = control_pb2.WatchRequest(include_current=False)
     with grpc.insecure_channel(target) as channel:
         stub = control_pb2_grpc.PeerControlStub(channel)
         try:
-            for event in stub.Watch(control_pb2.WatchRequest(include_current=False)):
+            for event in stub.Watch(request, metadata=_signed(key, "Watch", request)):
                 if as_json:
                     print(json.dumps({"event": event.event, "round": event.round, "state": event.state,
                                       "time": event.time, "record": json.loads(event.record_json or "null")}), flush=True)  # fmt: skip
@@ -138,11 +159,16 @@ def watch(target: str, *, as_json: bool) -> int:
 
 def main(args: argparse.Namespace) -> int:
     target = resolve_target(args.run_dir, args.target)
-    status = fetch_status(target, args.timeout)
+    key = None
+    if args.operator_key is not None:
+        from ..identity import load_identity
+
+        key = load_identity(args.operator_key)
+    status = fetch_status(target, args.timeout, key=key)
     if args.json:
         print(json.dumps(status_dict(status), indent=None if args.watch else 2), flush=True)
     else:
         print(render(status), flush=True)
     if args.watch:
-        return watch(target, as_json=args.json)
+        return watch(target, as_json=args.json, key=key)
     return 0

@@ -9,12 +9,14 @@ import socket
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dilocox_p2p.cli.__main__ import main
 from dilocox_p2p.config import Config
 from dilocox_p2p.control import StatusBoard, StatusCollector, compression_ratio
 from dilocox_p2p.endpoints import GrpcEndpoint, bindable, free_ports
+from dilocox_p2p.identity import public_raw
 from tests.helpers.bootstrap import free_port
 
 pytestmark = pytest.mark.unit
@@ -176,13 +178,19 @@ def test_a_flood_of_idle_watch_streams_is_capped_and_get_status_and_health_still
         plane.close("finished")
 
 
-@pytest.mark.parametrize(("addr", "warned"), [("127.0.0.1:0", False), ("0.0.0.0:0", True)])
-def test_a_control_plane_bound_beyond_loopback_warns_that_it_is_unauthenticated(tmp_path, caplog, addr, warned):
+OPERATOR = public_raw(Ed25519PrivateKey.generate()).hex()
+
+
+@pytest.mark.parametrize(("addr", "keys", "warned"), [("127.0.0.1:0", (), False), ("0.0.0.0:0", (), True),
+                                                      ("0.0.0.0:0", (OPERATOR,), False)])
+def test_a_control_plane_bound_beyond_loopback_without_operator_keys_warns_that_it_serves_loopback_only(
+    tmp_path, caplog, addr, keys, warned
+):
     from dilocox_p2p.config import load_config
     from dilocox_p2p.control import ControlPlane
 
-    cfg = load_config(overrides={"control.control_addr": addr})
+    cfg = load_config(overrides={"control.control_addr": addr, "control.operator_keys": list(keys)})
     plane = ControlPlane.start(cfg, StatusBoard(cfg, rounds=1, steps=1), tmp_path)
     plane.close("finished")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]  # hivemind renames it WARN
-    assert any("--control-addr 0.0.0.0:" in w and "no authentication" in w for w in warnings) == warned, warnings
+    assert any("--control-addr 0.0.0.0:" in w and "requests from other hosts are refused" in w for w in warnings) == warned, warnings
