@@ -39,7 +39,8 @@ Hostile peers (docs/security.md), which skip this peer's own checks:
   butterfly parts of another shape: a scalar (the part's norm: the norm screen passes it) or the part stacked
   twice, (2, n).
 - `lie_to_borrowers:round=R:stage=S` makes stage S serve a worker outside its group of round R (a borrower)
-  the negated average, signed, with a group list naming only itself (so that the borrower would skip the vote).
+  the negated average, signed, with a group list naming only itself (so that the borrower would skip the vote),
+  and announce its own copy of round R 2 s late (so that a borrower that votes early finds no other voter).
 - `flip_served_bit:stage=S` flips one bit of every compressed message and average stage S
   serves to another member (after signing it, as a faulty relay or link would).
 - `equivocate_reduced:stage=S` makes stage S's reducer serve each member that asks for one of its

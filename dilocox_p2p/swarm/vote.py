@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from .. import injection
 from ..average import Average, AverageKind, applies_nothing, average_hash, intersect_spans, spans_by_tensor
 from ..wire import swarm_pb2
 from .agreement import held_by_most, majority_hash, split_evenly
@@ -43,6 +44,9 @@ def digests_hash(digests: Sequence[bytes]) -> bytes:
     for d in sorted(digests):
         h.update(len(d).to_bytes(8, "big") + d)
     return h.digest()
+
+
+LIAR_LATE_S = 2.0  # fault injection (lie_to_borrowers): how late a liar announces its own copy
 
 
 class GroupVote:
@@ -77,7 +81,9 @@ class GroupVote:
         borrowed = me not in voters
         if borrowed and average.kind.applies and not self.abandoned():
             voters = self._borrowers_voters(voters, average.group_id)
-        if not average.kind.applies or len(voters) < 2 or self.abandoned():
+        # a borrower votes with whoever its records show, however few it found yet (the members of the group may
+        # not have announced their copies when it looks: a server that named only itself then went unchecked)
+        if not average.kind.applies or (len(voters) < 2 and not borrowed) or self.abandoned():
             return average
         mine = average_hash(average.tensors, average.missing)
         if me in voters:
@@ -129,6 +135,8 @@ class GroupVote:
             missing=[swarm_pb2.Span(start=a, end=b) for a, b in average.missing],
             digests_hash=digests_hash(average.digests),
         )  # fmt: skip
+        if injection.armed("lie_to_borrowers", round=self.round, stage=self.stage.records.stage, quiet=True):
+            time.sleep(LIAR_LATE_S)  # a liar also announces its copy late: a borrower that looks early finds nobody
         self.stage.records.publish_average(record)
         if digests_too and average.digests:
             digests = swarm_pb2.DigestRecord(round=self.round, group_id=average.group_id,
@@ -190,26 +198,30 @@ class GroupVote:
     ) -> dict[str, swarm_pb2.AverageRecord]:
         """The other voters' AverageRecords for `group_id`, read until the majority is settled (this worker's
         own copy, `mine`, counts if it votes). With `grow` (a borrower), admitted members whose records name the
-        group join `voters` as their records come in."""
+        group join `voters` as their records come in, and for one chunk timeout the majority is not settled while
+        an admitted member that may still announce has announced nothing for this round: it may be of the group."""
         started = time.monotonic()
         deadline, others = started + self.sw.allreduce_timeout, voters - {self.stage.peer_id}
         admitted = self.membership.voters() - {self.stage.peer_id} if grow else set()
         records: dict[str, swarm_pb2.AverageRecord] = {}
+        unheard = set(admitted)
         probed = False
         while not self.abandoned():
             try:
                 found = self.stage.records.average_records(self.round)
                 if grow:
                     voters |= {p for p, r in found.items() if p in admitted and r.group_id == group_id}
-                    others = voters - {self.stage.peer_id}
+                    others, unheard = voters - {self.stage.peer_id}, admitted - set(found)
                 records = {p: r for p, r in found.items() if p in others and r.group_id == group_id}
             except Exception as e:
                 self.stage.faults.count("lookups_failed", "round %d: the group's average records could not be read: %r",
                                         self.round, e)  # fmt: skip
             hashes = [r.average_hash for r in records.values()] + ([mine] if mine is not None else [])
             waited = time.monotonic() - started
-            awaited = self._awaited(others - set(records), waited)
-            if 2 * held_by_most(hashes) > len(voters) or not awaited:
+            # an unheard member is waited for one chunk timeout at most (another borrower announces nothing)
+            maybe = unheard - others if waited < self.sw.chunk_timeout else set()
+            awaited = self._awaited((others - set(records)) | maybe, waited)
+            if 2 * held_by_most(hashes) > len(voters | awaited) or not awaited:
                 break
             if not probed and waited >= self.sw.chunk_timeout:
                 # a member killed in the round whose copy this worker never had to ask for was not found gone while
