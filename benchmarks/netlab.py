@@ -4,8 +4,16 @@ link shaped with `tc tbf` in both directions (netem is not available on these ma
     with NetLab(n_hosts=3, rate_mbit=10) as lab:
         proc = lab.popen(0, ["dilocox-peer", "join", "--host-maddrs", f"/ip4/{lab.ip(0)}/tcp/0", ...])
 
-Needs root and iproute2. Everything it creates is named `dlx<id>...` and removed on exit,
-processes started in the namespaces included (their whole process group is killed).
+    with NetLab(n_hosts=4, rate_mbit=100, behind_nat=(2, 3)) as lab:   # hosts 2 and 3 at home, behind NAT
+        lab.ip(2)          # 172.16.2.2: the address host 2 listens on, as a volunteer's machine would
+        lab.public_ip(2)   # its router's address on the shared network, which every packet it sends comes from
+
+A host behind NAT sits in a home network of its own behind a router namespace: MASQUERADE on
+the router's public side, no port forwarding, and inbound connections dropped (only replies to
+what the host opened pass), as a home router does. Its link is shaped on the home side.
+
+Needs root and iproute2 (and iptables for NAT). Everything it creates is named `dlx<id>...` and
+removed on exit, processes started in the namespaces included (their whole process group is killed).
 """
 
 from __future__ import annotations
@@ -31,20 +39,23 @@ def _run(*cmd: str) -> None:
         raise NetLabError(f"{' '.join(cmd)}: {result.stderr.strip() or result.stdout.strip()}")
 
 
-def check_available() -> None:
-    """Raise NetLabError naming what is missing (root, iproute2)."""
+def check_available(*, nat: bool = False) -> None:
+    """Raise NetLabError naming what is missing (root, iproute2, and iptables for hosts behind NAT)."""
     if os.geteuid() != 0:
         raise NetLabError("network namespaces need root (run the netns tier as root)")
-    for tool in ("ip", "tc"):
+    for tool in ("ip", "tc", *(["iptables"] if nat else [])):
         if shutil.which(tool) is None:
-            raise NetLabError(f"`{tool}` not found: install iproute2 (apt-get install iproute2)")
+            package = "iptables" if tool == "iptables" else "iproute2"
+            raise NetLabError(f"`{tool}` not found: install {package} (apt-get install {package})")
 
 
 class NetLab:
-    def __init__(self, n_hosts: int, rate_mbit: float | None, *, subnet: int | None = None):
-        check_available()
+    def __init__(
+        self, n_hosts: int, rate_mbit: float | None, *, subnet: int | None = None, behind_nat: tuple[int, ...] = ()
+    ):
+        check_available(nat=bool(behind_nat))
         self.id = uuid.uuid4().hex[:5]
-        self.n_hosts, self.rate_mbit = n_hosts, rate_mbit
+        self.n_hosts, self.rate_mbit, self.behind_nat = n_hosts, rate_mbit, frozenset(behind_nat)
         self.subnet = subnet if subnet is not None else 100 + int(self.id, 16) % 100
         self.bridge = f"dlx{self.id}br"
         self.procs: list[subprocess.Popen] = []
@@ -55,7 +66,15 @@ class NetLab:
         return f"dlx{self.id}h{host}"
 
     def ip(self, host: int) -> str:
+        """The address `host` listens on: on the shared network, or in its home network when behind NAT."""
+        return f"172.16.{host}.2" if host in self.behind_nat else self.public_ip(host)
+
+    def public_ip(self, host: int) -> str:
+        """Where `host`'s packets come from on the shared network (its router's, when behind NAT)."""
         return f"10.{self.subnet}.0.{host + 1}"
+
+    def router(self, host: int) -> str:
+        return f"dlx{self.id}r{host}"
 
     def __enter__(self) -> NetLab:
         try:
@@ -83,19 +102,43 @@ class NetLab:
 
     def _add_host(self, host: int) -> None:
         ns, outer, inner = self.ns(host), f"dlx{self.id}v{host}", f"dlx{self.id}p{host}"
-        _run("ip", "netns", "add", ns)
-        self._created_ns.append(ns)
+        public = self.router(host) if host in self.behind_nat else ns  # what sits on the shared network
+        for name in dict.fromkeys((ns, public)):
+            _run("ip", "netns", "add", name)
+            self._created_ns.append(name)
+            _run("ip", "-n", name, "link", "set", "lo", "up")
         _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-        _run("ip", "link", "set", inner, "netns", ns)
+        _run("ip", "link", "set", inner, "netns", public)
         _run("ip", "link", "set", outer, "master", self.bridge, "up")
-        _run("ip", "-n", ns, "link", "set", inner, "name", "eth0")
-        _run("ip", "-n", ns, "addr", "add", f"{self.ip(host)}/24", "dev", "eth0")
-        _run("ip", "-n", ns, "link", "set", "eth0", "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "-n", public, "link", "set", inner, "name", "eth0")
+        _run("ip", "-n", public, "addr", "add", f"{self.public_ip(host)}/24", "dev", "eth0")
+        _run("ip", "-n", public, "link", "set", "eth0", "up")
+        if public != ns:
+            self._add_home(host, ns, public)
         if self.rate_mbit is not None:
             shape = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", "32kb", "latency", "400ms"]
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *shape)  # upload
             _run("tc", "qdisc", "add", "dev", outer, "root", *shape)  # download
+
+    def _add_home(self, host: int, ns: str, router: str) -> None:
+        """`host` in a home network (172.16.HOST.0/24) behind `router`: MASQUERADE out, nothing new in."""
+        home, lan = f"dlx{self.id}h{host}e", f"dlx{self.id}l{host}"
+        _run("ip", "link", "add", home, "type", "veth", "peer", "name", lan)
+        _run("ip", "link", "set", home, "netns", ns)
+        _run("ip", "link", "set", lan, "netns", router)
+        _run("ip", "-n", ns, "link", "set", home, "name", "eth0")
+        _run("ip", "-n", ns, "addr", "add", f"{self.ip(host)}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "route", "add", "default", "via", f"172.16.{host}.1")
+        _run("ip", "-n", router, "link", "set", lan, "name", "lan")
+        _run("ip", "-n", router, "addr", "add", f"172.16.{host}.1/24", "dev", "lan")
+        _run("ip", "-n", router, "link", "set", "lan", "up")
+        _run("ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        nat = ["ip", "netns", "exec", router, "iptables"]
+        _run(*nat, "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE")
+        _run(*nat, "-A", "FORWARD", "-i", "eth0", "-o", "lan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+             "-j", "ACCEPT")  # fmt: skip
+        _run(*nat, "-A", "FORWARD", "-i", "eth0", "-o", "lan", "-j", "DROP")
 
     def set_rate(self, host: int, rate_mbit: float) -> None:
         """Change host's link rate, both directions (a home link dropping to a crawl, and back)."""
