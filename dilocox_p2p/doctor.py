@@ -1,6 +1,6 @@
 """Preflight checks before joining a swarm (`dilocox-peer doctor`), each a PASS / WARN / FAIL line.
 
-    checks = run_checks(cfg, timeout=5.0)       # ports, announce address, initial peers, clock, memory, disk
+    checks = run_checks(cfg, timeout=5.0)       # ports, announce address, initial peers, reachability, clock, memory, disk
     print("\n".join(c.line() for c in checks)); ok = not any(c.status == "FAIL" for c in checks)
 
 Pure rules (address scopes, announce-address rules, memory and checkpoint estimates, the
@@ -469,7 +469,14 @@ def peer_checks(cfg: Config, timeout: float) -> tuple[list[Check], dict[str, flo
             if r.down:
                 r.check = replace(r.check, status="WARN",
                                               detail=r.check.detail + "; this peer joins through the others")  # fmt: skip
-    return checks + [r.check for r in results], skews
+    checks += [r.check for r in results]
+    live = next((a for a, r in zip(addrs, results) if r.check.status == "PASS"), None)
+    if live is not None:  # can the swarm dial this machine? (swarm/dial_back.py)
+        from .swarm.dial_back import reachability_check
+
+        reach = reachability_check(cfg, live, timeout=timeout, local_host=route_source(_resolve(live.host)))
+        checks += [reach] if reach is not None else []
+    return checks, skews
 
 
 def run_checks(cfg: Config, *, timeout: float = 5.0) -> list[Check]:

@@ -28,6 +28,7 @@ from .. import __version__
 from ..proto_gen.control_pb2 import HelloReply, HelloRequest
 from ..wire import protocol_version
 from .dht_process import dht_result
+from .dial_back import serve_dial_back
 
 __all__ = ["HELLO", "SOFTWARE", "say_hello", "serve_hello"]
 
@@ -49,10 +50,12 @@ async def _answer(role: str, run_id: str, request: HelloRequest, context: P2PCon
 
 async def _register(role: str, run_id: str, _dht: hivemind.DHT, node: DHTNode) -> None:
     await node.p2p.add_protobuf_handler(HELLO, functools.partial(_answer, role, run_id), HelloRequest)
+    await serve_dial_back(node.p2p)
 
 
 def serve_hello(dht: hivemind.DHT, *, role: str, run_id: str = "") -> None:
-    """Answer Hello on `dht`'s p2p daemon, from inside the DHT process (so it lives as long as the node).
+    """Answer Hello (and dial_back.DIAL_BACK) on `dht`'s p2p daemon, from inside the DHT process (so it lives as
+    long as the node).
 
     Args:
         dht: a started hivemind DHT (its node runs in a child process).

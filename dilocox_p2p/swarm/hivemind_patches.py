@@ -110,7 +110,8 @@ PATCHES: dict[str, str] = {
         "fixed-order float64 mean; two races fixed (a banned sender's counted part; a part finished twice)",
     "TensorPartReducer.sender_failed_after / num_parts_received / contributions": "read and kept as hivemind does",
     # p2p/p2p_daemon.py (our doctor.py): P2P has no public call to dial one given address of a peer
-    "P2P._client.connect": "doctor dials each initial peer's own multiaddr to tell a dead address from a live node; "
+    "P2P._client.connect": "doctor dials each initial peer's own multiaddr to tell a dead address from a live node "
+    "(and one that answered, to ask it to dial this machine back: dial_back.py); "
     "dht_join.py dials every initial peer at its address (a node starts alone and joins them all at once; "
     "reconnect.py and a bootstrap node's fellows are dialed again while they are missing)",
     # dht/node.py, protocol.py, routing.py (our swarm/dht_join.py, reconnect.py): a node is started without

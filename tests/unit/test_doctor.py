@@ -201,3 +201,25 @@ def test_a_peer_without_a_swarm_checks_its_ports_without_loading_hivemind(tmp_pa
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_reachability_verdict_names_the_nat_the_refused_port_and_the_fix():
+    from dilocox_p2p.proto_gen.control_pb2 import DialBackReply, PortReach
+    from dilocox_p2p.swarm.dial_back import observed_host, reachability_verdict
+
+    assert observed_host("/ip4/198.51.100.4/tcp/4001") == "198.51.100.4"
+    assert observed_host("/ip6/2001:db8::7/tcp/4001") == "2001:db8::7"
+    assert observed_host("/ip4/198.51.100.4/tcp/4001/p2p/12D3KooWPfUv6gf1EiQqcHcf457i1pkpsjdMW9R8F92hbH4DMNfZ/p2p-circuit") == ""
+    assert observed_host("garbage") == ""
+    open_ = DialBackReply(observed_host="198.51.100.4", ports=[PortReach(port=31400, reachable=True)])
+    check = reachability_verdict(open_, asked=[31400], local_host="198.51.100.4", via="initial peer 203.0.113.1")
+    assert check.status == "PASS" and "198.51.100.4 at port(s) 31400" in check.detail
+    shut = DialBackReply(observed_host="198.51.100.4", ports=[PortReach(port=31400, error="refused")])
+    check = reachability_verdict(shut, asked=[31400], local_host="192.168.1.20", via="initial peer 203.0.113.1",
+                                 picked=True)  # fmt: skip
+    assert check.status == "WARN"
+    assert "behind a NAT (its address 192.168.1.20; the swarm sees 198.51.100.4)" in check.detail
+    assert "198.51.100.4:31400 refused" in check.detail
+    assert "forward TCP port 31400" in check.fix and "--host-maddrs /ip4/0.0.0.0/tcp/31400" in check.fix
+    relayed = reachability_verdict(DialBackReply(), asked=[31400], local_host=None, via="x")
+    assert relayed.status == "WARN" and "relay" in relayed.detail

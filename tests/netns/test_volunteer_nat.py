@@ -1,0 +1,65 @@
+"""A volunteer behind a home router: what `dilocox-peer doctor` tells it, and what it tells a machine the swarm can dial.
+
+    sudo pytest tests/netns/test_volunteer_nat.py -q
+
+Host 0 runs a public bootstrap node; host 1 sits behind its own NAT (MASQUERADE, no port forwarding:
+benchmarks/netlab.py); host 2 is public. Each runs the real `doctor` with the bootstrap as its only
+initial peer: the bootstrap dials each back where it sees it (swarm/dial_back.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.netlab import NetLab
+from dilocox_p2p.bootstrap import load_node_identity
+from dilocox_p2p.identity import peer_id_of
+
+pytestmark = pytest.mark.netns
+
+PORT = 31400
+
+
+def _doctor(lab: NetLab, host: int, boot: str, run_dir) -> subprocess.CompletedProcess:
+    proc = lab.popen(host, [sys.executable, "-m", "dilocox_p2p.cli", "doctor", "--initial-peers", boot, "--preset", "tiny",
+                            "--stages", "1", "--host-maddrs", f"/ip4/0.0.0.0/tcp/{PORT}", "--run-dir", str(run_dir)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _line(result: subprocess.CompletedProcess, start: str) -> str:
+    found = [line for line in result.stdout.splitlines() if line.startswith(start)]
+    assert found, result.stdout + result.stderr
+    return found[0]
+
+
+def test_doctor_tells_a_volunteer_behind_nat_that_the_swarm_cannot_dial_it_and_the_fix(tmp_path):
+    state = tmp_path / "boot"
+    state.mkdir(mode=0o700)
+    boot_id = peer_id_of(load_node_identity(state / "identity.key"))
+    with NetLab(n_hosts=3, rate_mbit=None, behind_nat=(1,)) as lab:
+        node = lab.popen(0, [sys.executable, "-m", "dilocox_p2p.cli.bootstrap", "--state-dir", str(state),
+                             "--host-maddrs", "/ip4/0.0.0.0/tcp/31337"], stdout=open(tmp_path / "boot.out", "w"),
+                         stderr=open(tmp_path / "boot.err", "w"))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "boot.out").read_text().strip():  # its multiaddrs, printed once it serves
+            assert node.poll() is None and time.monotonic() < deadline, (tmp_path / "boot.err").read_text()[-3000:]
+            time.sleep(0.2)
+        boot = f"/ip4/{lab.ip(0)}/tcp/31337/p2p/{boot_id}"
+
+        home = _doctor(lab, 1, boot, tmp_path / "home")
+        public = _doctor(lab, 2, boot, tmp_path / "public")
+
+    warned = _line(home, "WARN  reachable from the swarm")
+    assert f"behind a NAT (its address {lab.ip(1)}; the swarm sees {lab.public_ip(1)})" in warned, warned
+    assert f"{lab.public_ip(1)}:{PORT}" in warned and "Other peers cannot dial this one" in warned, warned
+    assert f"Fix: forward TCP port {PORT} on the router to this machine" in warned, warned
+    assert home.returncode == 0, home.stdout  # a warning: it can still join and train
+    passed = _line(public, "PASS  reachable from the swarm")
+    assert f"opened a connection to {lab.ip(2)} at port(s) {PORT}" in passed, passed
+
