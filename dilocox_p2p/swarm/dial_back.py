@@ -17,8 +17,11 @@ with the fix.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +31,7 @@ from ..proto_gen.control_pb2 import DialBackReply, DialBackRequest, PortReach
 
 __all__ = [
     "CONNECT_S", "DIAL_BACK", "MAX_PORTS", "ask_dial_back", "observed_host", "reachability_check", "reachability_verdict",
-    "serve_dial_back",
+    "report_reachability", "serve_dial_back",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -211,3 +214,43 @@ def reachability_check(cfg: Any, addr: Any, *, timeout: float, local_host: str |
                      "ask another initial peer (an up-to-date dilocox node)")  # fmt: skip
     return reachability_verdict(reply, asked=[port], local_host=local_host, via=f"initial peer {addr.host}",
                                 picked=not listen[1])  # fmt: skip
+
+
+async def _ask_first(_dht: Any, node: Any, initial: Sequence[str], port: int, timeout: float) -> tuple[str, bytes]:
+    """In the DHT process: the dial-back reply (serialized: it crosses a process pipe) of the first of `initial`
+    that gives one, and whose it is."""
+    from hivemind.p2p import PeerID
+
+    for text in initial:
+        try:
+            peer = PeerID.from_base58(Multiaddr(text).value_for_protocol("p2p"))
+            return text, (await ask_dial_back(node.p2p, peer, [port], timeout=timeout)).SerializeToString()
+        except Exception as e:  # noqa: BLE001 - down, or an older node: the next one may answer
+            logger.debug("no dial-back from %s: %r", text, e)
+    return "", b""
+
+
+def report_reachability(dht: Any, initial: Sequence[str], *, timeout: float = 2 * CONNECT_S + 2) -> None:
+    """Ask the swarm, in the background, to dial this worker's DHT node back, and log what it found: a warning with
+    the fix when it cannot (behind NAT: other peers cannot open connections to it), one line when it can."""
+    from ..doctor import _resolve, parse_peer_maddr, route_source
+    from .dht import reachable_maddrs
+    from .dht_process import dht_result
+
+    def run() -> None:
+        try:
+            port = next(int(Multiaddr(m).value_for_protocol("tcp")) for m in reachable_maddrs(dht) if "/tcp/" in m)
+            ask = functools.partial(_ask_first, initial=tuple(initial), port=port, timeout=timeout)
+            via, reply = dht_result(dht, dht.run_coroutine(ask, return_future=True), "a dial-back",
+                                    deadline=time.monotonic() + timeout * len(initial) + 5)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the node is stopping, or nobody answered in time
+            logger.debug("reachability not checked: %r", e)
+            return
+        if not via:
+            return
+        reply, host = DialBackReply.FromString(reply), parse_peer_maddr(via).host
+        check = reachability_verdict(reply, asked=[port], local_host=route_source(_resolve(host)),
+                                     via=f"initial peer {host}")  # fmt: skip
+        (logger.info if check.status == "PASS" else logger.warning)("%s", check.line())
+
+    threading.Thread(target=run, name="dial-back", daemon=True).start()

@@ -38,6 +38,7 @@ from ..average import Average
 from ..compression.codec import StageCodec, is_finite
 from ..fragments import as_fragments, fragment_of, of_round
 from ..config import Config, config_hash, shared_fields
+from ..endpoints import loopback_only
 from ..identity import peer_id_of, worker_identity
 from ..wire import swarm_pb2
 from .agreement import Agreement
@@ -45,6 +46,7 @@ from .averager import DilocoxAverager
 from .credentials import Credentials
 from .dht import EnvelopeValidator, RunRecords, reachable_maddrs, run_keys, start_dht
 from .dht_process import shutdown_whole
+from .dial_back import report_reachability
 from .exchange import ExchangeQueue
 from .faults import FaultCounter
 from .heartbeat import Heartbeat
@@ -103,6 +105,8 @@ class SwarmStage:
                 shutdown_whole(self.dht)
                 raise
         serve_hello(self.dht, role="peer", run_id=cfg.run.run_id)  # `dilocox-peer doctor` tells a dilocox node by it
+        if stage == 0 and self.sw.initial_peers and not loopback_only(self.sw.host_maddrs):
+            report_reachability(self.dht, self.sw.initial_peers)  # behind NAT? said once, in the background
         self.peer_id = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults, signer=self.signer, gate=self.gate)
         # streaming: the tensors each sync round averages (fragments.py); one codec per fragment, each with
