@@ -55,13 +55,14 @@ def _start_forger(swarm, out):
 def test_forged_records_and_nan_or_outsized_contributions_are_refused_their_sender_banned_and_honest_peers_agree(
     swarm, tmp_path
 ):
-    """Two honest peers, a third that sends NaN (round 1) and 1000x (rounds 2, 3) pseudo-gradients, and
-    a forging DHT node that writes every kind of bad record meanwhile."""
-    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "6", "--min-peers", "3")
+    """Two honest peers, a third that sends NaN (round 1) and 1000x (rounds 2 to 5) pseudo-gradients, and
+    a forging DHT node that writes every kind of bad record meanwhile. Its third strike may come in round 3, 4
+    or 5: a round its contribution reaches no reducer (CI run 155: round 2's leader counted it in after it had
+    given up on that leader, and the group averaged without its parts) strikes nobody."""
+    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "8", "--min-peers", "3")
     hostile = ";".join([
         "send_nan_pseudo_gradient:round=1:stage=0",
-        "send_huge_pseudo_gradient:round=2:stage=0",
-        "send_huge_pseudo_gradient:round=3:stage=0",
+        *(f"send_huge_pseudo_gradient:round={t}:stage=0" for t in (2, 3, 4, 5)),
     ])  # fmt: skip
     honest = [swarm.start_peer(*args), swarm.start_peer(*args)]
     forger = _start_forger(swarm, tmp_path / "forger.json")
@@ -99,7 +100,7 @@ def test_forged_records_and_nan_or_outsized_contributions_are_refused_their_send
             assert reason in log, f"no refusal logged for: {reason}"
     # the forger's third parties (validly signed, no members) never vote, and once banned the hostile
     # peer is in no honest group
-    assert all(a[t]["group_size"] == 2 for t in a if t >= 5), {t: a[t]["group_size"] for t in a}
+    assert all(a[t]["group_size"] == 2 for t in a if t >= 6), {t: a[t]["group_size"] for t in a}
     # nothing it sent reached theta_g: the model stays finite and goes on learning
     losses = [r["val_loss"] for _, r in sorted(a.items()) if r["val_loss"] is not None]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
@@ -139,7 +140,7 @@ def test_an_admitted_peer_sending_sign_flipped_contributions_under_the_screen_fo
 
 def test_a_bit_flipped_message_is_refused_and_a_peer_speaking_another_protocol_is_turned_away(swarm):
     # one strike bans: once the flipper is out, the honest pair averages in clean groups of two
-    # (14 rounds: the run must still train a few rounds after the newcomer's start, so that its records reach both)
+    # (14 rounds: the run must still train when the newcomer, started after round 0, reads its records)
     args = (*ONE_STAGE, "--mode", "sync", "--rounds", "14", "--min-peers", "3", "--compression", "int8",
             "--set", "swarm.ban_after=1")  # fmt: skip
     honest = [swarm.start_peer(*args), swarm.start_peer(*args)]
@@ -160,8 +161,13 @@ def test_a_bit_flipped_message_is_refused_and_a_peer_speaking_another_protocol_i
     for peer in honest:
         log = peer.stage_log(0)
         assert "does not match its author's signed SHA-256 (altered)" in log
-        assert f"protocol version {theirs}" in log, "the other protocol's records were not refused with the reason"
         assert _faults(peer, "contributions_refused") >= 1 and _faults(peer, "peers_banned") == 1
+    # Each side refuses the other's records with the reason, by the same check (Gate.open). Asserted on the newcomer,
+    # which must read the run's records to be turned away: a peer in a group reads the DHT's member records only
+    # every REFRESH_S (pushes bring its partners'), and the newcomer's lives MEMBER_TTL_S, so an honest peer may
+    # never see it (the official CI of 5083bef; under load, neither did, nor the banned flipper)
+    first = peer_id_of(worker_identity(honest[0].run_dir / "identity" / "stage0.ed25519"))
+    assert f"protocol version {ours} from {first[:20]}" in other.stage_log(0), other.stage_log(0)[-3000:]
     assert all(r["group_size"] <= 2 for r in honest[0].metrics()), "a tampered message was averaged"
 
 
