@@ -1,14 +1,17 @@
 """Volunteers behind NAT: what their rounds become, in a network-namespace lab (issue 39).
 
     sudo python benchmarks/nat_lab.py                       # 1 public bootstrap, 1 public peer, 2 peers behind NAT
-    sudo python benchmarks/nat_lab.py --auto-relay --name nat_lab_relay
+    sudo python benchmarks/nat_lab.py --reachability auto public --name nat_lab_clients   # side by side
+    sudo python benchmarks/nat_lab.py --auto-relay --reachability public --name nat_lab_relay
 
 Host 0 runs `dilocox-bootstrap --relay` (public), host 1 a public peer, hosts 2 and 3 a peer each behind
 its own home router (MASQUERADE, no port forwarding: benchmarks/netlab.py). Every peer joins with
 `--initial-peers` of the bootstrap only, as a volunteer would, and trains `tiny` for --rounds rounds.
 Per peer: how each round's average was obtained (averaged: its contribution counted; borrowed: it took
-the group's; mended...), group sizes, and whether every common round's hashes are equal.
-Writes benchmarks/results/NAME.json.
+the group's; mended...), group sizes, the rounds it averaged as a client member, and whether every common
+round's hashes are equal. `--reachability` runs the lab once per value given (swarm.reachability: auto,
+the default, makes the NATed peers client members; public keeps them full members, as before client
+members existed), one after the other in one invocation. Writes benchmarks/results/NAME.json.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def _join(args: argparse.Namespace, host: int, run_dir: Path, boot: str) -> list
             "--rounds", str(args.rounds), "--inner-steps", "10", "--mode", "delayed", "--min-peers", "3",
             "--round-wait", "20", "--progress", "lines", "--device", "cpu", "--set", "inner.threads=1",
             "--run-dir", str(run_dir), "--data-seed", str(host), "--initial-peers", boot,
-            "--host-maddrs", "/ip4/0.0.0.0/tcp/0", *(["--auto-relay"] if args.auto_relay else [])]  # fmt: skip
+            "--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--reachability", args.variant,
+            *(["--auto-relay"] if args.auto_relay else [])]  # fmt: skip
 
 
 def run(args: argparse.Namespace, root: Path) -> dict:
@@ -77,6 +81,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             f"{'nat' if h in NATED else 'public'}{h}": {
                 "kinds": dict(collections.Counter(r["kinds"][0] for r in recs if r["applied_round"] is not None)),
                 "group_sizes": dict(collections.Counter(r["group_sizes"][0] for r in recs if r["applied_round"] is not None)),
+                "client_rounds": sum(1 for r in recs if (r.get("clients") or [""])[0]),
                 "seconds_per_round": round(sum(r["seconds_round"] for r in recs) / max(1, len(recs)), 2),
                 "exchange_phases_mean_s": _mean_phases(recs),
             }
@@ -97,14 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--rate", type=float, default=100.0, help="every link's rate, Mbit/s")
     p.add_argument("--auto-relay", action="store_true", help="the peers join with --auto-relay")
+    p.add_argument("--reachability", nargs="+", default=["auto"], choices=["auto", "public", "client"],
+                   help="swarm.reachability of every peer; several: one run each, in this order")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--name", default="nat_lab")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="nat-lab-") as tmp:
-        result = run(args, Path(tmp))
+    result = {}
+    for variant in args.reachability:
+        with tempfile.TemporaryDirectory(prefix="nat-lab-") as tmp:
+            result[variant] = run(argparse.Namespace(**vars(args), variant=variant), Path(tmp))
     path = common.write_result(args.name, {"command": " ".join(sys.argv), "args": vars(args) | {"out": str(args.out)},
-                                           **result}, directory=args.out)  # fmt: skip
+                                           "runs": result}, directory=args.out)  # fmt: skip
     print(path)
     print(result)
     return 0

@@ -375,7 +375,7 @@ _LOCAL_FIELDS = {
     "run": {"run_dir", "checkpoint_every", "device"},
     "data": {"paths", "seed", "cache_dir"},
     "swarm": {
-        "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "min_peers", "peer_wait", "helper_nice",
+        "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "reachability", "min_peers", "peer_wait", "helper_nice",
         "settled_nice", "identity", "certificate",
     },  # fmt: skip
     "control": {"progress", "log_level", "log_format", "control_addr", "metrics_addr"},

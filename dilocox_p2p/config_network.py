@@ -24,6 +24,12 @@ class SwarmConfig:
     auto_relay: bool = False
     """Behind a NAT that cannot forward a port: become reachable through relays (bootstrap nodes started with
     `--relay`) among the initial peers. Slower than a direct link: forward the port when you can."""
+    reachability: Literal["auto", "public", "client"] = "auto"
+    """How each stage worker averages where other machines may not reach it. auto: a worker that listens beyond
+    loopback and has initial peers asks the swarm to dial it back when it starts; found unreachable (behind a NAT
+    without a forwarded port), it averages as a **client member**: it sends its parts to the others and takes the
+    average over connections it opens itself, reduces no span and never leads a group, so that no member needs a
+    connection to it. public: always a full member. client: always a client member (`status` shows which)."""
     min_group_size: int = 2
     """Fewest peers an all-reduce may run with; a worker that finds no such group takes the average its
     stage group computed without it, or (if there is none) its own pseudo-gradient."""

@@ -113,10 +113,12 @@ class StatusBoard:
             s.stage_hashes[:] = record["stage_hashes"]
             del s.stage_status[:]
             members = members or [[] for _ in record["stage_hashes"]]
-            for stage, (state_hash, size, kind, names) in enumerate(
-                zip(record["stage_hashes"], record["group_sizes"], record["kinds"], members)
+            clients = record.get("clients") or ["" for _ in record["stage_hashes"]]
+            for stage, (state_hash, size, kind, names, client) in enumerate(
+                zip(record["stage_hashes"], record["group_sizes"], record["kinds"], members, clients)
             ):
-                s.stage_status.add(stage=stage, state_hash=state_hash, group_size=size or 0, kind=kind or "", group_members=names)
+                s.stage_status.add(stage=stage, state_hash=state_hash, group_size=size or 0, kind=kind or "",
+                                   group_members=names, client=client)  # fmt: skip
             s.recent_rounds.add(
                 round=record["round"], stage_hashes=record["stage_hashes"], group_size=record.get("group_size") or 0,
                 val_loss=record["val_loss"],
@@ -244,9 +246,13 @@ class StatusCollector:
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         group = GaugeMetricFamily("dilocox_group_size", "peers in the stage's last all-reduce", labels=["stage"])
+        client = GaugeMetricFamily("dilocox_client_member", "1 where the stage averages as a client member (the swarm "
+                                   "cannot dial it: it reduces nothing, leads no group)", labels=["stage"])  # fmt: skip
         for st in s.stage_status:
             group.add_metric([str(st.stage)], st.group_size)
+            client.add_metric([str(st.stage)], 1 if st.client else 0)
         yield group
+        yield client
         yield CounterMetricFamily("dilocox_tokens", "tokens trained by this peer", value=s.tokens)
         yield CounterMetricFamily("dilocox_bytes_sent", "bytes this peer sent averaging, since it started", value=s.bytes_sent)
         yield CounterMetricFamily(

@@ -153,6 +153,10 @@ class StageWorker:
         """Names of this stage's live group members (this worker included), for the control plane."""
         return []
 
+    def client_member(self) -> str:
+        """Why this stage averages as a client member (swarm/client_member.py); "": a full member, or alone."""
+        return ""
+
     def close(self) -> None:
         self.averager.close()
 
@@ -367,6 +371,7 @@ class StageWorker:
             "compression": self.compression_facts(),
             "fp32_bytes": 4 * sum(self.trainer.params[i].numel() for i in of_round(self.fragments, t)),
             "members": self.group_members(),
+            "client": self.client_member(),
             "peak_gpu_bytes": self.trainer.peak_memory(),
         }
         gathered = self._gather(facts)
@@ -421,6 +426,7 @@ class StageWorker:
             # per stage, the id of the group whose average was applied: members of one group hold one state after it
             "groups": [o.last.group_id.hex()[:16] if o.last is not None and o.last.group_id else None for o in outcomes],
             "kinds": [o.kind.value if o.kind is not None else None for o in outcomes],
+            "clients": [s["client"] for s in stages],  # per stage, why it averaged as a client member ("": it did not)
             "applied_round": outcomes[0].applied_round,
             "compute_windows": [s["compute_window"] for s in stages],
             "allreduce_windows": [o.window for o in outcomes],

@@ -53,6 +53,7 @@ _FLAG_KEYS = {
     "metrics_addr": "control.metrics_addr",
     "operator_keys": "control.operator_keys",
     "auto_relay": "swarm.auto_relay",
+    "reachability": "swarm.reachability",
 }
 
 
@@ -128,6 +129,11 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
         s.add_argument(
             "--auto-relay", action="store_true", default=None,
             help="behind a NAT without port forwarding: be reachable through relays among --initial-peers",
+        )  # fmt: skip
+        s.add_argument(
+            "--reachability", choices=["auto", "public", "client"],
+            help="auto (default): behind a NAT, average as a client member (reduce nothing, lead no group); "
+                 "public or client: always a full or a client member",
         )  # fmt: skip
         s.add_argument("--min-peers", type=int, metavar="N", help="wait for N peers (this one included) before training")
         s.add_argument("--round-wait", type=float, metavar="S", help="most seconds a fast peer waits for slow ones per round")

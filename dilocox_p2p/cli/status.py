@@ -124,9 +124,10 @@ def render(s: control_pb2.PeerStatus) -> str:
     ]
     for st in s.stage_status:
         members = f": {', '.join(st.group_members)}" if st.group_members else ""
+        client = f"  client member: {st.client}" if st.client else ""
         lines.append(
             f"stage {st.stage}: hash {st.state_hash[:16]}  group {st.group_size or '-'} ({st.kind or '-'})"
-            f"  {len(st.group_members)} live members{members}"
+            f"  {len(st.group_members)} live members{members}{client}"
         )
     faults = {k: v for k, v in sorted(s.faults.items()) if v}
     lines.append("faults: " + (", ".join(f"{k} {v}" for k, v in faults.items()) or "none"))

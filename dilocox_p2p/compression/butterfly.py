@@ -197,11 +197,15 @@ def expected_ranks(rc: RoundCodec, phase: int) -> list[int]:
     return [codec.ranks[i] if phase == 1 else rc.bases[i].rank for i in codec.factored]
 
 
-def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, int], phase: int = 1) -> Reduced:
+def reduce(
+    rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, int], phase: int = 1, reducers: int | None = None
+) -> Reduced:
     """Reducer side: the group's parts of this reducer's `span` of the `phase` messages (in group order, None:
-    never came) to the reduced part every member applies. The rounding of the mean goes into this worker's
-    error-feedback buffer (for low-rank's factors, as B times it)."""
-    codec, (lo, hi), n = rc.codec, span, len(parts)
+    never came) to the reduced part every member applies; `reducers`: how many reducers the messages were cut for
+    (default: every member; fewer where the group has client members: swarm/client_member.py). The rounding of the
+    mean goes into this worker's error-feedback buffer (for low-rank's factors, as B times it)."""
+    codec, (lo, hi), members = rc.codec, span, len(parts)
+    n = members if reducers is None else reducers
     ranks = expected_ranks(rc, phase)
     layout = FlatLayout(codec.pieces(phase, ranks), codec.pad)  # the whole message's: top-k's chunks, the feedback
     readers: dict[int, PayloadReader] = {}
@@ -213,7 +217,7 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
             continue
         try:
             message, readers[index] = receive_part(codec, blob, round=rc.round, phase=phase, span=span, parts=n,
-                                                   ranks=ranks, basis=rc.basis if phase == 2 else b"", whole=layout.numel)  # fmt: skip
+                                                   members=members, ranks=ranks, basis=rc.basis if phase == 2 else b"", whole=layout.numel)  # fmt: skip
             energies[index] = (list(message.energy_total), list(message.energy_kept))
         except MessageRejected as e:
             rejected[index] = str(e)
@@ -242,11 +246,12 @@ def reduce(rc: RoundCodec, parts: Sequence[bytes | None], *, span: tuple[int, in
 
 
 def assemble(
-    rc: RoundCodec, reduced: Sequence[bytes | None], *, spans: Sequence[tuple[int, int]], own: int, phase: int = 1
+    rc: RoundCodec, reduced: Sequence[bytes | None], *, spans: Sequence[tuple[int, int]], own: int, phase: int = 1,
+    group_size: int | None = None,
 ) -> Assembled:
     """Member side: the reduced parts of every reducer of `phase` (in group order, None: never came) to the mean
     of the phase's pieces, and this worker's message leaves its buffer on the spans whose reducer averaged it
-    (`own`: its group index)."""
+    (`own`: its group index; `group_size`: default one reducer per member)."""
     codec, ranks = rc.codec, expected_ranks(rc, phase)
     layout = FlatLayout(codec.pieces(phase, ranks), codec.pad)
     out = [torch.zeros(s, dtype=torch.float32) for s in layout.shapes]
@@ -262,7 +267,8 @@ def assemble(
             if blob is None:
                 raise MessageRejected(NOT_RECEIVED)
             message, reader = receive_part(codec, blob, round=rc.round, phase=reduced_phase(phase), span=(lo, hi),
-                                           parts=len(spans), ranks=ranks, basis=rc.basis if phase == 2 else b"",
+                                           parts=len(spans), members=group_size, ranks=ranks,
+                                           basis=rc.basis if phase == 2 else b"",
                                            whole=layout.numel)  # fmt: skip
         except MessageRejected as e:
             refused[index] = str(e)
@@ -307,11 +313,12 @@ def low_rank_average(rc: RoundCodec, phase2: Assembled, energies: Sequence[tuple
 
 def receive_part(
     codec: StageCodec, blob: bytes, *, round: int, phase: int, span: tuple[int, int], parts: int,
-    ranks: Sequence[int] = (), basis: bytes = b"", whole: int | None = None,
+    members: int | None = None, ranks: Sequence[int] = (), basis: bytes = b"", whole: int | None = None,
 ) -> tuple[pb.CompressedMessage, PayloadReader]:  # fmt: skip
-    """Parse and check a part of a `phase` message or a reduced part (`reduced_phase`) of `span`, cut for a group
-    of `parts`, at `ranks` and (low-rank phase 2) in `basis`, from a message of `whole` values (top-k's chunks are
-    the message's). Raises MessageRejected."""
+    """Parse and check a part of a `phase` message or a reduced part (`reduced_phase`) of `span`, cut for `parts`
+    reducers of a group of `members` (default: as many), at `ranks` and (low-rank phase 2) in `basis`, from a
+    message of `whole` values (top-k's chunks are the message's). Raises MessageRejected."""
+    members = parts if members is None else members
     lo, hi = span
     message, sections = codec.parse(blob)
     said = (message.codec, message.round, message.phase, message.span_lo, message.span_hi, message.parts)
@@ -322,8 +329,8 @@ def receive_part(
         raise MessageRejected(f"ranks {list(message.ranks)}, the group's are {list(ranks)}")
     if message.basis != basis:  # its factors are in another basis: a loss on the way, not its author's fault
         raise MessageRejected(OTHER_BASIS)
-    if list(message.used) != sorted(set(message.used)) or any(not 0 <= i < parts for i in message.used):
-        raise MessageRejected(f"members {list(message.used)} are not indices of a group of {parts}")
+    if list(message.used) != sorted(set(message.used)) or any(not 0 <= i < members for i in message.used):
+        raise MessageRejected(f"members {list(message.used)} are not indices of a group of {members}")
     return message, codec.payload_reader(message, sections, hi - lo, factors=len(ranks) if phase == 2 else None,
                                          whole=whole, reduced=phase >= REDUCED)  # fmt: skip
 

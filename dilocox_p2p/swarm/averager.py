@@ -50,6 +50,7 @@ from ..fragments import as_fragments, of_round
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .faults import RefusalLog
+from .client_member import reach_members
 from .gather import GatherResult, MessageGather
 from .group_admission import GroupAdmission, ask_designated_then_admitted
 from .group_round import GroupRound, RoundResult
@@ -164,6 +165,7 @@ class DilocoxAverager(
         self._last_result: RoundResult | None = None
         self._payload: bytes | None = None  # this round's compressed message (phase 1), if compressed; b"": later
         self._group_ranks: list[int] = []  # low-rank: the ranks most tickets of the group formed now name
+        self._group_clients: frozenset[str] = frozenset()  # the client members of the group formed now (tickets)
         self._designated = DesignatedLeader()  # the member this round's group forms around (matchmaking.py)
         # messages go to the averager process through shared memory: hivemind's command pipe is
         # non-blocking on the averager's side and breaks on anything larger than its buffer
@@ -279,6 +281,7 @@ class DilocoxAverager(
         expected: Sequence[str] | None = None,
         ranks: Sequence[int] = (),
         leader: str = "",
+        client: bool = False,
     ) -> bytes:
         """Set up the next step: its round, target group size, the workers it may group with (`admitted`,
         besides this one) and those banned, and with compression this worker's phase-1 message (the step
@@ -286,14 +289,17 @@ class DilocoxAverager(
         worker sends its messages once it knows the group's ranks: low-rank, `scatter_phase`). `expected`: the
         other workers the target counts; a follower outside them raises the target by one as it joins
         (matchmaking.screen_join_requests). `ranks`: low-rank's ranks this worker would use, in its ticket.
-        `leader`: the member the group forms around ("" none: hivemind's search alone; matchmaking.py).
+        `leader`: the member the group forms around ("" none: hivemind's search alone; matchmaking.py). `client`:
+        this worker averages as a client member (it reduces no span, leads no group: hivemind's client mode for
+        matchmaking), as its ticket says.
         Returns the signed GroupTicket to pass to `step(gather=...)`."""
         size = self._stage(payload) if payload is not None else -1
         kwargs = dict(round=round, target=target_group_size, payload_size=size, admitted=list(admitted), banned=list(banned),
                       banned_keys=list(banned_keys), expected=None if expected is None else list(expected),
-                      leader=leader)  # fmt: skip
+                      leader=leader, client=client)  # fmt: skip
         self._call("_prepare_round", 30.0, **kwargs)
-        return self.signer.seal(envelope_pb2.GroupTicket(schema=self.schema_hash, ranks=list(ranks)), round=round)
+        ticket = envelope_pb2.GroupTicket(schema=self.schema_hash, ranks=list(ranks), client=client)
+        return self.signer.seal(ticket, round=round)
 
     def lower_target(self, round: int, target_group_size: int) -> bool:
         """Lower round `round`'s target group size (members left the round after it began); a leader holding
@@ -301,20 +307,27 @@ class DilocoxAverager(
         return self._call("_lower_target", 30.0, round=round, target=target_group_size)
 
     def gather_phase(
-        self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float
-    ) -> GatherResult:
-        """All-gather a later phase's messages within the group that gathered phase 1."""
+        self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float,
+        clients: Sequence[str] = (), authors: Sequence[str] | None = None, takers: Sequence[str] = (),
+    ) -> GatherResult:  # fmt: skip
+        """All-gather a later phase's messages within the group that gathered phase 1 (`authors`: only theirs, in
+        that order, as the reducers' reduced parts; `clients`: the group's client members; `takers`: members
+        besides the authors that will pull this worker's message, gather._all_gather)."""
         size = self._stage(payload)
-        kwargs = dict(phase=phase, payload_size=size, group=list(group), group_id=group_id, timeout=timeout)
+        kwargs = dict(phase=phase, payload_size=size, group=list(group), group_id=group_id, timeout=timeout,
+                      clients=list(clients), authors=None if authors is None else list(authors), takers=list(takers))  # fmt: skip
         return self._call("_gather_phase", timeout + 30.0, **kwargs)
 
     def scatter_phase(
-        self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float
-    ) -> GatherResult:
+        self, round: int, phase: int, payload: bytes, *, group: Sequence[str], group_id: bytes, timeout: float,
+        clients: Sequence[str] = (),
+    ) -> GatherResult:  # fmt: skip
         """The compressed butterfly's first step for a message sent after the group formed: `payload` cut into one
-        part per member of `group`; returns the parts of this worker's span, in group order (gather._scatter)."""
+        part per reducer of `group` (its members but the `clients`); returns the parts of this worker's span, in
+        group order (gather._scatter; none for a client member)."""
         size = self._stage(payload)
-        kwargs = dict(phase=phase, payload_size=size, group=list(group), group_id=group_id, timeout=timeout, scatter=True)
+        kwargs = dict(phase=phase, payload_size=size, group=list(group), group_id=group_id, timeout=timeout, scatter=True,
+                      clients=list(clients))  # fmt: skip
         return self._call("_gather_phase", timeout + 30.0, **kwargs)
 
     def _stage(self, payload: bytes) -> int:
@@ -361,10 +374,15 @@ class DilocoxAverager(
     # ----- averager process: the all-reduce -------------------------------------------------
     async def _prepare_round(
         self, round: int, target: int, payload_size: int, admitted: list[str], banned: list[str],
-        banned_keys: list[bytes], expected: list[str] | None, leader: str, future: MPFuture,
+        banned_keys: list[bytes], expected: list[str] | None, leader: str, client: bool, future: MPFuture,
     ) -> None:  # fmt: skip
         try:
             self._designated.set(leader, self.peer_id.to_base58(), self._matchmaking.min_matchmaking_time * LEAD_SHARE)
+            # a client member declares no leadership and refuses to lead (hivemind's client mode of matchmaking); it
+            # opens a connection to every member it may group with, over which they reach it (swarm/client_member.py)
+            self._matchmaking.client_mode = client
+            if client:
+                reach_members(self._p2p, [PeerID.from_base58(p) for p in (expected or admitted)])
             self._payload = self._unstage(payload_size) if payload_size >= 0 else None
             self._admitted = frozenset(admitted) - frozenset(banned)
             self.gate.ban(banned, banned_keys)  # a ticket of any worker a banned peer key certifies is refused too
@@ -470,15 +488,10 @@ class DilocoxAverager(
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         self._grouped_at, self._grouped_round = time.time(), self._current_round
         self._remember_begun(group_info)
-        me = self.peer_id.to_base58()
-        ranks = []  # each member's low-rank ranks, as its ticket names them
-        for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
-            peer = peer_id.to_base58()
-            ticket, refusal = self._read_ticket(peer, gathered, even_banned=True)
-            if refusal and peer != me:  # a leader let in a member this worker does not admit: leave the group
-                self._refused(f"a group of round {self._current_round} holding {peer}", refusal)
-                raise AllreduceException(f"the group holds {peer}, which this worker does not admit: {refusal}")
-            ranks.append(list(ticket.ranks) if ticket is not None else [])
-        self._group_ranks = agreed_ranks(ranks)
+        tickets = self._group_tickets(group_info)  # raises where the group holds a member this worker does not admit
+        if all(t.client for t in tickets):
+            raise AllreduceException("every member of the group is a client member: nobody could reduce")
+        self._group_ranks = agreed_ranks([list(t.ranks) for t in tickets])
+        self._group_clients = frozenset(p.to_base58() for p, t in zip(group_info.peer_ids, tickets) if t.client)
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return self._last_result

@@ -107,7 +107,7 @@ class CompressedRound:
         """Reduce this worker's span of the group's parts (the step gathered them), all-gather the reduced parts,
         assemble the average; mend the spans whose reduced part never came from members that hold them."""
         group = result.group
-        assembled, _, sent, received = self._reduce_step(round_codec, message, result, group=group,
+        assembled, _, sent, received = self._reduce_step(round_codec, message, result, group=group, clients=result.clients,
                                                          group_id=result.group_id, phase=1, marks=("phase2", "decode"))  # fmt: skip
         if not assembled.used and not assembled.refused:  # every reducer's span averaged nobody, alike everywhere
             return self._none_averaged(len(group), expected)
@@ -118,7 +118,7 @@ class CompressedRound:
             banned = set(self.membership.banned())
             holed = dataclasses.replace(
                 result, group=[p for p in group if p not in banned], missing=assembled.missing,
-                failed_reducers=[group[i] for i in assembled.refused], bytes_sent=sent, bytes_received=received,
+                failed_reducers=[result.reducers[i] for i in assembled.refused], bytes_sent=sent, bytes_received=received,
             )  # fmt: skip
             average = dataclasses.replace(self._mend(holed, tensors=assembled.tensors), group=used,
                                           digests=tuple(self._digests))  # fmt: skip
@@ -141,12 +141,13 @@ class CompressedRound:
             message = round_codec.message(1) if phase == 1 else low_rank_second(round_codec, step[-1])
             self.clock.mark("encode" if phase == 1 else "phase2")
             scattered = self.averager.scatter_phase(self.round, phase, message, group=group, group_id=result.group_id,
-                                                    timeout=self.sw.allreduce_timeout)  # fmt: skip
+                                                    timeout=self.sw.allreduce_timeout, clients=result.clients)  # fmt: skip
             for peer, reason in scattered.offenders.items():
                 self.stage.strike(peer, f"round {self.round} phase {phase}: {reason}")
             assembled, reduced, more_sent, more_received = self._reduce_step(
-                round_codec, message, scattered, group=group, group_id=result.group_id, phase=phase, marks=(mark, mark)
-            )
+                round_codec, message, scattered, group=group, clients=result.clients, group_id=result.group_id,
+                phase=phase, marks=(mark, mark),
+            )  # fmt: skip
             sent, received = sent + more_sent, received + more_received
             step.append(assembled)
         tensors = low_rank_average(round_codec, step[-1], reduced.energies)
@@ -164,32 +165,41 @@ class CompressedRound:
         return self._agree(average, voters=group)
 
     def _reduce_step(
-        self, round_codec: RoundCodec, message: bytes, scattered: Any, *, group: list[str], group_id: bytes, phase: int,
-        marks: tuple[str, str],
+        self, round_codec: RoundCodec, message: bytes, scattered: Any, *, group: list[str], clients: Sequence[str],
+        group_id: bytes, phase: int, marks: tuple[str, str],
     ) -> tuple[Assembled, Reduced, int, int]:  # fmt: skip
         """One step of the compressed butterfly once this worker holds the group's parts of its span of the `phase`
         messages (`scattered`: the step's RoundResult or a scatter_phase's GatherResult, whose offenders were struck):
         reduce them, all-gather the reduced parts, assemble; count what was left out, strike who served an altered
         reduced part, suspect members whose part never came. `marks`: the phase clock's names for the all-gather and
         for the assembly. Returns the assembly, this worker's reduce, and the bytes sent and received (the
-        scatter's included)."""
+        scatter's included). `clients`: the group's client members, which reduce no span (client_member.py)."""
         me = self.stage.peer_id
-        own = group.index(me)
-        spans = part_spans(message, len(group))
-        reduced = reduce(round_codec, scattered.messages, span=spans[own], phase=phase)
-        self._left_out(group, reduced.rejected, what=f"phase-{phase} part")
-        gathered = self.averager.gather_phase(self.round, reduced_phase(phase), reduced.blob, group=group,
-                                              group_id=group_id, timeout=self.sw.allreduce_timeout)  # fmt: skip
+        reducers = [p for p in group if p not in clients]
+        spans = part_spans(message, len(reducers))
+        takers: list[str] = []  # client members whose parts came: they take this reducer's reduced part too
+        if me in reducers:
+            reduced = reduce(round_codec, scattered.messages, span=spans[reducers.index(me)], phase=phase,
+                             reducers=len(reducers))  # fmt: skip
+            self._left_out(group, reduced.rejected, what=f"phase-{phase} part")
+            takers = [p for p, blob in zip(group, scattered.messages) if p in clients and blob is not None]
+        else:  # a client member: its parts went to the reducers, it takes their reduced parts
+            reduced = Reduced(b"", [])
+        gathered = self.averager.gather_phase(self.round, reduced_phase(phase), reduced.blob, group=group, clients=clients,
+                                              authors=reducers, takers=takers, group_id=group_id,
+                                              timeout=self.sw.allreduce_timeout)  # fmt: skip
         for peer, reason in gathered.offenders.items():
             self.stage.strike(peer, f"round {self.round} phase {phase} reduced parts: {reason}")
         self._digests.extend(d for d in gathered.digests if d is not None)
         self.clock.mark(marks[0])
-        assembled = assemble(round_codec, gathered.messages, spans=spans, own=own, phase=phase)
+        assembled = assemble(round_codec, gathered.messages, spans=spans, own=group.index(me), phase=phase,
+                             group_size=len(group))  # fmt: skip
         self.clock.mark(marks[1])
-        self._left_out(group, assembled.refused, what=f"phase-{phase} reduced part")
+        refused = {group.index(reducers[i]): why for i, why in assembled.refused.items()}  # by group index
+        self._left_out(group, refused, what=f"phase-{phase} reduced part")
         for failure in [*scattered.failures, *gathered.failures]:
             logger.info("round %d: %s", self.round, failure)
-        never = {**reduced.rejected, **assembled.refused}  # parts that never reached this reducer, reduced parts this member
+        never = {**reduced.rejected, **refused}  # parts that never reached this reducer, reduced parts this member
         self.membership.suspect(gather_suspects(group, never, {*scattered.outsiders, *gathered.outsiders}, me=me))
         return (assembled, reduced, scattered.bytes_sent + gathered.bytes_sent,
                 scattered.bytes_received + gathered.bytes_received)  # fmt: skip
@@ -203,8 +213,8 @@ class CompressedRound:
         outsiders = set(result.outsiders)
         if codec.phases == 2:
             second = self.averager.gather_phase(
-                self.round, 2, round_codec.message(2, messages),
-                group=result.group, group_id=result.group_id, timeout=self.sw.allreduce_timeout,
+                self.round, 2, round_codec.message(2, messages), group=result.group, group_id=result.group_id,
+                timeout=self.sw.allreduce_timeout, clients=result.clients,
             )  # fmt: skip
             messages = second.messages
             sent, received = sent + second.bytes_sent, received + second.bytes_received

@@ -22,7 +22,7 @@ import ipaddress
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from multiaddr import Multiaddr
@@ -148,9 +148,10 @@ def reachability_verdict(
     ports = ", ".join(str(p) for p in asked)
     return Check(
         "WARN", what,
-        f"{behind}{via} could not open a connection back ({why}). Other peers cannot dial this one: it still "
-        "trains, reaching out to the others, but two peers that cannot be dialed cannot exchange with each other, "
-        "and its rounds with such a peer fail",
+        f"{behind}{via} could not open a connection back ({why}). Other peers cannot dial this one: with "
+        "swarm.reachability = auto (the default) it averages as a client member, sending its parts and taking the "
+        "average over connections it opens itself; it reduces nothing and leads no group, so its uplink carries "
+        "less of the exchange",
         f"forward TCP port {ports} on the router to this machine"
         + (f" and pin it with --host-maddrs /ip4/0.0.0.0/tcp/{asked[0]} (the peer picks a port now)" if picked else "")
         + ", or pass --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT for a mapping you made; --auto-relay reaches peers "
@@ -230,9 +231,13 @@ async def _ask_first(_dht: Any, node: Any, initial: Sequence[str], port: int, ti
     return "", b""
 
 
-def report_reachability(dht: Any, initial: Sequence[str], *, timeout: float = 2 * CONNECT_S + 2) -> None:
+def report_reachability(
+    dht: Any, initial: Sequence[str], *, timeout: float = 2 * CONNECT_S + 2,
+    on_verdict: Callable[[bool, str], None] | None = None,
+) -> None:  # fmt: skip
     """Ask the swarm, in the background, to dial this worker's DHT node back, and log what it found: a warning with
-    the fix when it cannot (behind NAT: other peers cannot open connections to it), one line when it can."""
+    the fix when it cannot (behind NAT: other peers cannot open connections to it), one line when it can. Then
+    `on_verdict(reachable, what was found)`, unless nobody answered (nothing is known)."""
     from ..doctor import _resolve, parse_peer_maddr, route_source
     from .dht import reachable_maddrs
     from .dht_process import dht_result
@@ -252,5 +257,7 @@ def report_reachability(dht: Any, initial: Sequence[str], *, timeout: float = 2 
         check = reachability_verdict(reply, asked=[port], local_host=route_source(_resolve(host)),
                                      via=f"initial peer {host}")  # fmt: skip
         (logger.info if check.status == "PASS" else logger.warning)("%s", check.line())
+        if on_verdict is not None:
+            on_verdict(check.status == "PASS", check.detail)
 
     threading.Thread(target=run, name="dial-back", daemon=True).start()

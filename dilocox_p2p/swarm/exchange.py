@@ -64,9 +64,9 @@ def mending_order(result: RoundResult, me: str) -> list[str]:
     delivered first (a "failed" one may be alive), never a member that was in no such group. Hivemind's leader
     can count in a follower that had already given up on it; that one looks for a group of its own, and asked
     for this round's average it waited out the request (10 s) for an average of another group."""
-    failed, outsiders = set(result.failed_reducers), set(result.outsiders)
+    failed, outsiders, clients = set(result.failed_reducers), set(result.outsiders), set(result.clients)
     others = [p for p in result.group if p != me and p not in outsiders]
-    return sorted(others, key=lambda p: p in failed)
+    return sorted(others, key=lambda p: (p in clients, p in failed))  # a client member answers over its own links only
 
 
 def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool) -> list[str]:
@@ -93,6 +93,7 @@ class RoundExchange(CompressedRound, GroupVote):
         self._control: Any = None  # hivemind's StepControl while the all-reduce runs
         self._expected: list[str] = []  # the other members this round's target counts (phase 1)
         self._started: list[str] = []  # ... those that had started the round when phase 1 ended
+        self._clients: set[str] = set()  # ... those that average as client members (they never lead)
         self._gone: set[str] = set()  # members found gone while collecting: nothing listens at their addresses
         self._window_start = 0.0
         self.clock = PhaseClock()
@@ -130,6 +131,7 @@ class RoundExchange(CompressedRound, GroupVote):
         self.clock.mark("wait")
         self._expected = [m.peer_id for m in others]
         self._started = [m.peer_id for m in others if m.record.averaging_round >= self.round]
+        self._clients = {m.peer_id for m in others if m.record.client}
         late = sorted(set(self._expected) - set(self._started))
         if late and self.averager.asked_to_lead(self.round):
             logger.info("round %d: a member waits for this worker to lead its group: no longer waiting for %s to start "
@@ -212,10 +214,12 @@ class RoundExchange(CompressedRound, GroupVote):
         """The member this round's group forms around (matchmaking.DesignatedLeader): the smallest peer id of the
         members this worker expects that had started the round (one still training it, or frozen, would keep its
         followers waiting for it to look), itself included. A worker armed with fault injection `abandon_accepted`
-        or `lose_begin` names none: the fault is a follower's."""
+        or `lose_begin` names none: the fault is a follower's. Client members lead no group (nobody could reach them
+        to join it): none of them is named, and where every member is one, nobody is (no group forms)."""
         if self._follows_by_fault():
             return ""
-        return min([self.stage.peer_id, *self._started])
+        me = [] if self.stage.client else [self.stage.peer_id]
+        return min([*me, *(p for p in self._started if p not in self._clients)], default="")
 
     def _may_regroup(self) -> bool:
         # while the round's wait lasts: the follower looks again at once and waits round_wait for a group, so the
@@ -237,7 +241,7 @@ class RoundExchange(CompressedRound, GroupVote):
             self.round, expected, payload=payload,
             admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()),
             banned_keys=sorted(self.membership.banned_keys()), expected=self._expected,
-            ranks=ranks, leader=leader,
+            ranks=ranks, leader=leader, client=bool(self.stage.client),
         )  # fmt: skip
         started = time.monotonic()
         self._control = self.averager.step(
@@ -371,7 +375,8 @@ class RoundExchange(CompressedRound, GroupVote):
         self.averager.mark_failed(self.round)
         self.membership.refresh()
         members = self.membership.members(training_only=True)
-        order = [m.peer_id for m in sorted(members, key=lambda m: not self.membership.finished(m, self.round))]
+        # client members last: one answers only where it holds a connection to this worker (it opened it)
+        order = [m.peer_id for m in sorted(members, key=lambda m: (m.record.client, not self.membership.finished(m, self.round)))]
         collected = self._collect(order, start=None, wait_s=wait_s)
         self.clock.mark("borrow")
         if collected.average is None:

@@ -119,15 +119,22 @@ class MessageGather:
         return self._inbox[key]
 
     async def _all_gather(
-        self, group_id: bytes, phase: int, peers: Sequence[str], me: str, payload: bytes, deadline: float
-    ) -> GatherResult:
-        """Every member's message of (group_id, phase), in the order of `peers`."""
+        self, group_id: bytes, phase: int, peers: Sequence[str], me: str, payload: bytes, deadline: float,
+        *, clients: Sequence[str] = (), takers: Sequence[str] = (),
+    ) -> GatherResult:  # fmt: skip
+        """Every message of (group_id, phase) by the members `peers`, in that order; this worker's own is `payload`
+        where it is one of them (a client member takes the reducers' reduced parts and serves none). A client
+        member pulls another client's message from members that hold it: neither can dial the other. `takers`:
+        members besides those of `peers` that answered that will pull this worker's message (client members that
+        take a reducer's reduced part), waited for as they are."""
         self._my_id = me
         box = self._box(group_id, phase)
-        box[(me, 0)] = (payload, self._sealed_digest(group_id, phase, 0, payload))
+        if me in peers:
+            box[(me, 0)] = (payload, self._sealed_digest(group_id, phase, 0, payload))
         result = GatherResult(messages=[])
         others = [p for p in peers if p != me]
-        answered, outsiders = await self._pull_from_each(others, group_id, phase, 0, deadline, result)
+        direct = [p for p in others if me not in clients or p not in clients]
+        answered, outsiders = await self._pull_from_each(direct, group_id, phase, 0, deadline, result)
         for sender in [p for p in others if (p, 0) not in box and p not in outsiders]:  # relay what missed this worker
             for holder in answered:
                 until = min(deadline, time.monotonic() + RELAY_WAIT_S)
@@ -142,25 +149,35 @@ class MessageGather:
         result.messages = [box[(p, 0)][0] if (p, 0) in box else None for p in peers]
         result.digests = [box[(p, 0)][1] if (p, 0) in box else None for p in peers]
         result.outsiders = sorted(outsiders)
-        result.bytes_sent = await self._delivered_to(answered, group_id, phase, deadline)
+        takers = [*answered, *takers] if me in peers else []
+        result.bytes_sent = await self._delivered_to(takers, group_id, phase, deadline)
         return result
 
     async def _scatter(
-        self, group_id: bytes, phase: int, peers: Sequence[str], me: str, parts: Sequence[bytes], deadline: float
-    ) -> GatherResult:
-        """The compressed butterfly's first step: this worker's message in parts, one per member of `peers` (its
-        reducer, in group order), each served to that member only; returns the parts of this worker's own span
-        from every member, in group order (None: never came; nobody else holds them, so nothing is relayed)."""
+        self, group_id: bytes, phase: int, peers: Sequence[str], me: str, parts: Sequence[bytes], deadline: float,
+        *, reducers: Sequence[str] | None = None,
+    ) -> GatherResult:  # fmt: skip
+        """The compressed butterfly's first step: this worker's message in parts, one per reducer (`reducers`, in
+        group order: `peers` but the client members), each served to that reducer only; returns the parts of this
+        worker's own span from every member of `peers`, in group order (None: never came; nobody else holds them,
+        so nothing is relayed). A client member reduces no span: it waits until the reducers took its parts."""
         self._my_id = me
-        box, mine = self._box(group_id, phase), peers.index(me) + 1
+        reducers = list(peers) if reducers is None else list(reducers)
+        assert len(parts) == len(reducers), f"{len(parts)} parts for {len(reducers)} reducers"
+        box = self._box(group_id, phase)
         for part, payload in enumerate(parts, start=1):
             box[(me, part)] = (payload, self._sealed_digest(group_id, phase, part, payload))
         result = GatherResult(messages=[])
+        takers = [p for p in reducers if p != me]
+        if me not in reducers:  # a client member (client_member.py): the reducers pull over the links it opened
+            result.bytes_sent = await self._delivered_to(takers, group_id, phase, deadline)
+            return result
+        mine = reducers.index(me) + 1
         others = [p for p in peers if p != me]
         answered, outsiders = await self._pull_from_each(others, group_id, phase, mine, deadline, result)
         result.messages = [box[(p, mine)][0] if (p, mine) in box else None for p in peers]
         result.outsiders = sorted(outsiders)
-        result.bytes_sent = await self._delivered_to(answered, group_id, phase, deadline)
+        result.bytes_sent = await self._delivered_to([p for p in answered if p in takers], group_id, phase, deadline)
         return result
 
     async def _pull_from_each(

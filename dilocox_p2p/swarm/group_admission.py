@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
 
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -85,6 +86,19 @@ class GroupAdmission:
         except Exception as e:
             return None, f"unreadable group ticket ({type(e).__name__})"
         return opened.message, ""
+
+    def _group_tickets(self, group_info: GroupInfo) -> list[envelope_pb2.GroupTicket]:
+        """The group tickets of a formed group's members, in group order (this worker's own, if unreadable: an empty
+        one). Raises AllreduceException where a leader let in a member this worker does not admit: it leaves the group."""
+        me, tickets = self.peer_id.to_base58(), []
+        for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
+            peer = peer_id.to_base58()
+            ticket, refusal = self._read_ticket(peer, gathered, even_banned=True)
+            if refusal and peer != me:
+                self._refused(f"a group of round {self._current_round} holding {peer}", refusal)
+                raise AllreduceException(f"the group holds {peer}, which this worker does not admit: {refusal}")
+            tickets.append(ticket if ticket is not None else envelope_pb2.GroupTicket())
+        return tickets
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

@@ -29,6 +29,7 @@ from .. import injection
 from ..average import AverageKind, Spans
 from ..compression.butterfly import cut_all, rides_butterfly
 from .allreduce import ExactAllReduceRunner
+from .client_member import reach_members
 from .held import HeldAverage
 
 __all__ = ["GATHER_SHARE", "GroupRound", "RoundResult"]
@@ -62,6 +63,13 @@ class RoundResult:
     """Low-rank: the step only formed the group; the worker sends its messages at `ranks` (scatter_phase)."""
     ranks: list[int] = field(default_factory=list)
     """Low-rank: the group's rank of each factored matrix, the one most members' tickets named."""
+    clients: list[str] = field(default_factory=list)
+    """The group's client members (their signed tickets say so): they reduce no span, the others reduce it all."""
+
+    @property
+    def reducers(self) -> list[str]:
+        """The members that reduce a span, in group order: all but the client members."""
+        return [p for p in self.group if p not in self.clients]
 
     def alone_with_outsiders(self, me: str) -> bool:
         """Whether every other member of `me`'s group was counted in after it had given up on the leader: those
@@ -79,6 +87,7 @@ class GroupRound:
     _grouped_at: float | None
     _last_result: RoundResult | None
     _group_ranks: list[int]
+    _group_clients: frozenset[str]
     _allreduce_timeout: float
     max_norm_ratio: float
     clip_ratio: float
@@ -94,12 +103,20 @@ class GroupRound:
         group_id = group_info.group_id if group_id is None else group_id
         round = self._current_round
         tensors = self._of_round(round, tensors)
+        clients = self._group_clients
+        if clients:  # the reducers split the vector evenly; a client member (fraction 0) only sends and receives
+            reducers = len(group_info.peer_ids) - len(clients)
+            kwargs["peer_fractions"] = tuple(0.0 if p.to_base58() in clients else 1.0 / reducers
+                                             for p in group_info.peer_ids)  # fmt: skip
+            if self.peer_id.to_base58() in clients:
+                reach_members(self._p2p, [p for p in group_info.peer_ids if p.to_base58() not in clients])
         if self._payload is not None:  # compressed: the messages' own exchange instead of the fp32 butterfly
             self._running_groups[group_id].set_result(None)  # no butterfly parts will arrive for this group
             if not self._payload:  # low-rank: the worker encodes at the group's ranks, then scatters (scatter_phase)
                 peers = [p.to_base58() for p in group_info.peer_ids]
                 self._last_result = RoundResult(round=round, group=peers, group_id=group_id, missing=(), deferred=True,
-                                                ranks=list(self._group_ranks), grouped_at=self._grouped_at)  # fmt: skip
+                                                ranks=list(self._group_ranks), grouped_at=self._grouped_at,
+                                                clients=sorted(clients))  # fmt: skip
                 return
             await self._gather_first_phase(round, group_info, group_id)
             return
@@ -145,6 +162,7 @@ class GroupRound:
             outsiders=sorted(p.to_base58() for p in runner.outsiders),
             offenders=runner.offenders(),
             grouped_at=self._grouped_at,
+            clients=sorted(clients),
         )
         # a member whose every other member was an outsider holds no average of the group: served, a member that
         # had given up on this group borrowed this worker's own half-reduced parts and split from the rest (busy run)
@@ -156,12 +174,14 @@ class GroupRound:
         # well inside hivemind's own timeout of the step, so that a member that never shows (its
         # matchmaking failed after the group formed) costs its message, not the whole round
         deadline = time.monotonic() + GATHER_SHARE * self._allreduce_timeout
-        payload, me = self._payload, self.peer_id.to_base58()
+        payload, me, clients = self._payload, self.peer_id.to_base58(), self._group_clients
         assert payload is not None
-        if rides_butterfly(payload, len(peers)):  # each member reduces its span of the others' messages (butterfly.py)
-            gathered = await self._scatter(group_id, 1, peers, me, cut_all(payload, len(peers)), deadline)
+        reducers = [p for p in peers if p not in clients]
+        if rides_butterfly(payload, len(peers)):  # each reducer reduces its span of the group's messages (butterfly.py)
+            gathered = await self._scatter(group_id, 1, peers, me, cut_all(payload, len(reducers)), deadline,
+                                           reducers=reducers)  # fmt: skip
         else:
-            gathered = await self._all_gather(group_id, 1, peers, me, payload, deadline)
+            gathered = await self._all_gather(group_id, 1, peers, me, payload, deadline, clients=clients)
         self._last_result = RoundResult(
             round=round,
             group=peers,
@@ -174,19 +194,26 @@ class GroupRound:
             offenders=gathered.offenders,
             outsiders=gathered.outsiders,
             grouped_at=self._grouped_at,
+            clients=sorted(clients),
         )
 
     async def _gather_phase(
         self, phase: int, payload_size: int, group: list[str], group_id: bytes, timeout: float, future: MPFuture,
-        scatter: bool = False,
+        scatter: bool = False, clients: Sequence[str] = (), authors: Sequence[str] | None = None,
+        takers: Sequence[str] = (),
     ) -> None:  # fmt: skip
+        """`authors`: the members whose messages are gathered (default: the whole group; the reduced parts: the
+        reducers); `clients`: the group's client members; `takers`: gather._all_gather's."""
         try:
             payload, me = self._unstage(payload_size), self.peer_id.to_base58()
             deadline = time.monotonic() + timeout
+            reducers = [p for p in group if p not in clients]
             if scatter:
-                gathered = await self._scatter(group_id, phase, group, me, cut_all(payload, len(group)), deadline)
+                gathered = await self._scatter(group_id, phase, group, me, cut_all(payload, len(reducers)), deadline,
+                                               reducers=reducers)  # fmt: skip
             else:
-                gathered = await self._all_gather(group_id, phase, group, me, payload, deadline)
+                gathered = await self._all_gather(group_id, phase, group if authors is None else authors, me, payload,
+                                                  deadline, clients=clients, takers=takers)  # fmt: skip
             future.set_result(gathered)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)

@@ -54,6 +54,10 @@ PATCHES: dict[str, str] = {
     # averaging/matchmaking.py and key_manager.py
     "Matchmaking.group_key_manager.group_bits": "set per round: the group key spells the round",
     "Matchmaking.target_group_size / potential_leaders.target_group_size": "set per round",
+    "Matchmaking.client_mode": "set per round (client_member.py): a client member declares no leadership and its "
+    "averager refuses join requests, as hivemind's client mode, while its rpc handlers stay served (the reducers pull "
+    "its parts over the connections it opens); its peer_fractions are 0 (_run_allreduce_inplace_ replaces hivemind's "
+    "load-balanced ones: every reducer an equal share) and AllReduceRunner takes it for AveragingMode.CLIENT",
     "GroupKeyManager.update_key_on_group_assembled": "replaced by a no-op (no key rotation)",
     "Matchmaking.lock_request_join_group / current_followers / current_leader / assembled_group / "
     "leader_assemble_group": "lower_target (matchmaking.py): a leader holding every member that still trains "

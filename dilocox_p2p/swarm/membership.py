@@ -318,9 +318,11 @@ class Membership:
             self._suspects.clear()
 
     def donors(self, boundary: int | None = None) -> list[Member]:
-        """Training members that hold (or will soon hold) `boundary`, most advanced first."""
+        """Training members that hold (or will soon hold) `boundary`, most advanced first; of as advanced ones, client
+        members last (one answers only where it opened a connection to the asker: swarm/client_member.py)."""
         members = [m for m in self.members(training_only=True) if boundary is None or m.record.boundary <= boundary]
-        return sorted(members, key=lambda m: (-m.record.boundary, not m.record.state_ready, m.record.joined_at))
+        return sorted(members, key=lambda m: (-m.record.boundary, not m.record.state_ready, m.record.client,
+                                              m.record.joined_at))  # fmt: skip
 
     @staticmethod
     def sits_out(member: Member, round: int) -> bool:

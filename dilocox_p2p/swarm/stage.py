@@ -105,8 +105,6 @@ class SwarmStage:
                 shutdown_whole(self.dht)
                 raise
         serve_hello(self.dht, role="peer", run_id=cfg.run.run_id)  # `dilocox-peer doctor` tells a dilocox node by it
-        if stage == 0 and self.sw.initial_peers and not loopback_only(self.sw.host_maddrs):
-            report_reachability(self.dht, self.sw.initial_peers)  # behind NAT? said once, in the background
         self.peer_id = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, cfg.run.run_id, stage, self.faults, signer=self.signer, gate=self.gate)
         # streaming: the tensors each sync round averages (fragments.py); one codec per fragment, each with
@@ -145,6 +143,8 @@ class SwarmStage:
             next_chunk_timeout=self.sw.chunk_timeout,
             allow_state_sharing=False,  # hivemind's own state sharing; ours is rpc_download_round
         )
+        self.client = "swarm.reachability = client" if self.sw.reachability == "client" else ""
+        """Why this worker averages as a client member ("": a full member): it reduces no span and leads no group."""
         self.heartbeat = Heartbeat(
             self.records,
             swarm_pb2.MemberRecord(
@@ -154,6 +154,7 @@ class SwarmStage:
                 boundary=-1,
                 joined_at=get_dht_time(),
                 peer_name=peer_name,
+                client=bool(self.client),
             ),
         )
         self.membership = Membership(self.records, config_hash=self.config_hash, faults=self.faults)
@@ -171,6 +172,18 @@ class SwarmStage:
         # every byte the stage moves through the swarm, for the metrics; the peer's stages fork from one process
         self.wire = WireMeter(self._daemon_pid, own=lambda: daemons_below(os.getppid()))
         self._closed = False
+        if self.sw.reachability == "auto" and self.sw.initial_peers and not loopback_only(self.sw.host_maddrs):
+            # behind NAT? asked in the background (each stage listens on a port of its own), said once
+            report_reachability(self.dht, self.sw.initial_peers, on_verdict=self._reached)
+
+    def _reached(self, reachable: bool, found: str) -> None:
+        """The dial-back's verdict: a worker the swarm cannot dial averages as a client member from its next round."""
+        if reachable or self.client:
+            return
+        self.client = "the swarm cannot dial it" + (" (behind a NAT)" if "behind a NAT" in found else "")
+        logger.warning("stage %d averages as a client member from its next round: it sends its parts to the others and "
+                       "takes the average over connections it opens, reduces nothing and leads no group", self.stage)
+        self.heartbeat.update(client=True, wait=False)
 
     def fragment_indices(self, round: int) -> list[int]:
         """The tensors (stage parameter indices) that round `round` averages."""

@@ -139,6 +139,9 @@ class SwarmStageWorker(StageWorker):
         members = self.swarm.membership.members(others_only=False)
         return sorted(m.record.peer_name or m.peer_id for m in members)
 
+    def client_member(self) -> str:
+        return self.swarm.client
+
     def compression_facts(self) -> dict[str, Any]:
         facts: dict[str, Any] = {}
         for codec in self.swarm.codecs:

@@ -28,23 +28,24 @@ def _deltas(seed: int, scale: float = 1e-3) -> list[torch.Tensor]:
     return [torch.from_numpy((rng.standard_normal(tuple(s)) * scale).astype(np.float32)) for s in SHAPES]
 
 
-def _butterfly(codecs, deltas, *, round=0, lose=(), tamper=None):
+def _butterfly(codecs, deltas, *, round=0, lose=(), tamper=None, clients=()):
     """One round: every member's message cut into parts, each reducer reduces its span, every member assembles.
     `lose`: (sender, reducer) pairs whose part never reaches the reducer; `tamper(parts)` edits the parts
-    reducer 1 receives."""
+    reducer 1 receives; `clients`: members that reduce nothing (swarm/client_member.py)."""
     n = len(codecs)
+    reducers = [i for i in range(n) if i not in clients]
     rounds = [c.begin(round, d) for c, d in zip(codecs, deltas)]
     messages = [r.message(1) for r in rounds]
-    parts = [cut_all(m, n) for m in messages]  # parts[sender][reducer]
-    spans = part_spans(messages[0], n)
+    parts = [cut_all(m, len(reducers)) for m in messages]  # parts[sender][reducer]
+    spans = part_spans(messages[0], len(reducers))
     reduced = []
-    for reducer in range(n):
+    for reducer, member in enumerate(reducers):
         mine = [None if (sender, reducer) in lose else parts[sender][reducer] for sender in range(n)]
         if tamper is not None and reducer == 1:
             mine = tamper(mine)
-        reduced.append(reduce(rounds[reducer], mine, span=spans[reducer]))
+        reduced.append(reduce(rounds[member], mine, span=spans[reducer], reducers=len(reducers)))
     blobs = [r.blob for r in reduced]
-    return [assemble(r, blobs, spans=spans, own=i) for i, r in enumerate(rounds)], reduced, spans
+    return [assemble(r, blobs, spans=spans, own=i, group_size=n) for i, r in enumerate(rounds)], reduced, spans
 
 
 def test_reducer_spans_cover_the_vector_in_whole_units_as_evenly_as_they_can():
@@ -113,6 +114,29 @@ def _assert_telescopes(cfg: CompressionConfig, n: int = 3) -> None:
         buffers = sum(c.feedback.buffers[i].double() for c in codecs)
         scale = float(sent[i].abs().max())
         assert float((applied[i] + buffers - sent[i]).abs().max()) < 1e-4 * scale, NAMES[i]
+
+
+@pytest.mark.parametrize("clients", [(2,), (0, 3)])
+def test_client_members_reduce_nothing_yet_every_member_holds_the_same_mean_of_all_and_feedback_telescopes(clients):
+    n = 4
+    codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    sent = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    applied = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for round in range(3):
+        deltas = [_deltas(10 * round + seed) for seed in range(n)]
+        results, reduced, spans = _butterfly(codecs, deltas, round=round, clients=clients)
+        assert len(reduced) == len(spans) == n - len(clients)  # one span per reducer
+        for other in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0].tensors, other.tensors))
+        assert all(r.used == list(range(n)) and not r.missing for r in results)  # the clients' contributions too
+        for got, want in zip(results[0].tensors, [sum(d[i] for d in deltas) / n for i in range(len(SHAPES))]):
+            assert float(torch.linalg.norm(got - want) / torch.linalg.norm(want)) < 3e-2
+        for i in range(len(SHAPES)):
+            sent[i] += sum(d[i].double() for d in deltas)
+            applied[i] += n * results[0].tensors[i].double()
+    for i in range(len(SHAPES)):  # the reducers' second rounding stays in their own buffers: nothing is lost
+        buffers = sum(c.feedback.buffers[i].double() for c in codecs)
+        assert float((applied[i] + buffers - sent[i]).abs().max()) < 1e-4 * float(sent[i].abs().max()), NAMES[i]
 
 
 def test_a_part_that_never_reached_its_reducer_stays_in_its_senders_buffer_on_that_span_only():

@@ -80,6 +80,14 @@ def test_a_member_mends_from_the_others_whose_reducers_delivered_first_and_never
     assert mending_order(result, "c") == ["a", "d", "b"]  # e never learnt of the group: it holds no copy
 
 
+def test_a_member_mends_from_client_members_last_and_the_others_reduce_the_whole_vector():
+    # a client member answers only where it opened a connection to the asker (swarm/client_member.py)
+    result = RoundResult(round=7, group=["a", "b", "c", "d"], group_id=b"g", missing=((0, 4),),
+                         failed_reducers=["b"], clients=["a", "d"])  # fmt: skip
+    assert mending_order(result, "c") == ["b", "a", "d"]
+    assert result.reducers == ["b", "c"]
+
+
 def test_a_failed_reducer_is_suspected_unless_it_answered_or_was_in_no_such_group():
     result = RoundResult(round=3, group=["a", "b", "c", "d"], group_id=b"g", missing=((0, 4),),
                          failed_reducers=["b", "c", "d"], outsiders=["d"])  # fmt: skip

@@ -1,0 +1,74 @@
+"""Volunteers behind home routers train with the others as client members, with no relay and no forwarded
+port: each NATed peer's own contribution is in (nearly) every average, and every common round's hashes are
+equal (issue 39; swarm/client_member.py).
+
+    sudo pytest tests/netns/test_volunteers_behind_nat.py -q
+
+Host 0 runs a public bootstrap node (no --relay: relays disabled), host 1 a public peer, hosts 2 and 3 a
+peer each behind its own router (MASQUERADE, no port forwarding: benchmarks/netlab.py), links shaped to
+100 Mbit/s. Every peer joins with the bootstrap as its only initial peer, as a volunteer would. The two
+NATed peers cannot open a connection to each other; before client members, their rounds together failed
+(benchmarks/results/nat_lab.json: a NATed peer averaged in 0 of 11 rounds, or 2).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.netlab import NetLab
+from dilocox_p2p.bootstrap import load_node_identity
+from dilocox_p2p.identity import peer_id_of
+from dilocox_p2p.metrics import read_metrics
+
+pytestmark = pytest.mark.netns
+
+ROUNDS = 10
+PUBLIC, NATED = (1,), (2, 3)
+
+
+def _join(host: int, boot: str, run_dir) -> list[str]:
+    return [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "nat", "--preset", "tiny", "--stages", "1",
+            "--rounds", str(ROUNDS), "--inner-steps", "5", "--mode", "sync", "--min-peers", "3", "--device", "cpu",
+            "--progress", "lines", "--set", "inner.threads=1", "--data-seed", str(host), "--initial-peers", boot,
+            "--run-dir", str(run_dir)]  # fmt: skip
+
+
+def test_two_volunteers_behind_nat_average_as_client_members_and_agree_with_the_public_peer(tmp_path):
+    state = tmp_path / "boot"
+    state.mkdir(mode=0o700)
+    boot_id = peer_id_of(load_node_identity(state / "identity.key"))
+    with NetLab(n_hosts=4, rate_mbit=100.0, behind_nat=NATED) as lab:
+        node = lab.popen(0, [sys.executable, "-m", "dilocox_p2p.cli.bootstrap", "--state-dir", str(state),
+                             "--host-maddrs", "/ip4/0.0.0.0/tcp/31337"], stdout=open(tmp_path / "boot.out", "w"),
+                         stderr=open(tmp_path / "boot.err", "w"))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "boot.out").read_text().strip():  # its multiaddrs, printed once it serves
+            assert node.poll() is None and time.monotonic() < deadline, (tmp_path / "boot.err").read_text()[-3000:]
+            time.sleep(0.2)
+        boot = f"/ip4/{lab.ip(0)}/tcp/31337/p2p/{boot_id}"
+        peers = {h: lab.popen(h, _join(h, boot, tmp_path / f"peer{h}"), stdout=open(tmp_path / f"peer{h}.out", "w"),
+                              stderr=subprocess.STDOUT) for h in (*PUBLIC, *NATED)}  # fmt: skip
+        codes = {h: p.wait(timeout=400) for h, p in peers.items()}
+    outputs = {h: (tmp_path / f"peer{h}.out").read_text() for h in peers}
+    assert all(code == 0 for code in codes.values()), {h: outputs[h][-3000:] for h, c in codes.items() if c}
+
+    records = {h: {r["round"]: r for r in read_metrics(tmp_path / f"peer{h}" / "metrics.jsonl")} for h in peers}
+    common = sorted(set.intersection(*(set(r) for r in records.values())))
+    assert len(common) >= ROUNDS - 1, {h: sorted(r) for h, r in records.items()}
+    for t in common:
+        assert len({tuple(r[t]["stage_hashes"]) for r in records.values()}) == 1, f"round {t}: the peers disagree"
+    assert all(r["clients"] == [""] for r in records[1].values()), "the public peer took itself for unreachable"
+    for h in NATED:
+        # it found out by itself, said so with the fix, and averaged as a client member from then on
+        log = outputs[h]
+        assert "WARN  reachable from the swarm" in log and "Fix: forward TCP port" in log, log[-3000:]
+        assert "stage 0 averages as a client member" in log, log[-3000:]
+        clients = [t for t, r in records[h].items() if r["clients"][0]]
+        assert clients and all(t in clients for t in range(min(clients), ROUNDS)), sorted(clients)
+        # its own contribution is in the average it applied (no borrowing, no mending) in at least 80% of its rounds
+        kinds = [r["kinds"][0] for r in records[h].values() if r["applied_round"] is not None]
+        assert kinds.count("averaged") >= 0.8 * len(kinds), kinds
