@@ -40,6 +40,7 @@ DIAL_BACK = "dilocox.v1.DialBack"
 MAX_PORTS = 4
 CONNECT_S = 3.0
 MAX_AT_ONCE = 8  # dial-backs served at once; more wait
+ASKS, ASK_AGAIN_S = 5, 10.0  # a joining worker asks the initial peers this many times, this long apart, for a verdict
 _slots: asyncio.Semaphore | None = None
 
 
@@ -219,16 +220,18 @@ def reachability_check(cfg: Any, addr: Any, *, timeout: float, local_host: str |
 
 async def _ask_first(_dht: Any, node: Any, initial: Sequence[str], port: int, timeout: float) -> tuple[str, bytes]:
     """In the DHT process: the dial-back reply (serialized: it crosses a process pipe) of the first of `initial`
-    that gives one, and whose it is."""
+    that gives one, and whose it is; ("", why the last one gave none) where none does."""
     from hivemind.p2p import PeerID
 
+    why = b"no initial peer"
     for text in initial:
         try:
             peer = PeerID.from_base58(Multiaddr(text).value_for_protocol("p2p"))
             return text, (await ask_dial_back(node.p2p, peer, [port], timeout=timeout)).SerializeToString()
         except Exception as e:  # noqa: BLE001 - down, or an older node: the next one may answer
             logger.debug("no dial-back from %s: %r", text, e)
-    return "", b""
+            why = f"{text}: {e!r}"[:200].encode()
+    return "", why
 
 
 def report_reachability(
@@ -242,16 +245,30 @@ def report_reachability(
     from .dht import reachable_maddrs
     from .dht_process import dht_result
 
+    def ask() -> tuple[int, str, bytes]:
+        """(the port asked, the initial peer that dialed back or "", its reply); raises where nobody could be asked."""
+        port = next(int(Multiaddr(m).value_for_protocol("tcp")) for m in reachable_maddrs(dht) if "/tcp/" in m)
+        call = functools.partial(_ask_first, initial=tuple(initial), port=port, timeout=timeout)
+        via, reply = dht_result(dht, dht.run_coroutine(call, return_future=True), "a dial-back",
+                                deadline=time.monotonic() + timeout * len(initial) + 5)  # fmt: skip
+        return port, via, reply
+
     def run() -> None:
-        try:
-            port = next(int(Multiaddr(m).value_for_protocol("tcp")) for m in reachable_maddrs(dht) if "/tcp/" in m)
-            ask = functools.partial(_ask_first, initial=tuple(initial), port=port, timeout=timeout)
-            via, reply = dht_result(dht, dht.run_coroutine(ask, return_future=True), "a dial-back",
-                                    deadline=time.monotonic() + timeout * len(initial) + 5)  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - the node is stopping, or nobody answered in time
-            logger.debug("reachability not checked: %r", e)
-            return
-        if not via:
+        # asked again while no initial peer answers: once, a lab's peers all went unasked (the bootstrap node did not
+        # answer the first ask), and the peers behind NAT stayed full members that nobody could reach
+        why = "no initial peer dialed back"
+        for attempt in range(ASKS):
+            if attempt:
+                time.sleep(ASK_AGAIN_S)
+            try:
+                port, via, reply = ask()
+            except Exception as e:  # noqa: BLE001 - the node is stopping, or nobody answered in time
+                via, reply, why = "", b"", repr(e)[:200]
+            if via:
+                break
+            why = reply.decode(errors="replace") if reply else why
+        else:
+            logger.info("reachability not checked (%s, %d times): this worker averages as a full member", why, ASKS)
             return
         reply, host = DialBackReply.FromString(reply), parse_peer_maddr(via).host
         check = reachability_verdict(reply, asked=[port], local_host=route_source(_resolve(host)),
