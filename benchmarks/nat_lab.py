@@ -45,24 +45,12 @@ def _join(args: argparse.Namespace, host: int, run_dir: Path, boot: str) -> list
 
 
 def run(args: argparse.Namespace, root: Path) -> dict:
-    from dilocox_p2p.bootstrap import load_node_identity
-    from dilocox_p2p.identity import peer_id_of
     from dilocox_p2p.metrics import read_metrics
 
     env = {"PYTHONPATH": str(ROOT)}
-    state = root / "bootstrap"
-    state.mkdir(mode=0o700, parents=True)
-    boot_id = peer_id_of(load_node_identity(state / "identity.key"))
     started = time.monotonic()
     with NetLab(n_hosts=1 + len(PUBLIC) + len(NATED), rate_mbit=args.rate, behind_nat=NATED) as lab:
-        boot = f"/ip4/{lab.ip(0)}/tcp/31337/p2p/{boot_id}"
-        node = lab.popen(0, [sys.executable, "-m", "dilocox_p2p.cli.bootstrap", "--state-dir", str(state), "--relay",
-                             "--host-maddrs", "/ip4/0.0.0.0/tcp/31337"], stdout=open(root / "bootstrap.out", "w"),
-                         stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **env})  # fmt: skip
-        while not (root / "bootstrap.out").read_text().strip():
-            if node.poll() is not None or time.monotonic() - started > 60:
-                raise SystemExit(f"the bootstrap node did not start:\n{(root / 'bootstrap.out').read_text()[-2000:]}")
-            time.sleep(0.2)
+        boot = lab.start_bootstrap(0, root / "bootstrap", relay=True, env=env)
         peers = {}
         for host in (*PUBLIC, *NATED):
             log = open(root / f"peer{host}.out", "w")

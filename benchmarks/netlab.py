@@ -161,6 +161,29 @@ class NetLab:
         self.procs.append(proc)
         return proc
 
+    def start_bootstrap(self, host: int, state_dir: Path, *, relay: bool = False, port: int = 31337,
+                        timeout: float = 60.0, env: dict[str, str] | None = None) -> str:  # fmt: skip
+        """Start `dilocox-bootstrap` on `host` (its identity in `state_dir`, its output in state_dir/../NAME.out and
+        .err), wait until it prints its multiaddr (it serves then), and return the multiaddr peers join with."""
+        import sys
+        import time
+
+        from dilocox_p2p.bootstrap import load_node_identity
+        from dilocox_p2p.identity import peer_id_of
+
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        boot_id = peer_id_of(load_node_identity(state_dir / "identity.key"))
+        out, err = state_dir.with_suffix(".out"), state_dir.with_suffix(".err")
+        node = self.popen(host, [sys.executable, "-m", "dilocox_p2p.cli.bootstrap", "--state-dir", str(state_dir),
+                                 *(["--relay"] if relay else []), "--host-maddrs", f"/ip4/0.0.0.0/tcp/{port}"],
+                          stdout=open(out, "w"), stderr=open(err, "w"), env=None if env is None else {**os.environ, **env})  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not out.read_text().strip():  # its multiaddrs, printed once it serves
+            if node.poll() is not None or time.monotonic() > deadline:
+                raise NetLabError(f"the bootstrap node did not start:\n{err.read_text()[-3000:]}")
+            time.sleep(0.2)
+        return f"/ip4/{self.ip(host)}/tcp/{port}/p2p/{boot_id}"
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

@@ -30,7 +30,9 @@ from typing import Any, Literal
 from multiaddr import Multiaddr
 
 from .config import Config
-from .endpoints import HOST_PROTOCOLS, ensure_port_free, format_hostport, maddr_host, parse_hostport, stage_maddr
+from .endpoints import (
+    HOST_PROTOCOLS, ensure_port_free, format_hostport, maddr_host, parse_hostport, resolve_host, stage_maddr,
+)  # fmt: skip
 from .errors import ConfigError
 from .memory_estimate import DEVICE_BYTES_PER_PARAM, HOST_BYTES_PER_PARAM, available_ram, estimate_memory, gib
 
@@ -323,13 +325,6 @@ def route_source(host: str) -> str | None:
         return None
 
 
-def _resolve(host: str) -> str:
-    try:
-        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
-    except OSError:
-        return host
-
-
 def memory_checks(cfg: Config) -> list[Check]:
     """The preset's stage memory against free device memory (CUDA) and available RAM."""
     import torch
@@ -474,7 +469,7 @@ def peer_checks(cfg: Config, timeout: float) -> tuple[list[Check], dict[str, flo
     if live is not None:  # can the swarm dial this machine? (swarm/dial_back.py)
         from .swarm.dial_back import reachability_check
 
-        reach = reachability_check(cfg, live, timeout=timeout, local_host=route_source(_resolve(live.host)))
+        reach = reachability_check(cfg, live, timeout=timeout, local_host=route_source(resolve_host(live.host)))
         checks += [reach] if reach is not None else []
     return checks, skews
 
@@ -482,7 +477,7 @@ def peer_checks(cfg: Config, timeout: float) -> tuple[list[Check], dict[str, flo
 def run_checks(cfg: Config, *, timeout: float = 5.0) -> list[Check]:
     """All preflight checks for joining with `cfg`, in the order an operator fixes them."""
     checks = port_checks(cfg)
-    hosts = [_resolve(parse_peer_maddr(t).host) for t in cfg.swarm.initial_peers if _parses(t)]
+    hosts = [resolve_host(parse_peer_maddr(t).host) for t in cfg.swarm.initial_peers if _parses(t)]
     # the local address towards a public initial peer (behind NAT if private), else towards any remote one
     remote = sorted((h for h in hosts if address_scope(h) != "loopback"), key=lambda h: address_scope(h) != "public")
     checks += announce_checks(hosts, cfg.swarm.announce_maddrs, cfg.swarm.host_maddrs, auto_relay=cfg.swarm.auto_relay,

@@ -177,6 +177,14 @@ def write_atomically(path: Path, text: str) -> None:
 HOST_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
 
 
+def resolve_host(host: str) -> str:
+    """`host`'s first address (a name resolved; an address as it is, or the name where it does not resolve)."""
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError:
+        return host
+
+
 def maddr_host(maddr: str) -> str:
     """The host (IP address or DNS name) of a multiaddr; "" if it names none."""
     m = Multiaddr(maddr)

@@ -81,6 +81,7 @@ async def _answer(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
     try:
         request, error = await asyncio.wait_for(P2P.receive_protobuf(DialBackRequest, reader), CONNECT_S)
         if request is None:
+            logger.debug("dial-back for %s not answered: %r", stream_info.peer_id, error)
             return
         host = observed_host(stream_info.addr)
         ports = [p for p in request.ports if 0 < p < 65536][:MAX_PORTS]
@@ -241,7 +242,8 @@ def report_reachability(
     """Ask the swarm, in the background, to dial this worker's DHT node back, and log what it found: a warning with
     the fix when it cannot (behind NAT: other peers cannot open connections to it), one line when it can. Then
     `on_verdict(reachable, what was found)`, unless nobody answered (nothing is known)."""
-    from ..doctor import _resolve, parse_peer_maddr, route_source
+    from ..doctor import parse_peer_maddr, route_source
+    from ..endpoints import resolve_host
     from .dht import reachable_maddrs
     from .dht_process import dht_result
 
@@ -271,7 +273,7 @@ def report_reachability(
             logger.info("reachability not checked (%s, %d times): this worker averages as a full member", why, ASKS)
             return
         reply, host = DialBackReply.FromString(reply), parse_peer_maddr(via).host
-        check = reachability_verdict(reply, asked=[port], local_host=route_source(_resolve(host)),
+        check = reachability_verdict(reply, asked=[port], local_host=route_source(resolve_host(host)),
                                      via=f"initial peer {host}")  # fmt: skip
         (logger.info if check.status == "PASS" else logger.warning)("%s", check.line())
         if on_verdict is not None:

@@ -219,7 +219,13 @@ class RoundExchange(CompressedRound, GroupVote):
         if self._follows_by_fault():
             return ""
         me = [] if self.stage.client else [self.stage.peer_id]
-        return min([*me, *(p for p in self._started if p not in self._clients)], default="")
+        leader = min([*me, *(p for p in self._started if p not in self._clients)], default="")
+        if not leader and self.stage.client and set(self._expected) <= self._clients and not self.stage.said_no_reducer:
+            self.stage.said_no_reducer = True
+            logger.warning("round %d: every member of this stage is a client member: nobody can reduce, so no group forms "
+                           "(each round waits out round_wait); a peer the swarm can dial, or a forwarded port here, "
+                           "lets them average", self.round)  # fmt: skip
+        return leader
 
     def _may_regroup(self) -> bool:
         # while the round's wait lasts: the follower looks again at once and waits round_wait for a group, so the

@@ -145,6 +145,7 @@ class SwarmStage:
         )
         self.client = "swarm.reachability = client" if self.sw.reachability == "client" else ""
         """Why this worker averages as a client member ("": a full member): it reduces no span and leads no group."""
+        self.said_no_reducer = False  # logged once: every member of the stage is a client member (exchange._leader)
         self.heartbeat = Heartbeat(
             self.records,
             swarm_pb2.MemberRecord(

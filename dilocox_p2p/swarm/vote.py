@@ -98,7 +98,8 @@ class GroupVote:
         winner = majority_hash(hashes, self.stage.records.rank)
         if winner is None or winner == mine:
             return average
-        holders = sorted(p for p, h in hashes.items() if h == winner and p != me)
+        clients = {m.peer_id for m in self.membership.members() if m.record.client}  # asked last: client_member.py
+        holders = sorted((p for p, h in hashes.items() if h == winner and p != me), key=lambda p: (p in clients, p))
         adopted = self._restricted(average, records[holders[0]], winner) or self._downloaded(average, holders, winner)
         if adopted is None:  # the failures were counted as downloads_failed; the boundary repairs this worker
             logger.warning("round %d: this worker's average differs from its group's majority (%d of %d hold %s) and "

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
 from benchmarks.netlab import NetLab
-from dilocox_p2p.bootstrap import load_node_identity
-from dilocox_p2p.identity import peer_id_of
 
 pytestmark = pytest.mark.netns
 
@@ -40,18 +37,8 @@ def _line(result: subprocess.CompletedProcess, start: str) -> str:
 
 
 def test_doctor_tells_a_volunteer_behind_nat_that_the_swarm_cannot_dial_it_and_the_fix(tmp_path):
-    state = tmp_path / "boot"
-    state.mkdir(mode=0o700)
-    boot_id = peer_id_of(load_node_identity(state / "identity.key"))
     with NetLab(n_hosts=3, rate_mbit=None, behind_nat=(1,)) as lab:
-        node = lab.popen(0, [sys.executable, "-m", "dilocox_p2p.cli.bootstrap", "--state-dir", str(state),
-                             "--host-maddrs", "/ip4/0.0.0.0/tcp/31337"], stdout=open(tmp_path / "boot.out", "w"),
-                         stderr=open(tmp_path / "boot.err", "w"))  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "boot.out").read_text().strip():  # its multiaddrs, printed once it serves
-            assert node.poll() is None and time.monotonic() < deadline, (tmp_path / "boot.err").read_text()[-3000:]
-            time.sleep(0.2)
-        boot = f"/ip4/{lab.ip(0)}/tcp/31337/p2p/{boot_id}"
+        boot = lab.start_bootstrap(0, tmp_path / "boot")
 
         home = _doctor(lab, 1, boot, tmp_path / "home")
         public = _doctor(lab, 2, boot, tmp_path / "public")

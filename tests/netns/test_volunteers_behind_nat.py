@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
 from benchmarks.netlab import NetLab
-from dilocox_p2p.bootstrap import load_node_identity
-from dilocox_p2p.identity import peer_id_of
 from dilocox_p2p.metrics import read_metrics
 
 pytestmark = pytest.mark.netns
@@ -38,18 +35,8 @@ def _join(host: int, boot: str, run_dir) -> list[str]:
 
 
 def test_two_volunteers_behind_nat_average_as_client_members_and_agree_with_the_public_peer(tmp_path):
-    state = tmp_path / "boot"
-    state.mkdir(mode=0o700)
-    boot_id = peer_id_of(load_node_identity(state / "identity.key"))
     with NetLab(n_hosts=4, rate_mbit=100.0, behind_nat=NATED) as lab:
-        node = lab.popen(0, [sys.executable, "-m", "dilocox_p2p.cli.bootstrap", "--state-dir", str(state),
-                             "--host-maddrs", "/ip4/0.0.0.0/tcp/31337"], stdout=open(tmp_path / "boot.out", "w"),
-                         stderr=open(tmp_path / "boot.err", "w"))  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "boot.out").read_text().strip():  # its multiaddrs, printed once it serves
-            assert node.poll() is None and time.monotonic() < deadline, (tmp_path / "boot.err").read_text()[-3000:]
-            time.sleep(0.2)
-        boot = f"/ip4/{lab.ip(0)}/tcp/31337/p2p/{boot_id}"
+        boot = lab.start_bootstrap(0, tmp_path / "boot")
         peers = {h: lab.popen(h, _join(h, boot, tmp_path / f"peer{h}"), stdout=open(tmp_path / f"peer{h}.out", "w"),
                               stderr=subprocess.STDOUT) for h in (*PUBLIC, *NATED)}  # fmt: skip
         codes = {h: p.wait(timeout=400) for h, p in peers.items()}

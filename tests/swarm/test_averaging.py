@@ -28,9 +28,11 @@ def _by_round(peers):
     return rounds
 
 
-def _three_peers(swarm, *args: str, syncs: int = 1):
-    """Run three peers of `args` to the end; their records by (sync) round, every one present."""
-    peers = [swarm.start_peer("--rounds", str(ROUNDS), "--min-peers", "3", *args) for _ in range(3)]
+def _three_peers(swarm, *args: str, syncs: int = 1, third: tuple[str, ...] = ()):
+    """Run three peers of `args` to the end (the third with `third` too); their records by (sync) round, every one
+    present."""
+    peers = [swarm.start_peer("--rounds", str(ROUNDS), "--min-peers", "3", *args, *(third if i == 2 else ()))
+             for i in range(3)]  # fmt: skip
     for peer in peers:
         assert peer.wait(timeout=240) == 0, peer.output()
     rounds = _by_round(peers)
@@ -38,9 +40,11 @@ def _three_peers(swarm, *args: str, syncs: int = 1):
     return peers, rounds
 
 
-@pytest.mark.parametrize("mode", ["delayed", "sync"])
-def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
-    peers, rounds = _three_peers(swarm, "--mode", mode)
+@pytest.mark.parametrize("mode, third", [("delayed", "client"), ("sync", "public")])
+def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode, third):
+    # delayed: the third peer is a client member (swarm/client_member.py: what a peer behind NAT becomes by itself;
+    # tests/netns/test_volunteers_behind_nat.py has the NAT): it reduces nothing and takes part all the same
+    peers, rounds = _three_peers(swarm, "--mode", mode, third=("--reachability", third))
     for t, records in rounds.items():
         assert len(records) == 3, f"round {t}: {len(records)} records"
         hashes = {tuple(r["stage_hashes"]) for r in records}
@@ -57,6 +61,15 @@ def test_three_peers_hold_identical_theta_g_every_round_and_learn(swarm, mode):
     full = [r for r in applied if set(r["kinds"]) <= FULL and r["coverage"] == 1.0 and r["group_sizes"] == [3, 3]]
     assert len(full) >= len(applied) - 3, [(r["round"], r["kinds"], r["group_sizes"]) for r in applied]
     assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in full)
+    said = {tuple(r["clients"]) for r in peers[2].metrics()}
+    if third == "client":  # in every average, reducing nothing: its message once, where a reducer also serves its span
+        assert said == {("swarm.reachability = client",) * 2}, said
+        for t, records in rounds.items():  # _by_round lists each round's records in the peers' order
+            mine, theirs = records[2], records[0]
+            if mine in full and theirs in full:
+                assert mine["bytes_sent"] < 0.8 * theirs["bytes_sent"], (t, mine["bytes_sent"], theirs["bytes_sent"])
+    else:
+        assert said == {("", "")}, said
     # every byte each stage moved through the swarm (swarm/wire_meter.py): the exchanges' payload and all the rest
     for peer in peers:
         records = peer.metrics()
