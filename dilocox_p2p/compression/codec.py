@@ -455,6 +455,9 @@ class RoundCodec(Settlement):
         for j, i in enumerate(codec.factored):
             out[i] = reconstruct(self.bases[i], q_means[j])
             codec.qs[i] = q_means[j]
+            if not energies:  # a client member reduced nothing and saw no energies: it keeps the group's ranks
+                codec.ranks[i] = self.bases[i].rank
+                continue
             codec.last_energy[i] = energy = group_energy([(total[j], kept[j]) for total, kept in energies])
             if cfg.energy_target > 0:
                 high = codec.rank_cap(i)

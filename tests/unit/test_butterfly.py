@@ -247,24 +247,31 @@ def _low_rank_deltas(seed: int) -> list[torch.Tensor]:
     return out
 
 
-def _low_rank_butterfly(codecs, deltas, *, round=0, tamper2=None):
+def _low_rank_butterfly(codecs, deltas, *, round=0, tamper2=None, clients=(), ranks=None):
     from dilocox_p2p.compression.butterfly import low_rank_average, low_rank_second
 
     n = len(codecs)
+    reducers = [i for i in range(n) if i not in clients]
+    r = len(reducers)
     rounds = [c.begin(round, d) for c, d in zip(codecs, deltas)]
-    first = [r.message(1) for r in rounds]
-    spans1 = part_spans(first[0], n)
-    parts1 = [cut_all(m, n) for m in first]
-    reduced1 = [reduce(rounds[k], [p[k] for p in parts1], span=spans1[k]).blob for k in range(n)]
-    p_means = [assemble(r, reduced1, spans=spans1, own=i) for i, r in enumerate(rounds)]
-    second = [low_rank_second(r, a) for r, a in zip(rounds, p_means)]
-    spans2 = part_spans(second[0], n)
-    parts2 = [cut_all(m, n) for m in second]
+    for x in rounds if ranks is not None else ():  # the group's ranks, as the tickets' majority names them
+        x.use_ranks(ranks)
+    first = [x.message(1) for x in rounds]
+    spans1 = part_spans(first[0], r)
+    parts1 = [cut_all(m, r) for m in first]
+    reduced1 = [reduce(rounds[m], [p[k] for p in parts1], span=spans1[k], reducers=r).blob for k, m in enumerate(reducers)]
+    p_means = [assemble(x, reduced1, spans=spans1, own=i, group_size=n) for i, x in enumerate(rounds)]
+    second = [low_rank_second(x, a) for x, a in zip(rounds, p_means)]
+    spans2 = part_spans(second[0], r)
+    parts2 = [cut_all(m, r) for m in second]
     if tamper2 is not None:
         parts2 = tamper2(parts2)
-    reduced2 = [reduce(rounds[k], [p[k] for p in parts2], span=spans2[k], phase=2) for k in range(n)]
-    q_means = [assemble(r, [x.blob for x in reduced2], spans=spans2, own=i, phase=2) for i, r in enumerate(rounds)]
-    averages = [low_rank_average(r, q, reduced2[i].energies) for i, (r, q) in enumerate(zip(rounds, q_means))]
+    reduced2 = [reduce(rounds[m], [p[k] for p in parts2], span=spans2[k], phase=2, reducers=r)
+                for k, m in enumerate(reducers)]  # fmt: skip
+    q_means = [assemble(x, [y.blob for y in reduced2], spans=spans2, own=i, phase=2, group_size=n)
+               for i, x in enumerate(rounds)]  # fmt: skip
+    energies = [reduced2[reducers.index(i)].energies if i in reducers else [] for i in range(n)]  # a client saw none
+    averages = [low_rank_average(x, q, energies[i]) for i, (x, q) in enumerate(zip(rounds, q_means))]
     return averages, reduced2
 
 
@@ -282,6 +289,23 @@ def test_low_rank_rides_the_butterfly_to_the_same_bits_on_every_member_close_to_
         assert err < (0.05 if len(shape) == 2 and codecs[0].lowrank[i] else 0.03), (NAMES[i], err)
     assert all(c.ranks == codecs[0].ranks and c.qs.keys() == codecs[0].qs.keys() for c in codecs)
     assert codecs[0].metrics()["energy"]["a.weight"] > 0.95
+
+
+def test_a_low_rank_client_member_applies_the_same_bits_and_keeps_the_groups_ranks_round_after_round():
+    cfg = CompressionConfig(kind="lowrank", rank=4, rank_min=1, rank_max=8, energy_target=0.5, factor_bits=8)
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
+    factored = codecs[0].factored
+    for round in range(3):
+        agreed = [codecs[0].ranks[i] for i in factored]  # the two reducers' ranks: the tickets' majority
+        deltas = [_low_rank_deltas(10 * round + seed) for seed in range(3)]
+        averages, reduced2 = _low_rank_butterfly(codecs, deltas, round=round, clients=(1,), ranks=agreed)
+        assert len(reduced2) == 2 and all(r.used == [0, 1, 2] for r in reduced2)  # its parts averaged too
+        for other in averages[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(averages[0], other))
+        # it saw no energies (it reduced nothing): it keeps the ranks the round used, where the reducers adapt theirs
+        assert [codecs[1].ranks[i] for i in factored] == agreed
+        assert codecs[0].ranks == codecs[2].ranks
+    assert any(codecs[0].ranks[i] < 4 for i in factored), "the reducers never adapted: nothing was tested"
 
 
 def test_a_low_rank_phase_2_part_in_another_basis_is_left_out_by_its_reducer_at_no_fault():
