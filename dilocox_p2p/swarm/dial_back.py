@@ -128,11 +128,20 @@ async def ask_dial_back(p2p: Any, peer_id: Any, ports: Sequence[int], *, timeout
     return await asyncio.wait_for(ask(), timeout)
 
 
+_AS_CLIENT = ("it averages as a client member (swarm.reachability), sending its parts and taking the average over "
+              "connections it opens itself; it reduces nothing and leads no group, so its uplink carries less of the "
+              "exchange")
+_AS_FULL = ("with --reachability public it still averages as a full member, and its rounds with members that cannot "
+            "reach it fail (drop --reachability public: it then averages as a client member)")
+
+
 def reachability_verdict(
-    reply: DialBackReply, *, asked: Sequence[int], local_host: str | None, via: str, picked: bool = False
-) -> Any:
+    reply: DialBackReply, *, asked: Sequence[int], local_host: str | None, via: str, picked: bool = False,
+    reachability: str = "auto",
+) -> Any:  # fmt: skip
     """The doctor's check from a dial-back `reply` to the `asked` ports (`local_host`: this machine's own address
-    towards the swarm, when known; `via`: who dialed back; `picked`: the port stands in for one the peer picks)."""
+    towards the swarm, when known; `via`: who dialed back; `picked`: the port stands in for one the peer picks;
+    `reachability`: swarm.reachability, which says what an unreachable peer does)."""
     from ..doctor import Check
 
     what = "reachable from the swarm"
@@ -150,10 +159,8 @@ def reachability_verdict(
     ports = ", ".join(str(p) for p in asked)
     return Check(
         "WARN", what,
-        f"{behind}{via} could not open a connection back ({why}). Other peers cannot dial this one: with "
-        "swarm.reachability = auto (the default) it averages as a client member, sending its parts and taking the "
-        "average over connections it opens itself; it reduces nothing and leads no group, so its uplink carries "
-        "less of the exchange",
+        f"{behind}{via} could not open a connection back ({why}). Other peers cannot dial this one: "
+        + (_AS_FULL if reachability == "public" else _AS_CLIENT),
         f"forward TCP port {ports} on the router to this machine"
         + (f" and pin it with --host-maddrs /ip4/0.0.0.0/tcp/{asked[0]} (the peer picks a port now)" if picked else "")
         + ", or pass --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT for a mapping you made; --auto-relay reaches peers "
@@ -216,7 +223,7 @@ def reachability_check(cfg: Any, addr: Any, *, timeout: float, local_host: str |
         return Check("WARN", "reachable from the swarm", f"{addr.text} did not dial back ({text[:160]}): not tested",
                      "ask another initial peer (an up-to-date dilocox node)")  # fmt: skip
     return reachability_verdict(reply, asked=[port], local_host=local_host, via=f"initial peer {addr.host}",
-                                picked=not listen[1])  # fmt: skip
+                                picked=not listen[1], reachability=cfg.swarm.reachability)  # fmt: skip
 
 
 async def _ask_first(_dht: Any, node: Any, initial: Sequence[str], port: int, timeout: float) -> tuple[str, bytes]:

@@ -221,5 +221,8 @@ def test_the_reachability_verdict_names_the_nat_the_refused_port_and_the_fix():
     assert "behind a NAT (its address 192.168.1.20; the swarm sees 198.51.100.4)" in check.detail
     assert "198.51.100.4:31400 refused" in check.detail
     assert "forward TCP port 31400" in check.fix and "--host-maddrs /ip4/0.0.0.0/tcp/31400" in check.fix
+    assert "it averages as a client member" in check.detail  # what happens meanwhile (swarm.reachability = auto)
+    full = reachability_verdict(shut, asked=[31400], local_host="192.168.1.20", via="x", reachability="public")
+    assert "still averages as a full member" in full.detail and "it averages as a client member" not in full.detail
     relayed = reachability_verdict(DialBackReply(), asked=[31400], local_host=None, via="x")
     assert relayed.status == "WARN" and "relay" in relayed.detail
