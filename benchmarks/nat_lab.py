@@ -7,7 +7,7 @@
 Host 0 runs `dilocox-bootstrap --relay` (public), host 1 a public peer, hosts 2 and 3 a peer each behind
 its own home router (MASQUERADE, no port forwarding: benchmarks/netlab.py). Every peer joins with
 `--initial-peers` of the bootstrap only, as a volunteer would, and trains `tiny` for --rounds rounds.
-Per peer: how each round's average was obtained (averaged: its contribution counted; borrowed: it took
+Per peer (summed over its stages): how each round's average was obtained (averaged: its contribution counted; borrowed: it took
 the group's; mended...), group sizes, the rounds it averaged as a client member, and whether every common
 round's hashes are equal. `--reachability` runs the lab once per value given (swarm.reachability: auto,
 the default, makes the NATed peers client members; public keeps them full members, as before client
@@ -36,7 +36,7 @@ PUBLIC, NATED = (1,), (2, 3)
 
 
 def _join(args: argparse.Namespace, host: int, run_dir: Path, boot: str) -> list[str]:
-    return [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "nat", "--preset", "tiny", "--stages", "1",
+    return [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "nat", "--preset", "tiny", "--stages", str(args.stages),
             "--rounds", str(args.rounds), "--inner-steps", "10", "--mode", "delayed", "--min-peers", "3",
             "--round-wait", "20", "--progress", "lines", "--device", "cpu", "--set", "inner.threads=1",
             "--run-dir", str(run_dir), "--data-seed", str(host), "--initial-peers", boot,
@@ -67,9 +67,10 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         "common_rounds": len(common_rounds),
         "peers": {
             f"{'nat' if h in NATED else 'public'}{h}": {
-                "kinds": dict(collections.Counter(r["kinds"][0] for r in recs if r["applied_round"] is not None)),
-                "group_sizes": dict(collections.Counter(r["group_sizes"][0] for r in recs if r["applied_round"] is not None)),
-                "client_rounds": sum(1 for r in recs if (r.get("clients") or [""])[0]),
+                "kinds": dict(collections.Counter(k for r in recs if r["applied_round"] is not None for k in r["kinds"])),
+                "group_sizes": dict(collections.Counter(g for r in recs if r["applied_round"] is not None
+                                                        for g in r["group_sizes"])),  # fmt: skip
+                "client_rounds": sum(1 for r in recs for c in (r.get("clients") or [""]) if c),
                 "seconds_per_round": round(sum(r["seconds_round"] for r in recs) / max(1, len(recs)), 2),
                 "exchange_phases_mean_s": _mean_phases(recs),
             }
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--rate", type=float, default=100.0, help="every link's rate, Mbit/s")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages of every peer (each behind the same NAT)")
     p.add_argument("--auto-relay", action="store_true", help="the peers join with --auto-relay")
     p.add_argument("--reachability", nargs="+", default=["auto"], choices=["auto", "public", "client"],
                    help="swarm.reachability of every peer; several: one run each, in this order")
