@@ -84,6 +84,21 @@ def test_prometheus_figures_are_the_boards():
     assert float(last.split()[1]) == board.snapshot().last_round_at > 0
 
 
+def test_a_client_member_stage_is_named_so_in_status_and_in_prometheus():
+    from dilocox_p2p.cli.status import render
+
+    board = StatusBoard(Config(), rounds=10, steps=5)
+    board.round_done({**_record(0, sent=1000), "clients": ["", "the swarm cannot dial it (behind a NAT)"]},
+                     members=[["a", "b"], ["a", "b"]])  # fmt: skip
+    lines = render(board.snapshot()).splitlines()
+    stage0, stage1 = (next(line for line in lines if line.startswith(f"stage {i}:")) for i in (0, 1))
+    assert "client member" not in stage0 and stage1.endswith("client member: the swarm cannot dial it (behind a NAT)")
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(board))
+    text = generate_latest(registry).decode()
+    assert 'dilocox_client_member{stage="0"} 0.0' in text and 'dilocox_client_member{stage="1"} 1.0' in text
+
+
 def _one_line_error(capsys, argv: list[str]) -> str:
     try:
         code = main(argv)
