@@ -6,7 +6,8 @@
     average = assemble(round_codec, reduced_parts, spans=spans, own=j)  # on every member j: all reducers' parts
 
 For the quantizers (fp16, int8, fp4) a message's vector is cut at quantization blocks into one
-span per member of the group, as hivemind's butterfly cuts fp32 tensors. Each member sends
+span per reducer, as hivemind's butterfly cuts fp32 tensors: every member of the group, or all but its
+client members (swarm/client_member.py: they send their parts and reduce nothing; `reducers=`). Each member sends
 each reducer the encoded bytes of that reducer's span (no re-encoding: a block's codes and scale
 travel as they are). The reducer decodes the parts, leaves out those that are not finite or
 outsized (average.screen: one party decides, for every member), sums the rest in group order in

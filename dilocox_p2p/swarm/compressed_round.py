@@ -2,7 +2,8 @@
 
 Quantized kinds (fp16, int8, fp4) and top-k (unless `compression.topk_transport` is gather) ride
 the compressed butterfly (compression/butterfly.py): the averager cuts this worker's message into
-one part per member and hands it the group's parts of its own span (gather.py's scatter); it
+one part per reducer (every member but the client members: swarm/client_member.py) and hands a reducer
+the group's parts of its own span (gather.py's scatter); it
 reduces them, the reduced parts are all-gathered, and every member assembles the same average. A reduced part that never reached this worker leaves
 its span missing, mended from members that hold it, as in the fp32 butterfly. Low-rank rides
 it twice once the group formed: P at the ranks most members' group tickets named, then Q' in
