@@ -23,17 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from hivemind.p2p import PeerID
 
-__all__ = ["REACH_S", "reach_members"]
+__all__ = ["REACH_S", "reach_members", "reducers_of"]
 
 logger = logging.getLogger(__name__)
 
 REACH_S = 3.0  # a member that does not answer within this is not waited for (the round's pulls redial it)
 _reaching: set[asyncio.Task] = set()  # asyncio holds tasks weakly
+
+
+def reducers_of(group: Sequence[str], clients: Collection[str]) -> list[str]:
+    """The members of `group` that reduce a span, in group order: all but its client members."""
+    return [p for p in group if p not in clients]
 
 
 def reach_members(p2p: Any, peers: Sequence[PeerID]) -> None:

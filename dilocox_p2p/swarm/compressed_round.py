@@ -35,6 +35,7 @@ from ..compression.butterfly import (
     reduced_phase,
 )
 from ..compression.codec import NO_FAULT, NOT_RECEIVED, RoundCodec
+from .client_member import reducers_of
 
 if TYPE_CHECKING:
     from .group_round import RoundResult
@@ -176,7 +177,7 @@ class CompressedRound:
         for the assembly. Returns the assembly, this worker's reduce, and the bytes sent and received (the
         scatter's included). `clients`: the group's client members, which reduce no span (client_member.py)."""
         me = self.stage.peer_id
-        reducers = [p for p in group if p not in clients]
+        reducers = reducers_of(group, clients)
         spans = part_spans(message, len(reducers))
         takers: list[str] = []  # client members whose parts came: they take this reducer's reduced part too
         if me in reducers:

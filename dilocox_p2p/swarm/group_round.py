@@ -29,7 +29,7 @@ from .. import injection
 from ..average import AverageKind, Spans
 from ..compression.butterfly import cut_all, rides_butterfly
 from .allreduce import ExactAllReduceRunner
-from .client_member import reach_members
+from .client_member import reach_members, reducers_of
 from .held import HeldAverage
 
 __all__ = ["GATHER_SHARE", "GroupRound", "RoundResult"]
@@ -69,7 +69,7 @@ class RoundResult:
     @property
     def reducers(self) -> list[str]:
         """The members that reduce a span, in group order: all but the client members."""
-        return [p for p in self.group if p not in self.clients]
+        return reducers_of(self.group, self.clients)
 
     def alone_with_outsiders(self, me: str) -> bool:
         """Whether every other member of `me`'s group was counted in after it had given up on the leader: those
@@ -176,7 +176,7 @@ class GroupRound:
         deadline = time.monotonic() + GATHER_SHARE * self._allreduce_timeout
         payload, me, clients = self._payload, self.peer_id.to_base58(), self._group_clients
         assert payload is not None
-        reducers = [p for p in peers if p not in clients]
+        reducers = reducers_of(peers, clients)
         if rides_butterfly(payload, len(peers)):  # each reducer reduces its span of the group's messages (butterfly.py)
             gathered = await self._scatter(group_id, 1, peers, me, cut_all(payload, len(reducers)), deadline,
                                            reducers=reducers)  # fmt: skip
@@ -207,7 +207,7 @@ class GroupRound:
         try:
             payload, me = self._unstage(payload_size), self.peer_id.to_base58()
             deadline = time.monotonic() + timeout
-            reducers = [p for p in group if p not in clients]
+            reducers = reducers_of(group, clients)
             if scatter:
                 gathered = await self._scatter(group_id, phase, group, me, cut_all(payload, len(reducers)), deadline,
                                                reducers=reducers)  # fmt: skip
