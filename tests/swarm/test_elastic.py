@@ -338,5 +338,11 @@ def test_a_follower_whose_leaders_answer_is_lost_after_it_was_accepted_joins_the
         kinds = [r[t]["kinds"] for r in rounds]
         assert all(k in (["averaged"], ["mended"]) for k in kinds), (t, kinds)
         assert [r[t]["group_sizes"] for r in rounds] == [[3]] * 3
-    for r in rounds:  # the late member's parts came well within the reducers' wait for senders
-        assert all(r[t]["allreduce_windows"][0][1] - r[t]["allreduce_windows"][0][0] < CHUNK_TIMEOUT for t in faulty)
+    # nobody waited out a deadline for it: no reducer banned it for parts that had not started within its
+    # sender_timeout, and its question to a member did not fail. Said by the logs, not by the rounds' seconds: in
+    # two CI runs one round's every phase, on all three peers, ran about ten times its usual length (matchmaking
+    # 1-3 s, transfer 3-5 s; the reniced peers yield to a neighbouring test at nice 0) and the round took 6.4 s
+    # with no deadline run out
+    for peer in (*others, late):
+        log = peer.stage_log(0)
+        assert "never started within" not in log and "could not join group" not in log, log
