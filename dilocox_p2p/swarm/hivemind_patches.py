@@ -68,7 +68,8 @@ PATCHES: dict[str, str] = {
     "Matchmaking._request_join_group": "wrapped (matchmaking.track_join_requests) to count requests in flight: a "
     "part that reaches a follower before its leader's ACCEPTED waits for that answer instead of BAD_GROUP_ID; and to "
     "know whom they ask: a request from one of those is refused at once (a mutual ask, group_admission.py); "
-    "Matchmaking.was_accepted_to_group is read to log whether a request that found no group had been accepted",
+    "Matchmaking.was_accepted_to_group: its set() is wrapped (matchmaking._count_acceptances) to count the leaders' "
+    "ACCEPTED answers: a request that found no group after one was accepted (lost_acceptance, group_admission.py)",
     "Matchmaking.request_timeout": "read: how long a part waits for a request in flight to end",
     "PotentialLeaders.pop_next_leader": "wrapped (averager._ask_designated_then_admitted): a follower asks the round's "
     "designated leader first, a designated leader asks nobody for a quarter of round_wait (matchmaking.DesignatedLeader); "

@@ -236,16 +236,14 @@ def track_join_requests(matchmaking: Any) -> None:
     matchmaking._dilocox_asked = collections.deque(maxlen=ASKED_KEPT)
     matchmaking._dilocox_asking = collections.Counter()
     request_join_group = matchmaking._request_join_group
+    _count_acceptances(matchmaking)
 
     async def request_join_group_tracked(leader: Any, *args: Any, **kwargs: Any) -> Any:
         name = leader.to_base58()
         matchmaking._dilocox_asked.append(name)
         matchmaking._dilocox_asking[name] += 1
         asked, group = time.monotonic(), None
-        # hivemind sets was_accepted_to_group at the leader's ACCEPTED and clears it when the request ends (a
-        # leader's redirect asks the next one inside the first request, still set: not told apart)
-        told = not matchmaking.was_accepted_to_group.is_set()
-        accepted = asyncio.ensure_future(matchmaking.was_accepted_to_group.wait())
+        acceptances = matchmaking._dilocox_acceptances
         matchmaking._dilocox_dropped = False
         try:
             group = await request_join_group(leader, *args, **kwargs)
@@ -254,15 +252,31 @@ def track_join_requests(matchmaking: Any) -> None:
             matchmaking._dilocox_asking[name] -= 1
             if not matchmaking._dilocox_asking[name]:
                 del matchmaking._dilocox_asking[name]
-            lost = group is None and told and accepted.done() and not matchmaking._dilocox_dropped
+            # accepted in this request (or in a leader's redirect it followed), then no group
+            lost = group is None and matchmaking._dilocox_acceptances > acceptances and not matchmaking._dilocox_dropped
             if lost:
                 matchmaking._dilocox_lost = True
             if group is None:  # hivemind says why at debug level only; a leader that counts it in anyway splits a round
                 logger.info("asked %s to take this worker into its group: %s after %.2f s", leader,
                             _NO_GROUP[lost], time.monotonic() - asked)  # fmt: skip
-            accepted.cancel()
 
     matchmaking._request_join_group = request_join_group_tracked
+
+
+def _count_acceptances(matchmaking: Any) -> None:
+    """Count the leaders' ACCEPTED answers: hivemind sets `was_accepted_to_group` at one and clears it when the request
+    ends. A task waiting on that event told it only once the event loop ran it again: a request that ended in the same
+    step (cancelled, or its stream closed right after ACCEPTED) was taken for one never accepted, and the worker
+    that the leader counted in was left out of its group instead of joining it late (a local run of test_agreement)."""
+    event = matchmaking.was_accepted_to_group
+    matchmaking._dilocox_acceptances = 0
+    set_event = event.set
+
+    def set_and_count() -> None:
+        matchmaking._dilocox_acceptances += 1
+        set_event()
+
+    event.set = set_and_count
 
 
 def lost_acceptance(matchmaking: Any) -> bool:
