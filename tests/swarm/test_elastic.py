@@ -284,7 +284,7 @@ def test_a_member_whose_matchmaking_fails_after_its_leader_counted_it_in_costs_t
     # out none of its deadlines (a sender banned before another started kept them 5 s: allreduce.py; a part that
     # reached it after another member's had, once it looked for a group again, 12-18 s: averager._outside_group)
     faulty = range(1, 5)  # the faulty member follows a leader in these rounds (it declares a later start) and gives up
-    args = ("--mode", "sync", "--stages", "1", "--rounds", "8", "--min-peers", "3")
+    args = ("--mode", "sync", "--stages", "1", "--rounds", "6", "--min-peers", "3")
     others = [swarm.start_peer(*args) for _ in range(2)]
     failing = swarm.start_peer(*args, env={"DILOCOX_FAULTS": ";".join(f"abandon_accepted:round={r}:stage=0" for r in faulty)})
     for peer in [*others, failing]:

@@ -16,7 +16,7 @@ from dilocox_p2p.proto_gen import control_pb2, control_pb2_grpc
 
 pytestmark = pytest.mark.swarm
 
-ROUNDS = 10
+ROUNDS = 7
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:
