@@ -45,6 +45,9 @@ class SwarmConfig:
     """A peer that sends no data for this long during an all-reduce is dropped from it."""
     state_timeout: float = 60.0
     """Most seconds a state download (late join, repair) may take."""
+    state_donors: int = 8
+    """Most donors a state download takes pieces from at once (each piece checked against the majority's hash on
+    arrival; the state has up to 8 pieces); 1: the whole state from one donor."""
     helper_nice: int = 0
     """CPU priority of the swarm's helper processes (DHT, p2p daemon, averager) against training, in nice
     levels. 0 (default): equal, so neither can starve the other (benchmarks/overlap.py: 0.97x of training
@@ -94,6 +97,8 @@ class SwarmConfig:
             fail("swarm.helper_nice", self.helper_nice, "must be -19..19 (nice levels)")
         if not 0 <= self.settled_nice <= 19:
             fail("swarm.settled_nice", self.settled_nice, "must be 0..19 (nice levels; a peer can only lower itself)")
+        if self.state_donors < 1:
+            fail("swarm.state_donors", self.state_donors, "must be at least 1 (1: the whole state from one donor)")
         for name in ("peer_wait", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):
             if getattr(self, name) <= 0:
                 fail(f"swarm.{name}", getattr(self, name), "must be positive (seconds)")

@@ -46,6 +46,10 @@ Hostile peers (docs/security.md), which skip this peer's own checks:
 - `equivocate_reduced:stage=S` makes stage S's reducer serve each member that asks for one of its
   reduced parts of the compressed butterfly other bytes (a bit flipped, another one for each)
   behind a digest it signs for them, and keep the true part itself (a reducer lying to its group).
+- `corrupt_served_piece:stage=S` makes stage S serve every piece of its state (STATE_PIECE) with the lowest bit of
+  its first value flipped, signed as it serves it (a donor that lies about the state it holds).
+- `stall_served_piece:stage=S` makes stage S hold every request for a piece of its state (STATE_PIECE) 60 s
+  before it answers (a donor on a link that has all but stopped).
 - `cut_served_message:stage=S:serve=K` ends the K-th compressed message stage S serves halfway
   through (as a connection reset mid-reply reads in hivemind: a clean end of the stream); without
   `serve`, every one.
@@ -60,8 +64,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import Any
 
-__all__ = ["FOLLOWER_FAULTS", "KNOWN", "armed", "first_armed", "flip_last_bit", "kill_peer"]
+__all__ = ["FOLLOWER_FAULTS", "KNOWN", "armed", "first_armed", "flip_last_bit", "flip_lowest_bit", "kill_peer"]
 
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
@@ -69,7 +74,8 @@ KNOWN = (
     "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending",
     "abandon_accepted", "lose_begin", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_flipped_pseudo_gradient", "send_nan_average", "send_malformed_parts",
-    "lie_to_borrowers", "flip_served_bit", "cut_served_message",
+    "lie_to_borrowers", "flip_served_bit", "cut_served_message", "corrupt_served_piece",
+    "stall_served_piece",
     "equivocate_reduced",
     "speak_other_protocol", "ignore_admission",
 )  # fmt: skip
@@ -107,6 +113,16 @@ def first_armed(names: tuple[str, ...], **context: object) -> str:
 def flip_last_bit(blob: bytes) -> bytes:
     """`flip_served_bit`: the bytes with the lowest bit of the last one flipped."""
     return blob[:-1] + bytes([blob[-1] ^ 1])
+
+
+def flip_lowest_bit(tensor: Any) -> Any:
+    """`corrupt_served_piece`: a copy of the torch tensor with the lowest bit of its first value flipped."""
+    import torch  # only where this fault is armed
+
+    flipped = tensor.detach().clone().contiguous()
+    raw = flipped.view(-1).view(torch.uint8)
+    raw[0] ^= 1
+    return flipped
 
 
 def flip_middle_bit(blob: bytes, offset: int = 0) -> bytes:

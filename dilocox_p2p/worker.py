@@ -132,6 +132,10 @@ class StageWorker:
         (swarm/wire_meter.py); None without a swarm or where they cannot be read."""
         return None
 
+    def take_state_donors(self) -> dict[str, int]:
+        """The bytes each donor (peer id) served of the states this stage took from the swarm since the last call."""
+        return {}
+
     def take_source_bytes(self) -> dict[str, list[int]] | None:
         """[sent, received] bytes of this stage's swarm messages since the last call, by what they are for
         (exchange, matchmaking, dht, pushes, held, state, hello, other, own_stages: swarm/protocol_bytes.py); None
@@ -368,6 +372,7 @@ class StageWorker:
             "faults": self.take_fault_counts(),
             "wire": self.take_wire_bytes(),
             "sources": self.take_source_bytes(),
+            "state_donors": self.take_state_donors(),
             "compression": self.compression_facts(),
             "fp32_bytes": 4 * sum(self.trainer.params[i].numel() for i in of_round(self.fragments, t)),
             "members": self.group_members(),
@@ -434,6 +439,9 @@ class StageWorker:
             "exchange_phases": [dict(o.last.phases) if o.last is not None and o.last.phases else None for o in outcomes],
             "coverage": min(o.coverage for o in outcomes),
             "replaced_stages": [i for i, s in enumerate(stages) if s["replaced"]],
+            # per stage, {donor peer id: bytes} of the states it took from the swarm since the last record (a joiner's,
+            # a repair's, a catch-up's; in pieces from several donors at once: swarm/state_pieces.py)
+            "state_donors": [s["state_donors"] for s in stages],
             "faults": faults,
             "compression": [s["compression"] for s in stages] if any(s["compression"] for s in stages) else None,
             "mode": self.cfg.outer.mode,

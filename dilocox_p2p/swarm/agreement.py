@@ -330,13 +330,17 @@ class Agreement:
 
     # ----- verified state downloads ---------------------------------------------------------------
     def fetch_state(self, boundary: int, donors: Sequence[str]) -> StateDownload | None:
-        """Download the state at `boundary` from the first donor whose state matches the stage group's
-        majority hashes; None if none did (each failure counted). A donor whose pending average is still
-        in flight serves theta_g and momentum at once and names that average (`state.follows`): the
-        taker gets it with `fetch_pending` while it trains. A donor that moved past `boundary` says where
-        it is (`donors_at`); the others, which train in step with it, are not asked for `boundary` then:
-        the caller asks for the boundary told (beside 5 busy peers, asking 4 more donors each for a round
-        they had all left took a restart 1-2 s)."""
+        """Download the state at `boundary` from the donors whose state matches the stage group's majority
+        hashes; None if none did (each failure counted). Where two or more donors announced the majority's hash
+        of `boundary`, it comes in pieces from all of them at once (`_fetch_pieces`); else, or if that failed,
+        whole from the first donor that serves it. A donor whose pending average is still in flight serves
+        theta_g and momentum at once and names that average (`state.follows`): the taker gets it with
+        `fetch_pending` while it trains. A donor that moved past `boundary` says where it is (`donors_at`); the
+        others, which train in step with it, are not asked for `boundary` then: the caller asks for the boundary
+        told (beside 5 busy peers, asking 4 more donors each for a round they had all left took a restart 1-2 s)."""
+        pieces = self._fetch_pieces(boundary, donors)
+        if pieces is not None:
+            return pieces
         for donor in donors:
             got = self.averager.download_round(donor, boundary, wait_s=self.sw.allreduce_timeout,
                                                timeout=self.sw.state_timeout, part=swarm_pb2.STATE_NOW)  # fmt: skip
@@ -355,6 +359,31 @@ class Agreement:
                 continue
             return got
         return None
+
+    def _fetch_pieces(self, boundary: int, donors: Sequence[str]) -> StateDownload | None:
+        """The state at `boundary` in pieces from the donors whose round record of it holds the majority's hash, or
+        whose record is not in yet (records lag behind their workers; each piece is checked against that hash on
+        arrival: swarm/state_pieces.py), if two or more are; None if fewer are, or if it could not be had so
+        (counted)."""
+        try:
+            records = self._voters_records(boundary)
+        except Exception:  # the whole-state path says why, and tries anyway
+            return None
+        winner = majority_hash({p: r.state_hash for p, r in records.items()}, self.records.rank)
+        holders = [d for d in donors if d not in records or records[d].state_hash == winner][: self.sw.state_donors]
+        if winner is None or len(holders) < 2:
+            return None
+        got = self.averager.download_pieces(holders, boundary, want_hash=winner, wait_s=self.sw.allreduce_timeout,
+                                            timeout=self.sw.state_timeout)  # fmt: skip
+        for donor, why in got.dropped.items():  # a donor gone past `boundary` is asked again whole: it says where it is
+            self.faults.count("downloads_failed", "state of round %d: donor %s asked for no more pieces: %s",
+                              boundary, donor, why)  # fmt: skip
+        problem = got.reason if got.status != swarm_pb2.STATE_OK or got.state is None else self.verify(got.state)
+        if problem:
+            self.faults.count("downloads_failed", "state of round %d not taken in pieces from %d donors: %s",
+                              boundary, len(holders), problem)  # fmt: skip
+            return None
+        return got
 
     def fetch_pending(self, taken: StateDownload, donors: Sequence[str], give_up: Callable[[], bool]) -> Average:
         """The average of round `taken.state.follows` that the state taken left out (it was in flight): from

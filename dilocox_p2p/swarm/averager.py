@@ -71,6 +71,7 @@ from .matchmaking import (
 )
 from .member_push import MemberPushes
 from .priority import lower_priority
+from .state_pieces import StatePieces
 from .state_service import StateDownload, StateProvider, StateService
 from .transfer import SignedReplies
 
@@ -102,7 +103,7 @@ async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
 
 
 class DilocoxAverager(
-    GroupAdmission, GroupRound, AverageService, StateService, SignedReplies, MessageGather, MemberPushes,
+    GroupAdmission, GroupRound, AverageService, StateService, StatePieces, SignedReplies, MessageGather, MemberPushes,
     DecentralizedAverager,
 ):
     """One stage worker's averager: exact round-keyed all-reduce, average and state serving."""
@@ -216,12 +217,13 @@ class DilocoxAverager(
         """Requests and join requests refused by the averager process so far."""
         return self._refused_total.value
 
-    def state_wanted(self, boundary: int | None = None) -> bool:
-        """Whether a peer is waiting to download this worker's state, or (`boundary`) will ask for the pending average
-        of that boundary's state it took without it (StateService: STATE_NOW): a complete state of it should be
-        kept past the boundary. A taker asks for that average only after it installed the state (its stages agree
-        first), and a donor faster than that moved on meanwhile: the taker, stranded, took the state again."""
-        if self._state_wanted.value > 0:
+    def state_wanted(self, boundary: int | None = None, *, owed_only: bool = False) -> bool:
+        """Whether a peer is waiting to download this worker's state (not asked if `owed_only`), or (`boundary`) will
+        ask for the pending average of that boundary's state it took without it, or for more of its pieces
+        (StateService._owe_pending): a complete state of it should be kept past the boundary. A taker asks for that
+        average only after it installed the state (its stages agree first), and a donor faster than that moved on
+        meanwhile: the taker, stranded, took the state again."""
+        if self._state_wanted.value > 0 and not owed_only:
             return True
         return boundary is not None and self._pending_owed.value == boundary and time.time() < self._pending_owed_until.value
 

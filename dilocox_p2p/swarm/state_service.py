@@ -7,7 +7,10 @@ A request may ask for part of it (StatePart): theta_g and momentum at once, nami
 in flight instead of waiting for it (STATE_NOW), and later that average alone (STATE_PENDING), so
 that a joiner trains its first round while the average it applies at the round's end arrives.
 `_download_round` asks a donor for it and checks the reply (shapes, signed SHA-256) before anything
-is used. Runs in the averager process (DilocoxAverager, averager.py); signed as transfer.py says.
+is used. A request may also ask for one piece of theta_g and momentum (STATE_PIECE, state.piece_ranges):
+its header lists the digests of every piece, whose SHA-256 is the state hash, so that a joiner takes the
+pieces from several donors at once and checks each on arrival (state_pieces.py). Runs in the averager
+process (DilocoxAverager, averager.py); signed as transfer.py says.
 """
 
 from __future__ import annotations
@@ -15,21 +18,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
 
 import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils import MPFuture
 
+from .. import injection
 from ..average import Average, AverageKind, malformed_average
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
-from ..state import PendingAverage, StageState
+from ..state import PendingAverage, StageState, piece_digests, piece_ranges
 from ..wire import swarm_pb2
 from .transfer import Oversized, Reply, limit_per_peer, read_stream, same_shapes
 
 __all__ = ["StateDownload", "StateProvider", "StateService"]
+
+STALL_S = 60.0  # fault injection `stall_served_piece`: how long a request for a piece is held
 
 
 @dataclass
@@ -42,6 +48,12 @@ class StateDownload:
     state: StageState | None = None
     state_hash: str = ""
     reason: str = ""
+    bytes_by_donor: dict[str, int] = field(default_factory=dict)
+    """The reply bytes each donor served (a state taken in pieces: several)."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Donors a download in pieces stopped asking, and why (state_pieces.py)."""
+    seconds: float = 0.0
+    """How long the download took."""
 
 
 StateProvider = Callable[[int, bool], StageState | None]  # the state of a boundary, if held (complete, unless
@@ -66,8 +78,15 @@ class StateService:
             self._state_wanted.value += 1
         try:
             metadata, tensors, status = await self._wait_for_state(request, deadline)
+            digests: list[bytes] = []
             if status == swarm_pb2.STATE_OK and request.part == swarm_pb2.STATE_PENDING:
                 tensors = tensors[2 * len(self._averaged_tensors) :]
+            if status == swarm_pb2.STATE_OK and request.part == swarm_pb2.STATE_PIECE:
+                if injection.armed("stall_served_piece", stage=self.stage):
+                    await asyncio.sleep(STALL_S)
+                metadata, tensors, digests = self._piece_of(metadata, tensors, request.piece)
+                if not tensors:
+                    status, header.reason = swarm_pb2.STATE_REFUSED, f"no piece {request.piece} in this stage's state"
             if status == swarm_pb2.STATE_OK:
                 self._owe_pending(request, metadata)
         finally:
@@ -86,6 +105,7 @@ class StateService:
             has_pending=metadata["pending"] is not None,
             sha256=digest,
             pending_follows=metadata.get("follows", -1) >= 0,
+            piece_digests=digests,
         )
         if header.pending_follows:
             header.pending.CopyFrom(swarm_pb2.AverageInfo(round=metadata["follows"]))
@@ -103,12 +123,36 @@ class StateService:
         for chunk in chunks:
             yield chunk
 
+    def _piece_of(
+        self, metadata: dict[str, Any], tensors: Sequence[torch.Tensor], piece: int
+    ) -> tuple[dict[str, Any], list[torch.Tensor], list[bytes]]:
+        """Piece `piece` of a complete state's theta_g and momentum (none where there is no such piece), the metadata
+        of a state that leaves its pending average out (it follows: STATE_PENDING), and every piece's digest."""
+        state = list(tensors[: 2 * len(self._averaged_tensors)])
+        ranges = piece_ranges([t.numel() * t.element_size() for t in state])
+        if piece >= len(ranges):
+            return metadata, [], []
+        key = (metadata["boundary"], metadata["state_hash"])
+        if getattr(self, "_piece_digests", (None, None))[0] != key:  # a joiner asks for every piece: hashed once
+            self._piece_digests = (key, piece_digests(state))
+        a, b = ranges[piece]
+        served = state[a:b]
+        if injection.armed("corrupt_served_piece", stage=self.stage):  # a lying donor: signs what it alters
+            served = [injection.flip_lowest_bit(served[0]), *served[1:]]
+        pending = metadata["pending"]
+        if pending is not None:
+            metadata = {**metadata, "pending": None, "follows": pending["round"]}
+        return metadata, served, self._piece_digests[1]
+
     def _owe_pending(self, request: swarm_pb2.StateRequest, metadata: dict[str, Any]) -> None:
-        """A state served without its pending average (STATE_NOW) owes that average to its taker: the worker keeps
-        the complete state of that boundary past it until the taker asks (averager.state_wanted), for as long as
-        the request was willing to wait; served (STATE_PENDING), it is owed no more."""
+        """A state served without its pending average (STATE_NOW) owes that average to its taker, and a piece of it
+        (STATE_PIECE) owes the other pieces too (the taker asks a donor again for those another donor failed to
+        serve): the worker keeps the complete state of that boundary past it until the taker asks for the average
+        (averager.state_wanted), for as long as the request was willing to wait; served (STATE_PENDING), it is owed
+        no more."""
         boundary = metadata["boundary"]
-        if request.part == swarm_pb2.STATE_NOW and metadata.get("follows", -1) >= 0:
+        piece = request.part == swarm_pb2.STATE_PIECE
+        if piece or request.part == swarm_pb2.STATE_NOW and metadata.get("follows", -1) >= 0:
             with self._pending_owed.get_lock():
                 self._pending_owed.value = boundary
                 self._pending_owed_until.value = time.time() + self._hold_s(request.wait_s)
@@ -120,7 +164,7 @@ class StateService:
         in, or, if the worker moved on before the request was served (its all-reduce is slower than
         training, or the request came late), the one it kept because a request was waiting. STATE_NOW:
         the current one at once, its pending average left out while in flight."""
-        now = request.part == swarm_pb2.STATE_NOW
+        now = request.part in (swarm_pb2.STATE_NOW, swarm_pb2.STATE_PIECE)
         while True:
             boundary, ready, kept = self._boundary.value, self._state_ready.value, self._kept_boundary.value
             if boundary > request.boundary and kept != request.boundary:
@@ -147,6 +191,7 @@ class StateService:
     async def _download_round(
         self, peer_id: str, boundary: int, wait_s: float, timeout: float, part: int, future: MPFuture
     ) -> None:
+        started = time.monotonic()
         try:
             request = swarm_pb2.StateRequest(
                 run_id=self.run_id,
@@ -162,7 +207,10 @@ class StateService:
             limits = self._reply_limits(wait_s, timeout + wait_s)
             reply = await read_stream(stream, max_bytes=self._tensor_bytes(3), **limits)
             header = self._open_head(reply, swarm_pb2.StateHeader, peer_id, sealed)
-            future.set_result(self._state_from(header, reply, peer_id, part))
+            got = self._state_from(header, reply, peer_id, part)
+            got.bytes_by_donor[peer_id] = reply.size
+            got.seconds = time.monotonic() - started
+            future.set_result(got)
         except (WireRejected, Oversized) as e:
             if not future.done():
                 future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=f"refused: {e}"))

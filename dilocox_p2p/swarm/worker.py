@@ -25,25 +25,23 @@ import torch
 import torch.distributed as dist
 
 from .. import injection, startup
-from ..average import Average, Averager, AverageKind, applies_nothing, average_hash
+from ..average import Average, Averager, AverageKind, average_hash
 from ..round_outcome import RoundOutcome
 from ..logs import set_log_context
 from ..state import StageState
 from ..worker import StageWorker
-from .agreement import majority_hash, split_evenly
-from .state_service import StateDownload
-from .dht import Member
+from .agreement import split_evenly
 from .priority import lower_priority, settle
 from .stage import SwarmStage
+from .state_taking import StateTaking
 
 __all__ = ["SwarmStageWorker"]
 
 logger = logging.getLogger(__name__)
 
-RESYNC_ATTEMPTS = 6
 
 
-class SwarmStageWorker(StageWorker):
+class SwarmStageWorker(StateTaking, StageWorker):
     swarm: SwarmStage
 
     def make_averager(self) -> Averager:
@@ -83,6 +81,7 @@ class SwarmStageWorker(StageWorker):
         self._stop = threading.Event()  # set by the stop signal; a watcher then abandons the exchanges
         threading.Thread(target=self._abandon_on_stop, name="stop-watch", daemon=True).start()
         self._kept: StageState | None = None  # the offered state, kept past its boundary for a waiting joiner
+        self._state_donors: dict[str, int] = {}  # bytes each donor served of the states taken (take_state_donors)
         self._settled = False  # whether it lowered its priority (swarm.settled_nice), once it trains
         self.swarm.averager.set_state_provider(self.offered_state)
         lower_priority(-self.cfg.swarm.helper_nice)  # helper_nice < 0: training below the helpers started above
@@ -106,9 +105,12 @@ class SwarmStageWorker(StageWorker):
         than training (delayed mode on a slow link), the state of a boundary is complete only for
         the moment between its average's arrival and this step, too short for a joiner to take it:
         while one is waiting, or one that took it without its pending average will ask for that, keep
-        that complete state until the next step."""
-        self._kept = None
-        if self.swarm.averager.state_wanted(self.outer.boundary):
+        that complete state until the next step; and one still owed to a taker (a piece of it served: the taker may
+        come back for more) past that step too, for as long as it is owed."""
+        kept, self._kept = self._kept, None
+        if kept is not None and self.swarm.averager.state_wanted(kept.boundary, owed_only=True):
+            self._kept = kept
+        elif self.swarm.averager.state_wanted(self.outer.boundary):
             state = self.outer.state()
             if state is not None and state.boundary == self.outer.boundary:
                 self._kept = state
@@ -243,118 +245,6 @@ class SwarmStageWorker(StageWorker):
                 )
         return start if boundary is None else boundary
 
-    def _holds_majority(self, boundary: int) -> bool:
-        try:
-            records = self.swarm.records.round_records(boundary)
-        except Exception as e:
-            self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", boundary, e)
-            return True  # nothing says otherwise; the first hash check will tell
-        return majority_hash({p: r.state_hash for p, r in records.items()}, self.swarm.records.rank) in (
-            None, self.outer.hash()
-        )
-
-    def _resync(self, boundary: int, *, reason: str) -> int | None:
-        """All stages of this peer take the swarm's state at one common boundary >= `boundary`.
-
-        The stages first agree on the target: the newest boundary any of their donors announced. Each
-        then asks its donors (holders of the majority hash first) for the state of exactly that
-        boundary: a donor at it serves theta_g and momentum at once (the pending average follows,
-        `_install`), or, if it moved on meanwhile, the copy it kept because a request was waiting.
-        After a stage missed the target (its donors had moved past it), the stages aim at the newest
-        boundary a donor said it had reached (its signed STATE_GONE), or one beyond the newest
-        announced, which donors serve on reaching it. Asking each for "a state no older than" let the
-        stages chase donors that moved on while they downloaded (one stage took a newer state than the
-        other, round after round, until the run ended). If a stage could not get the target, all ask again. Returns the boundary the peer
-        continues from, or None if nobody could serve a state. `reason` is the fault counter it counts
-        as: "repairs" or "catch_ups".
-        """
-        result: StateDownload | None = None
-        rechecked = newer = chased = False
-        ahead, target = 0, -1
-        for attempt in range(RESYNC_ATTEMPTS):
-            if attempt and not newer and not ahead:
-                time.sleep(0.5 * attempt)
-            self.swarm.membership.refresh()
-            donors = [m for m in self.swarm.membership.donors() if m.record.boundary >= boundary]
-            # the newest boundary the donors' records announce, or one a donor said it had reached (records lag
-            # behind on a loaded DHT): a donor serves its current state at once, so that one is asked for as is
-            told = max(self._all_gather(self.swarm.agreement.donors_at))
-            newest = max(self._all_gather(max([m.record.boundary for m in donors] or [-1])))
-            if told > target and not chased and target >= 0:
-                # a donor said where it is (its signed STATE_GONE): it serves that boundary (or the records' newer
-                # one) at once; one more (`ahead`) waited out a whole round of the donors' for nothing (5 s of a
-                # restart beside 5 busy peers). Once only: donors faster than downloads are asked ahead after.
-                newest, ahead, chased = max(told, newest), 0, True
-            elif told > newest:
-                newest, ahead = told, 0
-            if newest < boundary:
-                continue  # the others' records may not show this boundary yet
-            target = min(newest + ahead, self.rounds)
-            if result is None or result.boundary != target:
-                result = self.swarm.agreement.fetch_state(target, self._donor_order(donors, newest))
-            got = self._all_gather(result.boundary if result is not None else -1)
-            # donors that train faster than this peer asks (rounds of a second without it) moved past the
-            # newest boundary they announced before a stage's request reached them: ask for the next one,
-            # which a donor serves when it gets there, instead of chasing them to the end of the run
-            ahead = 0 if all(g == target for g in got) else 1
-            if not ahead:
-                assert result is not None
-                # a state the donors left behind while it downloaded puts this peer a round behind them, where
-                # its exchanges find nobody: take the newer one, once (downloads slower than rounds never catch up)
-                moved_on = not rechecked and self.swarm.membership.refresh() and any(
-                    m.record.boundary > target for m in self.swarm.membership.donors()
-                )
-                rechecked, newer = True, any(self._all_gather(moved_on))
-                if not newer:
-                    self._install(result, reason=reason, was=boundary)
-                    return target
-        if self.lead:
-            logger.warning("could not take the swarm's state after %d attempts; training on from round %d",
-                           RESYNC_ATTEMPTS, boundary)
-        return None
-
-    def _donor_order(self, donors: list[Member], target: int) -> list[str]:
-        """Donors holding the majority hash of their boundary first, the most advanced first."""
-        try:
-            records = self.swarm.records.round_records(target)
-        except Exception as e:
-            self.swarm.faults.count("lookups_failed", "round records of %d could not be read: %r", target, e)
-            records = {}
-        hashes = {p: r.state_hash for p, r in records.items() if p != self.swarm.peer_id}
-        winner = majority_hash(hashes, self.swarm.records.rank)
-        ranked = sorted(donors, key=lambda m: (hashes.get(m.peer_id, winner) != winner, -m.record.boundary))
-        return [m.peer_id for m in ranked]
-
-    def _install(self, download: StateDownload, *, reason: str, was: int) -> None:
-        assert download.state is not None
-        self.swarm.exchanges.abandon_before(download.boundary)
-        self.swarm.agreement.forget()
-        self.swarm.membership.forgive()  # its own failures, not the others' (a frozen peer suspects everyone)
-        follows: Future[Average] | None = None
-        if download.state.follows >= 0:  # it trains while the average in flight at the donor arrives
-            follows = Future()
-            donors = [m.peer_id for m in self.swarm.membership.donors()]
-            threading.Thread(target=self._take_pending, args=(download, donors, follows), name="pending",
-                             daemon=True).start()  # fmt: skip
-        self.outer.load_state(download.state, follows)
-        for codec in self.swarm.codecs:
-            codec.reset()  # its error feedback was measured against a state it left
-        self.swarm.set_state(download.boundary, ready=False, training=True, taken=True)
-        apart = f"; the average of round {download.state.follows} follows" if follows is not None else ""
-        self.swarm.faults.count(reason, "took the state of round %d from %s (hash %s; this worker was at round %d%s)",
-                                download.boundary, download.donor, download.state_hash[:12], was, apart)  # fmt: skip
-        self._publish(download.boundary)
-
-    def _take_pending(self, taken: StateDownload, donors: list[str], follows: Future[Average]) -> None:
-        """Resolve `follows` with the average the state taken left out (Agreement.fetch_pending), whatever happens."""
-        try:
-            average = self.swarm.agreement.fetch_pending(taken, donors, self._stop.is_set)
-        except Exception as e:  # the averager stopped with the worker, or a bug: never leave the boundary waiting
-            note = f"the average of round {taken.state.follows if taken.state else -1} could not be taken: {e!r}"
-            logger.warning("%s", note)
-            average = applies_nothing(AverageKind.STRANDED, note, 0.0)
-        follows.set_result(average)
-
     # ----- boundaries ---------------------------------------------------------------------------------
     def on_boundary(self, boundary: int, outcome: RoundOutcome) -> tuple[int, bool]:
         """Resync with the swarm before theta_g is used if it is known (or likely) to be off.
@@ -393,15 +283,6 @@ class SwarmStageWorker(StageWorker):
         self.swarm.exchanges.abandon_before(boundary)
         new = self._resync_aside(boundary, reason="repairs" if any(r[0] for r in reasons) else "catch_ups")
         return (boundary, False) if new is None else (new, True)  # failed: after_boundary offers the state
-
-    def _resync_aside(self, boundary: int, *, reason: str) -> int | None:
-        """`_resync`, out of the stage's groups meanwhile (nobody should wait for a worker that resyncs);
-        back in them if it failed."""
-        self.swarm.set_state(boundary, ready=False, training=False)
-        new = self._resync(boundary, reason=reason)
-        if new is None:
-            self.swarm.set_state(boundary, ready=False, training=True)
-        return new
 
     @torch.no_grad()
     def _corrupt_theta_g(self) -> None:
