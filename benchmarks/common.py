@@ -61,3 +61,20 @@ def write_result(name: str, payload: dict[str, Any], *, directory: Path = RESULT
     path = directory / f"{name}.json"
     path.write_text(json.dumps({**environment(), **payload}, indent=2) + "\n")
     return path
+
+
+def run_variants(args: Any, variants: dict[str, Any], run: Any, *, prefix: str) -> int:
+    """Run `run(variant, tmp_dir)` for each of `variants` (name -> variant), one after the other, each in a fresh
+    temporary directory; write the runs with the command and `args` to results/`args.name`.json (under `args.out`)
+    and print them. The exit code of a benchmark's main()."""
+    import tempfile
+
+    result = {}
+    for name, variant in variants.items():
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            result[name] = run(variant, Path(tmp))
+    path = write_result(args.name, {"command": " ".join(sys.argv), "args": vars(args) | {"out": str(args.out)},
+                                    "runs": result}, directory=args.out)  # fmt: skip
+    print(path)
+    print(result)
+    return 0

@@ -21,7 +21,6 @@ import collections
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -98,15 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="nat_lab")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args(argv)
-    result = {}
-    for variant in args.reachability:
-        with tempfile.TemporaryDirectory(prefix="nat-lab-") as tmp:
-            result[variant] = run(argparse.Namespace(**vars(args), variant=variant), Path(tmp))
-    path = common.write_result(args.name, {"command": " ".join(sys.argv), "args": vars(args) | {"out": str(args.out)},
-                                           "runs": result}, directory=args.out)  # fmt: skip
-    print(path)
-    print(result)
-    return 0
+    variants = {v: argparse.Namespace(**vars(args), variant=v) for v in args.reachability}
+    return common.run_variants(args, variants, run, prefix="nat-lab-")
 
 
 if __name__ == "__main__":

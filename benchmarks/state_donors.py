@@ -21,7 +21,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -131,15 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="state_donors")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args(argv)
-    result = {}
-    for k in args.state_donors:
-        with tempfile.TemporaryDirectory(prefix="state-donors-") as tmp:
-            result[f"state_donors={k}"] = run(args, k, Path(tmp))
-    path = common.write_result(args.name, {"command": " ".join(sys.argv), "args": vars(args) | {"out": str(args.out)},
-                                           "runs": result}, directory=args.out)  # fmt: skip
-    print(path)
-    print(result)
-    return 0
+    variants = {f"state_donors={k}": k for k in args.state_donors}
+    return common.run_variants(args, variants, lambda k, tmp: run(args, k, tmp), prefix="state-donors-")
 
 
 if __name__ == "__main__":

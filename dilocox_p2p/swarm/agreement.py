@@ -373,8 +373,12 @@ class Agreement:
         holders = [d for d in donors if d not in records or records[d].state_hash == winner][: self.sw.state_donors]
         if winner is None or len(holders) < 2:
             return None
-        got = self.averager.download_pieces(holders, boundary, want_hash=winner, wait_s=self.sw.allreduce_timeout,
-                                            timeout=self.sw.state_timeout)  # fmt: skip
+        try:
+            got = self.averager.download_pieces(holders, boundary, want_hash=winner, wait_s=self.sw.allreduce_timeout,
+                                                timeout=self.sw.state_timeout)  # fmt: skip
+        except TimeoutError as e:  # the averager process did not answer in time: whole from one donor, as before
+            self.faults.count("downloads_failed", "state of round %d not taken in pieces: %r", boundary, e)
+            return None
         for donor, why in got.dropped.items():  # a donor gone past `boundary` is asked again whole: it says where it is
             self.faults.count("downloads_failed", "state of round %d: donor %s asked for no more pieces: %s",
                               boundary, donor, why)  # fmt: skip

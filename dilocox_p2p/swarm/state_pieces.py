@@ -38,7 +38,7 @@ from .transfer import Oversized, read_stream, same_shapes
 
 __all__ = ["SLOW_FACTOR", "StatePieces"]
 
-SLOW_FACTOR = 4.0  # a piece slower than this many times the slowest piece in so far is asked of another donor
+SLOW_FACTOR = 2.0  # a piece slower than this many times the slowest piece in so far is asked of another donor too
 MIN_LATE_S = 1.0  # ... and than this: the donors' rounds move on meanwhile, and each keeps a state one round past
 POLL_S = 0.1
 
@@ -68,16 +68,19 @@ class StatePieces:
         """The state of `boundary` (theta_g and momentum; its pending average follows), in pieces from `donors`
         (holders of the majority hash `want_hash`), each checked against that hash."""
         kwargs = dict(donors=list(donors), boundary=boundary, want_hash=want_hash, wait_s=wait_s, timeout=timeout)
-        return self._call("_download_pieces", 2 * (timeout + wait_s) + 30.0, **kwargs)  # type: ignore[attr-defined]
+        return self._call("_download_pieces", timeout + wait_s + 30.0, **kwargs)  # type: ignore[attr-defined]
 
     async def _download_pieces(
         self, donors: list[str], boundary: int, want_hash: str, wait_s: float, timeout: float, future: MPFuture
     ) -> None:
         started = time.monotonic()
-        try:
-            got = await self._take_pieces(donors, boundary, want_hash, wait_s, timeout)
+        try:  # as long as one donor's whole state may take: a piece asked of every donor in turn must not take D times
+            got = await asyncio.wait_for(self._take_pieces(donors, boundary, want_hash, wait_s, timeout), timeout + wait_s)
             got.seconds = time.monotonic() - started
             future.set_result(got)
+        except asyncio.TimeoutError:
+            future.set_result(StateDownload(status=-1, boundary=boundary, donor="",
+                                            reason=f"not every piece came within {timeout + wait_s:.0f} s"))  # fmt: skip
         except Exception as e:  # a bug must not leave the stage waiting for its whole timeout
             if not future.done():
                 future.set_result(StateDownload(status=-1, boundary=-1, donor="", reason=repr(e)[:200]))
@@ -137,7 +140,17 @@ class StatePieces:
                 for attempt in asking:
                     attempt.cancel()
 
-        await asyncio.gather(*(take(k) for k in range(len(ranges))))
+        # a piece that no donor could serve dooms the download: the others' requests are not waited for (a stalled
+        # donor's ran out its whole timeout while every other donor had moved on: the lab test, 65 s)
+        pending = {asyncio.ensure_future(take(k)): k for k in range(len(ranges))}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(pending.pop(task) not in pieces for task in done):
+                    break
+        finally:
+            for task in pending:
+                task.cancel()
         served = collections.Counter({p.donor: 0 for p in pieces.values()})
         for p in pieces.values():
             served[p.donor] += p.size

@@ -153,9 +153,10 @@ class StateService:
         boundary = metadata["boundary"]
         piece = request.part == swarm_pb2.STATE_PIECE
         if piece or request.part == swarm_pb2.STATE_NOW and metadata.get("follows", -1) >= 0:
-            with self._pending_owed.get_lock():
-                self._pending_owed.value = boundary
-                self._pending_owed_until.value = time.time() + self._hold_s(request.wait_s)
+            with self._pending_owed.get_lock():  # one boundary is kept: a newer one, or any once the owed one expired
+                if boundary >= self._pending_owed.value or time.time() > self._pending_owed_until.value:
+                    self._pending_owed.value = boundary
+                    self._pending_owed_until.value = time.time() + self._hold_s(request.wait_s)
         elif request.part == swarm_pb2.STATE_PENDING and self._pending_owed.value == boundary:
             self._pending_owed.value = -1
 

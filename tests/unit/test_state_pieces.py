@@ -1,6 +1,6 @@
 """A stage's state in pieces: how it is cut, how its hash is made of the pieces', and how a piece a donor serves is
-checked before a joiner keeps it (swarm/state_pieces.py; the swarm test of many donors is in
-tests/swarm/test_elastic.py).
+checked before a joiner keeps it (swarm/state_pieces.py; joiners, donors, a liar and a stalled donor in a
+network-namespace lab: tests/netns/test_state_donors.py).
 
 Run: python -m pytest tests/unit/test_state_pieces.py -q
 """
