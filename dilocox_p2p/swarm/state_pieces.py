@@ -134,8 +134,12 @@ class StatePieces:
                     # of one more donor, the first request left running (a slow donor may still come first)
                     late = max(SLOW_FACTOR * max(took, default=0.0), MIN_LATE_S)
                     now = time.monotonic()
-                    if took and asking and all(now - t > late for _, t in asking.values()):
-                        ask()
+                    if took and asking and all(now - t > late for _, t in asking.values()) and not ask():
+                        # late, and no donor left to ask: the piece is given up (the download with it) rather than
+                        # waited for (a stalled donor's piece, every other donor gone: 60 s in the lab test)
+                        for other, _ in asking.values():
+                            dropped.setdefault(other, f"slow: piece {k} not in after {late:.1f} s, and no other donor left")
+                        return
             finally:
                 for attempt in asking:
                     attempt.cancel()
