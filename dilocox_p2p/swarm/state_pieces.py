@@ -6,13 +6,14 @@ four states while the others served nothing. Here a joiner asks each donor that 
 for some of the state's pieces (state.piece_ranges, STATE_PIECE), all at once: piece k first from donor
 (k + s) mod D, where s comes from the joiner's own peer id, so that joiners arriving together start on
 different donors; a piece asked again goes to the donor with the fewest pieces so far (the next one in
-that order handed every piece of a dropped donor to one donor: half of all bytes in the test). Each reply's signed header lists the digests of every piece: the list must hash to the
-majority's state hash (state.digest_of_pieces), and the piece's bytes to its digest in the list, before the
-piece is kept. A donor that fails either check, serves a piece late or not at all, or refuses, is asked for
+that order handed every piece of a dropped donor to one donor: half of all bytes in the test). Each reply's
+signed header lists the digests of every piece: the list must hash to the majority's state hash
+(state.digest_of_pieces), and the piece's bytes to its digest in the list, before the piece is kept. A donor that fails either check, serves a piece late or not at all, or refuses, is asked for
 nothing more: its pieces go to the next donor. Late: once some pieces are in, a piece still coming after
 SLOW_FACTOR times the slowest of those (and at least MIN_LATE_S) is asked of one more donor too, and the
 donor that the faster one beat is asked for nothing more (waiting out a chunk timeout instead, the other donors
-had moved on, and kept the state one round only: the whole download failed, in the test of a stalled donor). The pending average is never in a piece: the state follows it
+had moved on, and kept the state one round only: the whole download failed, in the test of a stalled donor).
+The pending average is never in a piece: the state follows it
 (`StageState.follows`), and the taker gets it apart (Agreement.fetch_pending) from the donor of the first
 piece, which owes it (state_service._owe_pending), or from the others.
 """
@@ -34,7 +35,7 @@ from ..errors import WireRejected
 from ..state import StageState, digest_of_pieces, piece_ranges, tensors_digest
 from ..wire import swarm_pb2
 from .state_service import StateDownload
-from .transfer import Oversized, read_stream, same_shapes
+from .transfer import Oversized, same_shapes
 
 __all__ = ["SLOW_FACTOR", "StatePieces"]
 
@@ -55,12 +56,6 @@ class StatePieces:
 
     _averaged_tensors: Sequence[torch.Tensor]
     peer_id: PeerID
-    prefix: str
-    run_id: str
-    config_hash: str
-    stage: int
-    signer: Any
-    next_chunk_timeout: float
 
     def download_pieces(
         self, donors: Sequence[str], boundary: int, *, want_hash: str, wait_s: float, timeout: float
@@ -155,7 +150,7 @@ class StatePieces:
         finally:
             for task in pending:
                 task.cancel()
-        served = collections.Counter({p.donor: 0 for p in pieces.values()})
+        served: collections.Counter[str] = collections.Counter()
         for p in pieces.values():
             served[p.donor] += p.size
         missing = [k for k in range(len(ranges)) if k not in pieces]
@@ -176,17 +171,11 @@ class StatePieces:
         want_hash: str, wait_s: float, timeout: float,
     ) -> tuple[_Piece | None, str]:  # fmt: skip
         """Piece `k` from `donor`, checked, or why not."""
-        request = swarm_pb2.StateRequest(run_id=self.run_id, config_hash=self.config_hash, stage=self.stage,
-                                         boundary=boundary, wait_s=wait_s, part=swarm_pb2.STATE_PIECE, piece=k)  # fmt: skip
-        sealed = self.signer.seal_message(request, topic=donor, round=boundary)
         a, b = ranges[k]
+        piece_bytes = sum(t.numel() * t.element_size() for t in like[a:b])
         try:
-            stub = type(self).get_stub(self._p2p, PeerID.from_base58(donor), namespace=self.prefix)  # type: ignore[attr-defined]
-            stream = await asyncio.wait_for(stub.rpc_download_round(sealed), min(timeout, self.next_chunk_timeout))
-            piece_bytes = sum(t.numel() * t.element_size() for t in like[a:b])
-            limits = self._reply_limits(wait_s, timeout + wait_s)  # type: ignore[attr-defined]
-            reply = await read_stream(stream, max_bytes=int(piece_bytes * 1.02) + (1 << 20), **limits)
-            header = self._open_head(reply, swarm_pb2.StateHeader, donor, sealed)  # type: ignore[attr-defined]
+            header, reply = await self._ask_state(donor, boundary, wait_s, timeout, swarm_pb2.STATE_PIECE, piece=k,  # type: ignore[attr-defined]
+                                                  max_bytes=int(piece_bytes * 1.02) + (1 << 20))  # fmt: skip
         except (WireRejected, Oversized) as e:
             return None, f"refused: {e}"
         except Exception as e:

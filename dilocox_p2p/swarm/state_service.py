@@ -194,20 +194,7 @@ class StateService:
     ) -> None:
         started = time.monotonic()
         try:
-            request = swarm_pb2.StateRequest(
-                run_id=self.run_id,
-                config_hash=self.config_hash,
-                stage=self.stage,
-                boundary=boundary,
-                wait_s=wait_s,
-                part=part,
-            )
-            sealed = self.signer.seal_message(request, topic=peer_id, round=boundary)
-            stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
-            stream = await asyncio.wait_for(stub.rpc_download_round(sealed), min(timeout, self.next_chunk_timeout))
-            limits = self._reply_limits(wait_s, timeout + wait_s)
-            reply = await read_stream(stream, max_bytes=self._tensor_bytes(3), **limits)
-            header = self._open_head(reply, swarm_pb2.StateHeader, peer_id, sealed)
+            header, reply = await self._ask_state(peer_id, boundary, wait_s, timeout, part, max_bytes=self._tensor_bytes(3))
             got = self._state_from(header, reply, peer_id, part)
             got.bytes_by_donor[peer_id] = reply.size
             got.seconds = time.monotonic() - started
@@ -218,6 +205,20 @@ class StateService:
         except Exception as e:
             if not future.done():
                 future.set_result(StateDownload(status=-1, boundary=-1, donor=peer_id, reason=repr(e)[:200]))
+
+    async def _ask_state(
+        self, peer_id: str, boundary: int, wait_s: float, timeout: float, part: int, *, piece: int = 0, max_bytes: int
+    ) -> tuple[swarm_pb2.StateHeader, Reply]:
+        """Ask `peer_id` for `part` (and `piece`) of its state at `boundary`: its signed header and the reply, read
+        within the time and size limits (no more than `max_bytes`). Raises WireRejected or Oversized where the reply
+        is refused, and whatever the stream raises."""
+        request = swarm_pb2.StateRequest(run_id=self.run_id, config_hash=self.config_hash, stage=self.stage,
+                                         boundary=boundary, wait_s=wait_s, part=part, piece=piece)  # fmt: skip
+        sealed = self.signer.seal_message(request, topic=peer_id, round=boundary)
+        stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+        stream = await asyncio.wait_for(stub.rpc_download_round(sealed), min(timeout, self.next_chunk_timeout))
+        reply = await read_stream(stream, max_bytes=max_bytes, **self._reply_limits(wait_s, timeout + wait_s))
+        return self._open_head(reply, swarm_pb2.StateHeader, peer_id, sealed), reply
 
     def _state_from(self, header: swarm_pb2.StateHeader, reply: Reply, donor: str, part: int) -> StateDownload:
         """The state a reply holds (STATE_PENDING: only its pending average, theta_g and momentum empty)."""

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..average import Average, AverageKind, applies_nothing
+from ..memory_estimate import gib
 from .agreement import majority_hash
 from .dht import Member
 from .state_service import StateDownload
@@ -25,10 +26,6 @@ __all__ = ["RESYNC_ATTEMPTS", "StateTaking"]
 logger = logging.getLogger(__name__)
 
 RESYNC_ATTEMPTS = 6
-
-
-def _kib(n: int) -> str:
-    return f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
 class StateTaking:
@@ -146,7 +143,7 @@ class StateTaking:
         apart = f"; the average of round {download.state.follows} follows" if follows is not None else ""
         for donor, size in download.bytes_by_donor.items():
             self._state_donors[donor] = self._state_donors.get(donor, 0) + size
-        served = ", ".join(f"{d[-6:]} {_kib(n)}" for d, n in sorted(download.bytes_by_donor.items()))
+        served = ", ".join(f"{d[-6:]} {gib(n)}" for d, n in sorted(download.bytes_by_donor.items()))
         self.swarm.faults.count(reason, "took the state of round %d from %d donor(s) in %.2f s (%s; hash %s; this worker "
                                 "was at round %d%s)", download.boundary, len(download.bytes_by_donor), download.seconds,
                                 served, download.state_hash[:12], was, apart)  # fmt: skip
