@@ -137,6 +137,8 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     "sync fp32 no direction screen": ({"outer.mode": "sync", "swarm.direction_screen": False}, [(1.0, 0.7)]),
     "sync int8 no direction screen": ({"outer.mode": "sync", "compression.kind": "int8", "swarm.direction_screen": False},
                                       [(0.7, 0.7)]),
+    "sync lowrank no direction screen": ({"outer.mode": "sync", "compression.kind": "lowrank",
+                                          "swarm.direction_screen": False}, [(0.7, 0.7)]),
 }  # fmt: skip
 BUTTERFLY_CHECK = {"sync int8", "sync int8 all-gather", "sync fp4", "sync fp4 all-gather", "sync lowrank",
                    "sync lowrank all-gather", "sync topk all-gather", "sync topk x1", "sync topk x2",

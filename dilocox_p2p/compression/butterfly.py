@@ -224,7 +224,7 @@ def reduce(
             rejected[index] = str(e)
     step = slice_step(codec.cfg, hi - lo)
     refused, scales = bound({i: r.norm(step) for i, r in readers.items()}, codec.max_norm_ratio, codec.clip_ratio)
-    if codec.direction_screen:  # (not low-rank's: a factor's sign is its basis' choice, not a direction)
+    if codec.direction_screen:  # low-rank's too: P_i = M_i Q and Q_i = M_i^T B share Q and B, so signs compare
         refused |= against_the_group({i: r.read for i, r in readers.items() if i not in refused}, hi - lo)
     rejected.update(refused)
     readers = {i: ScaledReader(r, scales[i]) if i in scales else r for i, r in readers.items() if i not in refused}

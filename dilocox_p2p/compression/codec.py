@@ -126,7 +126,7 @@ class StageCodec:
         if cfg.kind == "none":
             raise ValueError("compression.kind none needs no codec: the butterfly averages fp32")
         self.cfg, self.run_id, self.max_norm_ratio, self.clip_ratio = cfg, run_id, max_norm_ratio, clip_ratio
-        self.direction_screen = direction_screen and cfg.kind != "lowrank"  # average.against_the_group
+        self.direction_screen = direction_screen  # average.against_the_group (low-rank: P and Q' in the shared Q and B)
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         decay = cfg.effective_feedback_decay
         self.feedback = ErrorFeedback([torch.empty(s, device="meta") for s in self.shapes], decay=decay) if decay > 0 else None

@@ -325,6 +325,23 @@ def test_a_low_rank_phase_2_part_in_another_basis_is_left_out_by_its_reducer_at_
     assert reduced2[1].used == reduced2[2].used == [0, 1, 2]
 
 
+def test_a_sign_flipped_low_rank_member_is_left_out_of_both_phases_unstruck_and_keeps_its_whole_message():
+    # P_i = M_i Q and Q_i = M_i^T B are in the Q and the basis B every member shares, so a flipped M_i flips both
+    # factors: the direction screen compares them as it compares the quantizers' values (issue 38: it skipped
+    # low-rank). What no reducer averaged stays whole in its author's buffer, to be sent again.
+    cfg = CompressionConfig(kind="lowrank", rank=1, rank_min=1, rank_max=1)  # the deltas' rank: no dead basis column
+    codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r", direction_screen=True) for _ in range(3)]
+    honest = [_low_rank_deltas(0), [d * 1.1 for d in _low_rank_deltas(0)]]
+    flipped = [d * -4 for d in _low_rank_deltas(0)]  # under the 10x norm screen
+    # the flipped member reduces nothing (a client member), so no reducer's rounding enters its buffer
+    averages, reduced2 = _low_rank_butterfly(codecs, [honest[0], flipped, honest[1]], clients=(1,))
+    assert all(r.used == [0, 2] and r.rejected == {1: AGAINST} for r in reduced2)
+    assert all(torch.equal(a, b) for other in averages[1:] for a, b in zip(averages[0], other))
+    for got, a, b in zip(averages[0], *honest):
+        assert float(torch.nn.functional.cosine_similarity(got.reshape(-1), (a + b).reshape(-1), dim=0)) > 0.95
+    assert all(torch.equal(buffer, delta) for buffer, delta in zip(codecs[1].feedback.buffers, flipped))
+
+
 def test_a_low_rank_part_at_other_ranks_than_the_groups_is_refused():
     cfg = CompressionConfig(kind="lowrank", rank=4, rank_max=8, energy_target=0.0)
     codecs = [StageCodec(cfg, NAMES, SHAPES, run_id="r") for _ in range(3)]
