@@ -76,8 +76,8 @@ class SwarmConfig:
     """With three or more contributions, one whose dot product with the group's coordinate-wise median is negative is
     left out of the average, unstruck (average.against_the_group): a sign flip under max_norm_ratio, which the clip
     still let pull the mean back (3 honest `tiny` peers beside one such: +9.5% val loss after 10 rounds; with the
-    screen the same as the 3 alone). Not applied to low-rank's factors. Cost with honest peers only:
-    docs/benchmarks.md section 7."""
+    screen the same as the 3 alone). Low-rank's factors P and Q' too (they share the Q and basis every member
+    holds). Cost with honest peers only: docs/benchmarks.md section 7."""
     clip_ratio: float = 1.5
     """A contribution whose norm exceeds this many times the group's lower median is scaled down to it before it is
     averaged (bounded influence: a sign flip below max_norm_ratio weighs at most this many honest contributions, and
