@@ -37,7 +37,7 @@ from ..wire import swarm_pb2
 from .state_service import StateDownload
 from .transfer import Oversized, same_shapes
 
-__all__ = ["SLOW_FACTOR", "StatePieces"]
+__all__ = ["SLOW_FACTOR", "StatePieces", "checked_piece"]
 
 SLOW_FACTOR = 2.0  # a piece slower than this many times the slowest piece in so far is asked of another donor too
 MIN_LATE_S = 1.0  # ... and than this: the donors' rounds move on meanwhile, and each keeps a state one round past
@@ -180,15 +180,16 @@ class StatePieces:
             return None, f"refused: {e}"
         except Exception as e:
             return None, repr(e)[:200]
-        if header.status != swarm_pb2.STATE_OK:
-            return None, f"{swarm_pb2.StateStatus.Name(header.status)} (donor at {header.boundary}) {header.reason}"
-        return _checked(donor, k, header, reply, like[a:b], len(ranges), want_hash)
+        return checked_piece(donor, k, header, reply, like[a:b], len(ranges), want_hash)
 
 
-def _checked(
+def checked_piece(
     donor: str, k: int, header: swarm_pb2.StateHeader, reply: Any, like: list[torch.Tensor], n_pieces: int, want_hash: str
 ) -> tuple[_Piece | None, str]:
-    """Piece `k` of a reply, if it is what the majority's state holds there; else why not."""
+    """Piece `k` of a reply whose signed `header` was opened, if it is what the majority's state holds there; else why
+    not (`like`: the piece's tensors as this stage holds them)."""
+    if header.status != swarm_pb2.STATE_OK:
+        return None, f"{swarm_pb2.StateStatus.Name(header.status)} (donor at {header.boundary}) {header.reason}"
     if header.has_pending or header.n_tensors != len(reply.tensors) or len(reply.tensors) != len(like):
         return None, (f"refused: piece {k} holds {len(reply.tensors)} tensors (its header says {header.n_tensors}"
                       f"{', and a pending average' if header.has_pending else ''}) where it has {len(like)}")

@@ -2,59 +2,30 @@
 streams them), altered on the way, read by the asking worker's real reply path (`read_stream`, then
 `AverageService._average_reply`: the header's signature and nonce, the tensors' shapes, SHA-256, finiteness, the
 header's kind and spans). Whatever arrives, the asker takes exactly the tensors the donor signed or refuses the
-reply with a reason; nothing raises. Derandomized (`fuzz` below), part of the fuzz cases of issue 38.
+reply with a reason; nothing raises. Derandomized, part of the fuzz cases of issue 38 (state replies, whole and
+in pieces: test_fuzz_state_replies.py; the donor, asker and alterations: tests/helpers/replies.py).
 
     pytest tests/unit/test_fuzz_replies.py -q
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from dilocox_p2p.average import AverageKind
-from dilocox_p2p.envelope import Gate, Policy, Signer
 from dilocox_p2p.errors import WireRejected
-from dilocox_p2p.identity import certify_worker, peer_id_of, public_raw
-from dilocox_p2p.swarm.held import AverageService, HeldAverage
-from dilocox_p2p.swarm.transfer import Oversized, SignedReplies, claimed_nonce, read_stream
+from dilocox_p2p.swarm.held import HeldAverage
+from dilocox_p2p.swarm.transfer import Oversized, claimed_nonce, read_stream
 from dilocox_p2p.wire import swarm_pb2
+from tests.helpers.replies import LOOP, RUN, SHAPES, Worker, edit, ops, stream
 
 pytestmark = pytest.mark.unit
 
-RUN, ROUND = "fuzz-replies", 6
-SHAPES = [torch.Size((5, 4)), torch.Size((7,)), torch.Size((3, 3))]
+ROUND = 6
 
-
-def _key(name: str) -> Ed25519PrivateKey:
-    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(name.encode()).digest())
-
-
-def _signer(name: str) -> Signer:
-    worker, peer = _key(f"worker {name}"), _key(f"peer {name}")
-    return Signer(worker, certify_worker(peer, peer_id_of(worker), run_id=RUN, stage=0, peer_name=name))
-
-
-class _Worker(AverageService, SignedReplies):
-    """The reply side of a one-fragment stage's averager (DilocoxAverager's mixins), without its process and DHT."""
-
-    def __init__(self, name: str):
-        self.signer, self.stage = _signer(name), 0
-        self.gate = Gate(Policy(run_id=RUN, closed=True, allowlist=frozenset(
-            public_raw(_key(f"peer {n}")) for n in ("donor", "asker"))))  # fmt: skip
-        self._averaged_tensors = [torch.zeros(s) for s in SHAPES]
-
-    def _of_round(self, round: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(tensors)
-
-
-DONOR, ASKER = _Worker("donor"), _Worker("asker")
+DONOR, ASKER = Worker("donor"), Worker("asker")
 TENSORS = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(SHAPES)]
 REQUEST = ASKER.signer.seal_message(swarm_pb2.AverageRequest(run_id=RUN, stage=0, round=ROUND, wait_s=1.0),
                                     topic=DONOR.signer.worker_id, round=ROUND)  # fmt: skip
@@ -70,12 +41,6 @@ def _served() -> list[bytes]:
 
 
 SERVED = _served()
-LOOP = asyncio.new_event_loop()  # one for every case (a new loop per case was most of a case's time)
-
-
-async def _stream(chunks: list[swarm_pb2.Chunk]):
-    for chunk in chunks:
-        yield chunk
 
 
 def _asked(chunks: list[bytes]) -> tuple[HeldAverage | None, str]:
@@ -87,37 +52,12 @@ def _asked(chunks: list[bytes]) -> tuple[HeldAverage | None, str]:
         except Exception:
             continue
     try:
-        reply = LOOP.run_until_complete(read_stream(_stream(parsed), first_within=5.0, each_within=5.0,
+        reply = LOOP.run_until_complete(read_stream(stream(parsed), first_within=5.0, each_within=5.0,
                                                     total_within=10.0, max_bytes=ASKER._tensor_bytes(1)))  # fmt: skip
     except (WireRejected, Oversized) as e:
         return None, f"refused: {e}"
     got, reason, _ = ASKER._average_reply(reply, REQUEST, DONOR.signer.worker_id, ROUND)
     return got, reason
-
-
-def _edit(chunks: list[bytes], op: tuple) -> list[bytes]:
-    kind, which, where, value = op
-    out = list(chunks)
-    i = int(which * len(out)) if out else 0
-    if kind == "drop" and out:
-        del out[i]
-    elif kind == "duplicate" and out:
-        out.insert(i, out[i])
-    elif kind == "swap" and len(out) > 1:
-        j = (i + 1) % len(out)
-        out[i], out[j] = out[j], out[i]
-    elif kind == "byte" and out:
-        blob = bytearray(out[i])
-        if blob:
-            blob[int(where * len(blob))] ^= value or 1
-        out[i] = bytes(blob)
-    elif kind == "cut" and out:
-        out[i] = out[i][: int(where * len(out[i]))]
-    return out
-
-
-ops = st.lists(st.tuples(st.sampled_from(["drop", "duplicate", "swap", "byte", "cut"]), st.floats(0, 0.999),
-                         st.floats(0, 0.999), st.integers(0, 255)), min_size=1, max_size=3)  # fmt: skip
 
 
 def test_the_donors_reply_as_served_is_taken_whole():
@@ -151,7 +91,7 @@ def test_every_single_bit_flip_of_the_served_reply_is_refused_or_changes_nothing
 def test_an_altered_average_reply_is_taken_exactly_as_signed_or_refused_with_a_reason(edits):
     chunks = SERVED
     for op in edits:
-        chunks = _edit(chunks, op)
+        chunks = edit(chunks, op)
     got, reason = _asked(chunks)
     if got is None:
         assert reason, "refused without a reason"

@@ -14,7 +14,7 @@ import torch
 
 from dilocox_p2p import injection
 from dilocox_p2p.state import STATE_PIECES, digest_of_pieces, piece_digests, piece_ranges, state_hash, tensors_digest
-from dilocox_p2p.swarm.state_pieces import _checked
+from dilocox_p2p.swarm.state_pieces import checked_piece
 from dilocox_p2p.swarm.transfer import Reply
 from dilocox_p2p.wire import swarm_pb2
 
@@ -65,23 +65,23 @@ def test_a_piece_is_kept_only_if_its_digests_make_the_majoritys_hash_and_its_byt
     tensors = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i)) for i in range(9)]
     want, n = state_hash(tensors), len(piece_ranges([64] * 9))
     header, reply, like = _served(tensors, 2)
-    piece, why = _checked("donor", 2, header, reply, like, n, want)
+    piece, why = checked_piece("donor", 2, header, reply, like, n, want)
     assert piece is not None and why == "" and piece.tensors == reply.tensors
 
     header, reply, like = _served(tensors, 2, altered=True)  # a lying donor: other bytes behind the honest list
-    assert "does not match its digest" in _checked("liar", 2, header, reply, like, n, want)[1]
+    assert "does not match its digest" in checked_piece("liar", 2, header, reply, like, n, want)[1]
 
     other = [t + 1 for t in tensors]  # a donor that holds another state, and says so truthfully
     header, reply, like = _served(other, 2)
-    assert "do not make the majority's state hash" in _checked("stale", 2, header, reply, like, n, want)[1]
+    assert "do not make the majority's state hash" in checked_piece("stale", 2, header, reply, like, n, want)[1]
 
     lie = piece_digests(tensors)
     lie[2] = tensors_digest(_served(tensors, 2, altered=True)[1].tensors)  # a list made to fit its altered piece
     header, reply, like = _served(tensors, 2, digests=lie, altered=True)
-    assert "do not make the majority's state hash" in _checked("liar", 2, header, reply, like, n, want)[1]
+    assert "do not make the majority's state hash" in checked_piece("liar", 2, header, reply, like, n, want)[1]
 
     header, reply, like = _served(tensors, 2)
     reply.sha256 = b"\0" * 32  # altered on the way, after the donor signed
-    assert "altered on the way" in _checked("link", 2, header, reply, like, n, want)[1]
+    assert "altered on the way" in checked_piece("link", 2, header, reply, like, n, want)[1]
     header, reply, _ = _served(tensors, 2)
-    assert "do not fit this stage" in _checked("donor", 2, header, reply, [t.reshape(-1) for t in like], n, want)[1]
+    assert "do not fit this stage" in checked_piece("donor", 2, header, reply, [t.reshape(-1) for t in like], n, want)[1]
