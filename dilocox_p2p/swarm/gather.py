@@ -51,7 +51,7 @@ from ..wire import swarm_pb2
 from .dial import redial
 from .transfer import limit_per_peer
 
-__all__ = ["GatherResult", "MessageGather"]
+__all__ = ["GatherResult", "MessageGather", "MessageReply"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,27 @@ class GatherResult:
     """Members that answered they are in no such group (OUTSIDE): alive, their message never existed."""
     digests: list[bytes | None] = field(default_factory=list)
     """All-gathers: each message's author's signed digest, in group order (None: never received)."""
+
+
+@dataclass
+class MessageReply:
+    """A holder's answer to a GatherRequest as read so far: its header (a signed digest or a GatherHeader) and the
+    message's payload parts."""
+
+    head: Any = None
+    parts: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+    async def read(self, stream: AsyncIterator[swarm_pb2.Chunk], max_bytes: int) -> None:
+        """Read `stream` to its end (no more than `max_bytes`: raises WireRejected)."""
+        async for chunk in stream:
+            self.size += chunk.ByteSize()
+            if self.head is None:
+                self.head = chunk.head
+            else:
+                self.parts.append(chunk.payload)
+            if self.size > max_bytes:
+                raise WireRejected("message larger than this stage's messages can be")
 
 
 class MessageGather:
@@ -244,45 +265,46 @@ class MessageGather:
         )  # fmt: skip
         sealed = self.signer.seal_message(request, topic=holder)
         nonce = envelope_pb2.Envelope.FromString(sealed.body).nonce
-        size, parts, head = 0, [], None
+        reply = MessageReply()
         try:
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(holder), namespace=self.prefix)  # type: ignore[attr-defined]
             stream = await asyncio.wait_for(stub.rpc_download_message(sealed), remaining)
+            await asyncio.wait_for(reply.read(stream, self._max_message_bytes + 65536),
+                                   max(deadline - time.monotonic(), 0.1) + 5.0)  # fmt: skip
+        except WireRejected as e:
+            return None, f"refused: {e}", reply.size
+        except Exception as e:
+            return None, repr(e)[:200], reply.size
+        got, reason = self._pulled(reply, holder=holder, sender=sender, key=(group_id, phase, part), nonce=nonce)
+        return got, reason, reply.size
 
-            async def read() -> None:
-                nonlocal size, head
-                async for chunk in stream:
-                    size += chunk.ByteSize()
-                    if head is None:
-                        head = chunk.head
-                    else:
-                        parts.append(chunk.payload)
-                    if size > self._max_message_bytes + 65536:
-                        raise WireRejected("message larger than this stage's messages can be")
-
-            await asyncio.wait_for(read(), max(deadline - time.monotonic(), 0.1) + 5.0)
-            if head is None:  # every answer starts with a header: the connection was reset before it came
-                return None, f"{CUT_SHORT}: the stream ended before any reply", size
+    def _pulled(
+        self, reply: MessageReply, *, holder: str, sender: str, key: tuple[bytes, int, int], nonce: bytes
+    ) -> tuple[tuple[bytes, bytes] | None, str]:
+        """`sender`'s message of (group_id, phase, part) = `key` from `holder`'s `reply` to the request of `nonce`,
+        with its author's signed digest; or why not (a reason starting with "refused" blames the holder)."""
+        head = reply.head
+        if head is None:  # every answer starts with a header: the connection was reset before it came
+            return None, f"{CUT_SHORT}: the stream ended before any reply"
+        try:
             opened = self.gate.open(head, (envelope_pb2.MessageDigest, swarm_pb2.GatherHeader))
         except WireRejected as e:
-            return None, f"refused: {e}", size
-        except Exception as e:
-            return None, repr(e)[:200], size
+            return None, f"refused: {e}"
         if isinstance(opened.message, swarm_pb2.GatherHeader):
             header = opened.message
             if opened.sender != holder or opened.envelope.in_reply_to != nonce:
-                return None, "refused: a status reply not signed by the member asked, for this request", size
-            return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip(), size
-        blob, digest = b"".join(parts), opened.message
+                return None, "refused: a status reply not signed by the member asked, for this request"
+            return None, f"{swarm_pb2.StateStatus.Name(header.status)} {header.reason}".strip()
+        blob, digest = b"".join(reply.parts), opened.message
         if opened.sender != sender:
-            return None, f"refused: {sender}'s message came behind a digest signed by {opened.sender}", size
-        if (digest.group_id, digest.phase, digest.part) != (group_id, phase, part):
-            return None, f"refused: {sender}'s digest is of another group, phase or part (replayed)", size
+            return None, f"refused: {sender}'s message came behind a digest signed by {opened.sender}"
+        if (digest.group_id, digest.phase, digest.part) != key:
+            return None, f"refused: {sender}'s digest is of another group, phase or part (replayed)"
         if len(blob) < digest.size:  # the stream ended early: a reset connection reads as a clean end in hivemind
-            return None, f"{CUT_SHORT}: {len(blob)} of {digest.size} bytes before the stream ended", size
+            return None, f"{CUT_SHORT}: {len(blob)} of {digest.size} bytes before the stream ended"
         if len(blob) != digest.size or hashlib.sha256(blob).digest() != digest.sha256:
-            return None, f"refused: {sender}'s message does not match its author's signed SHA-256 (altered)", size
-        return (blob, head), "", size
+            return None, f"refused: {sender}'s message does not match its author's signed SHA-256 (altered)"
+        return (blob, head), ""
 
     @limit_per_peer(swarm_pb2.GatherHeader)
     async def rpc_download_message(
