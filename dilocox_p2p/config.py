@@ -376,7 +376,7 @@ _LOCAL_FIELDS = {
     "data": {"paths", "seed", "cache_dir"},
     "swarm": {
         "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "reachability", "min_peers", "peer_wait", "helper_nice",
-        "settled_nice", "identity", "certificate", "state_donors",
+        "settled_nice", "identity", "certificate", "state_donors", "deadlines", "deadline_floor", "deadline_ceiling",
     },  # fmt: skip
     "control": {"progress", "log_level", "log_format", "control_addr", "metrics_addr"},
     "inner": {"threads", "precision", "compile", "checkpoint_activations", "microbatches", "schedule"},

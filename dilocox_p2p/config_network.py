@@ -45,6 +45,17 @@ class SwarmConfig:
     """A peer that sends no data for this long during an all-reduce is dropped from it."""
     state_timeout: float = 60.0
     """Most seconds a state download (late join, repair) may take."""
+    deadlines: Literal["learned", "fixed"] = "learned"
+    """learned: the all-reduce, chunk and state deadlines follow what this peer's recent exchanges and state downloads
+    took (4x their 90th percentile), and grow (2x) after one ran out while still moving, within deadline_floor and
+    deadline_ceiling times the configured ones (swarm/deadlines.py; `deadlines` in metrics.jsonl); fixed: the
+    configured ones, always."""
+    deadline_floor: float = 1.0
+    """Learned deadlines: the lowest share of each configured deadline they may go down to. 1 (default): never below
+    it (a slow link still gets longer ones). Below 1, a fast swarm waits less after a failure, but a member merely
+    slow for a moment (a busy machine) may be cut off."""
+    deadline_ceiling: float = 8.0
+    """Learned deadlines: the most times each configured deadline they may grow to."""
     state_donors: int = 8
     """Most donors a state download takes pieces from at once (each piece checked against the majority's hash on
     arrival; the state has up to 8 pieces); 1: the whole state from one donor."""
@@ -97,6 +108,10 @@ class SwarmConfig:
             fail("swarm.helper_nice", self.helper_nice, "must be -19..19 (nice levels)")
         if not 0 <= self.settled_nice <= 19:
             fail("swarm.settled_nice", self.settled_nice, "must be 0..19 (nice levels; a peer can only lower itself)")
+        if not 0 < self.deadline_floor <= 1:
+            fail("swarm.deadline_floor", self.deadline_floor, "must be within (0, 1] (a share of each configured deadline)")
+        if self.deadline_ceiling < 1:
+            fail("swarm.deadline_ceiling", self.deadline_ceiling, "must be at least 1 (times each configured deadline)")
         if self.state_donors < 1:
             fail("swarm.state_donors", self.state_donors, "must be at least 1 (1: the whole state from one donor)")
         for name in ("peer_wait", "round_wait", "allreduce_timeout", "chunk_timeout", "state_timeout"):

@@ -132,6 +132,10 @@ class StageWorker:
         (swarm/wire_meter.py); None without a swarm or where they cannot be read."""
         return None
 
+    def deadlines(self) -> dict[str, float] | None:
+        """This stage's swarm deadlines now (swarm/deadlines.py: learned from its exchanges); None without a swarm."""
+        return None
+
     def take_state_donors(self) -> dict[str, int]:
         """The bytes each donor (peer id) served of the states this stage took from the swarm since the last call."""
         return {}
@@ -373,6 +377,7 @@ class StageWorker:
             "wire": self.take_wire_bytes(),
             "sources": self.take_source_bytes(),
             "state_donors": self.take_state_donors(),
+            "deadlines": self.deadlines(),
             "compression": self.compression_facts(),
             "fp32_bytes": 4 * sum(self.trainer.params[i].numel() for i in of_round(self.fragments, t)),
             "members": self.group_members(),
@@ -442,6 +447,8 @@ class StageWorker:
             # per stage, {donor peer id: bytes} of the states it took from the swarm since the last record (a joiner's,
             # a repair's, a catch-up's; in pieces from several donors at once: swarm/state_pieces.py)
             "state_donors": [s["state_donors"] for s in stages],
+            # per stage, the all-reduce, chunk and state deadlines in force after this round (learned: swarm/deadlines.py)
+            "deadlines": [s["deadlines"] for s in stages],
             "faults": faults,
             "compression": [s["compression"] for s in stages] if any(s["compression"] for s in stages) else None,
             "mode": self.cfg.outer.mode,

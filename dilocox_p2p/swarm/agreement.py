@@ -34,6 +34,7 @@ from ..config import SwarmConfig
 from ..state import StageState
 from ..wire import swarm_pb2
 from .averager import DilocoxAverager
+from .deadlines import Deadlines
 from .state_service import StateDownload
 from .dht import RunRecords
 from .faults import FaultCounter
@@ -115,8 +116,10 @@ class Agreement:
         membership: Membership,
         sw: SwarmConfig,
         faults: FaultCounter,
+        deadlines: Deadlines,
     ):
         self.records, self.averager, self.membership, self.sw, self.faults = records, averager, membership, sw, faults
+        self.deadlines = deadlines
         self.peer_id = records.peer_id
         self._lock = threading.Lock()
         self._epoch = 0  # bumped when the state is replaced; checks of older states are void
@@ -342,8 +345,8 @@ class Agreement:
         if pieces is not None:
             return pieces
         for donor in donors:
-            got = self.averager.download_round(donor, boundary, wait_s=self.sw.allreduce_timeout,
-                                               timeout=self.sw.state_timeout, part=swarm_pb2.STATE_NOW)  # fmt: skip
+            got = self.averager.download_round(donor, boundary, wait_s=self.deadlines.allreduce,
+                                               timeout=self.deadlines.state, part=swarm_pb2.STATE_NOW)  # fmt: skip
             if got.status == swarm_pb2.STATE_GONE:  # its signed answer says where it is: ask for that next
                 self.donors_at = max(self.donors_at, got.boundary)
             if got.status != swarm_pb2.STATE_OK or got.state is None:
@@ -374,8 +377,8 @@ class Agreement:
         if winner is None or len(holders) < 2:
             return None
         try:
-            got = self.averager.download_pieces(holders, boundary, want_hash=winner, wait_s=self.sw.allreduce_timeout,
-                                                timeout=self.sw.state_timeout)  # fmt: skip
+            got = self.averager.download_pieces(holders, boundary, want_hash=winner, wait_s=self.deadlines.allreduce,
+                                                timeout=self.deadlines.state)  # fmt: skip
         except TimeoutError as e:  # the averager process did not answer in time: whole from one donor, as before
             self.faults.count("downloads_failed", "state of round %d not taken in pieces: %r", boundary, e)
             return None
@@ -397,12 +400,12 @@ class Agreement:
         check of its next boundary repairs it."""
         state = taken.state
         assert state is not None and state.follows >= 0
-        deadline = time.monotonic() + self.sw.allreduce_timeout + self.sw.round_wait
+        deadline = time.monotonic() + self.deadlines.allreduce + self.sw.round_wait
         for donor in [taken.donor, *(d for d in donors if d != taken.donor)]:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or give_up():
                 break
-            got = self.averager.download_round(donor, state.boundary, wait_s=remaining, timeout=self.sw.state_timeout,
+            got = self.averager.download_round(donor, state.boundary, wait_s=remaining, timeout=self.deadlines.state,
                                                part=swarm_pb2.STATE_PENDING)  # fmt: skip
             problem = self._pending_problem(got, state)
             if not problem:

@@ -51,6 +51,7 @@ from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
 from .faults import RefusalLog
 from .client_member import reach_members
+from .deadlines import SharedDeadlines
 from .gather import GatherResult, MessageGather
 from .group_admission import GroupAdmission, ask_designated_then_admitted
 from .group_round import GroupRound, RoundResult
@@ -104,7 +105,7 @@ async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
 
 class DilocoxAverager(
     GroupAdmission, GroupRound, AverageService, StateService, StatePieces, SignedReplies, MessageGather, MemberPushes,
-    DecentralizedAverager,
+    SharedDeadlines, DecentralizedAverager,
 ):
     """One stage worker's averager: exact round-keyed all-reduce, average and state serving."""
 
@@ -173,6 +174,7 @@ class DilocoxAverager(
         self._outbox = torch.zeros(max_message_bytes, dtype=torch.uint8).share_memory_()
         self._init_gather(max_message_bytes)
         self._init_pushes()
+        self._init_deadlines(kwargs.get("allreduce_timeout"), kwargs.get("next_chunk_timeout"))
         super().__init__(averaged_tensors, dht, **kwargs)
 
     def run(self) -> None:

@@ -97,7 +97,7 @@ class CompressedRound:
         if result is None or result.messages is None:
             # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
             # average rather than strand this worker (members that failed too answer at once that they lack it)
-            average = self._agree(self._borrow(failure, wait_s=self.sw.allreduce_timeout))
+            average = self._agree(self._borrow(failure, wait_s=self.stage.deadlines.allreduce))
             # its message leaves the error-feedback buffer only if the average it took counted it
             round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
             return average
@@ -143,7 +143,7 @@ class CompressedRound:
             message = round_codec.message(1) if phase == 1 else low_rank_second(round_codec, step[-1])
             self.clock.mark("encode" if phase == 1 else "phase2")
             scattered = self.averager.scatter_phase(self.round, phase, message, group=group, group_id=result.group_id,
-                                                    timeout=self.sw.allreduce_timeout, clients=result.clients)  # fmt: skip
+                                                    timeout=self.stage.deadlines.allreduce, clients=result.clients)  # fmt: skip
             for peer, reason in scattered.offenders.items():
                 self.stage.strike(peer, f"round {self.round} phase {phase}: {reason}")
             assembled, reduced, more_sent, more_received = self._reduce_step(
@@ -189,7 +189,7 @@ class CompressedRound:
             reduced = Reduced(b"", [])
         gathered = self.averager.gather_phase(self.round, reduced_phase(phase), reduced.blob, group=group, clients=clients,
                                               authors=reducers, takers=takers, group_id=group_id,
-                                              timeout=self.sw.allreduce_timeout)  # fmt: skip
+                                              timeout=self.stage.deadlines.allreduce)  # fmt: skip
         for peer, reason in gathered.offenders.items():
             self.stage.strike(peer, f"round {self.round} phase {phase} reduced parts: {reason}")
         self._digests.extend(d for d in gathered.digests if d is not None)
@@ -216,7 +216,7 @@ class CompressedRound:
         if codec.phases == 2:
             second = self.averager.gather_phase(
                 self.round, 2, round_codec.message(2, messages), group=result.group, group_id=result.group_id,
-                timeout=self.sw.allreduce_timeout, clients=result.clients,
+                timeout=self.stage.deadlines.allreduce, clients=result.clients,
             )  # fmt: skip
             messages = second.messages
             sent, received = sent + second.bytes_sent, received + second.bytes_received

@@ -152,7 +152,7 @@ class RoundExchange(CompressedRound, GroupVote):
             return self._agree(average)
         if not finite:  # the others average without it (matchmaking waits up to round_wait for it first)
             return self._agree(self._borrow("this worker's pseudo-gradient was not finite",
-                                            wait_s=self.sw.round_wait + self.sw.allreduce_timeout))
+                                            wait_s=self.sw.round_wait + self.stage.deadlines.allreduce))
         # Phase 2: all-reduce with them
         if self.stage.codec_for(self.round) is not None:
             return self._compressed(expected=1 + len(others))
@@ -399,9 +399,9 @@ class RoundExchange(CompressedRound, GroupVote):
         )
 
     def _collect(self, peers: list[str], *, start: HeldAverage | None, wait_s: float | None = None) -> Collected:
-        wait_s = wait_s or self.sw.chunk_timeout
+        wait_s = wait_s or self.stage.deadlines.chunk
         collected = self.averager.collect(
-            self.round, peers, start=start, wait_s=wait_s, deadline_s=max(self.sw.state_timeout, wait_s)
+            self.round, peers, start=start, wait_s=wait_s, deadline_s=max(self.stage.deadlines.state, wait_s)
         )
         for failure in collected.failures:
             self.stage.faults.count("downloads_failed", "round %d: no average from %s", self.round, failure)
@@ -470,6 +470,13 @@ class ExchangeQueue:
         except Exception as e:  # noqa: BLE001
             logger.debug("could not read the byte counters: %r", e)
 
+    def _learn(self, round: int, average: Average) -> None:
+        """The stage's deadlines learn from the exchange (deadlines.py); a failure costs the lesson, never the round."""
+        try:
+            self.stage.learn_deadlines(round, average)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("round %d: the deadlines could not learn from the exchange: %r", round, e)
+
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, exchange = job
@@ -479,6 +486,7 @@ class ExchangeQueue:
             try:
                 average = exchange.run()
                 self._meter()
+                self._learn(exchange.round, average)
                 if average.kind.applies and average.group_size >= 2:
                     startup.mark("first_group")
                 future.set_result(average)

@@ -89,6 +89,7 @@ class GroupRound:
     _group_ranks: list[int]
     _group_clients: frozenset[str]
     _allreduce_timeout: float
+    chunk_timeouts: Any
     max_norm_ratio: float
     clip_ratio: float
     direction_screen: bool
@@ -120,6 +121,7 @@ class GroupRound:
                 return
             await self._gather_first_phase(round, group_info, group_id)
             return
+        kwargs.update(self.chunk_timeouts())  # the stage's deadline now (deadlines.py), not hivemind's from its start
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),

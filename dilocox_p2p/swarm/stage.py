@@ -12,6 +12,7 @@
       agreement           round records, hash checks, verified state downloads (agreement.py)
       routes              routes back into the DHT after this worker lost them (reconnect.py)
       faults              counted faults, handed to metrics.jsonl every round (faults.py)
+      deadlines           the all-reduce, chunk and state deadlines, learned from what exchanges took (deadlines.py)
       wire                bytes the worker's p2p daemon moved, every kind of traffic (wire_meter.py)
       sources             those bytes' messages by what they are for: exchange, matchmaking, DHT... (protocol_bytes.py)
       signer, gate        this worker's signature on what it sends, and the checks on what it takes
@@ -34,7 +35,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from .. import injection
-from ..average import Average
+from ..average import Average, AverageKind
 from ..compression.codec import StageCodec, is_finite
 from ..fragments import as_fragments, fragment_of, of_round
 from ..config import Config, config_hash, shared_fields
@@ -45,6 +46,7 @@ from .agreement import Agreement
 from .averager import DilocoxAverager
 from .credentials import Credentials
 from .dht import EnvelopeValidator, RunRecords, reachable_maddrs, run_keys, start_dht
+from .deadlines import Deadlines
 from .dht_process import shutdown_whole
 from .dial_back import report_reachability
 from .exchange import ExchangeQueue
@@ -120,6 +122,7 @@ class SwarmStage:
                 )  # fmt: skip
                 for f in self.fragments
             ]
+        self.deadlines = Deadlines(self.sw)
         self.averager = DilocoxAverager(
             [t.detach().to("cpu", torch.float32, copy=True) for t in tensors],
             self.dht,
@@ -163,7 +166,7 @@ class SwarmStage:
         self.membership.pushed = self.averager.pushed_records
         self.heartbeat.on_change = self._push_member
         self.exchanges = ExchangeQueue(self)
-        self.agreement = Agreement(self.records, self.averager, self.membership, self.sw, self.faults)
+        self.agreement = Agreement(self.records, self.averager, self.membership, self.sw, self.faults, self.deadlines)
         self.routes = RouteKeeper(
             self.dht, initial_peers=[*self.sw.initial_peers, *extra_peers], faults=self.faults,
             members=lambda: {m.peer_id: m.record.training for m in self.membership.members()},
@@ -189,6 +192,23 @@ class SwarmStage:
     def fragment_indices(self, round: int) -> list[int]:
         """The tensors (stage parameter indices) that round `round` averages."""
         return of_round(self.fragments, round)
+
+    def learn_deadlines(self, round: int, average: Average) -> None:
+        """What the exchange of `round` took teaches the stage's deadlines (deadlines.py), and the averager process
+        gets the new ones: an all-reduce that averaged, its seconds from the group's start; one that its deadline
+        ended while it still moved (fp32: the averager saw hivemind's deadline fire with parts still coming), a
+        longer deadline. A compressed round that missed parts is not counted either way: a member that died leaves
+        the same trace as a slow one there, and must not stretch everyone's deadlines."""
+        phases = dict(average.phases)
+        moving = sum(phases.get(k, 0.0) for k in ("transfer", "phase2", "mend"))
+        if average.kind is AverageKind.AVERAGED and len(average.group) >= 2:
+            self.deadlines.exchanged(moving)
+        elif self.codec_for(round) is None and self.averager.ran_out(round):
+            was = self.deadlines.allreduce
+            self.deadlines.exchange_ran_out()
+            logger.info("round %d: the all-reduce was still moving when its deadline (%.1f s) ended it: the next may "
+                        "take %.1f s", round, was, self.deadlines.allreduce)  # fmt: skip
+        self.averager.set_deadlines(self.deadlines.allreduce, self.deadlines.chunk)
 
     def codec_for(self, round: int) -> StageCodec | None:
         """The codec of the fragment round `round` averages (None without compression)."""
@@ -228,7 +248,7 @@ class SwarmStage:
             steps.append((name, time.monotonic() - started - sum(s for _, s in steps)))
 
         self.exchanges.abandon_before(2**62)  # an exchange still running is of no use any more
-        self.exchanges.close(timeout=self.sw.allreduce_timeout)
+        self.exchanges.close(timeout=self.deadlines.allreduce)
         done("exchanges")
         try:
             self.heartbeat.stop(leave=True)

@@ -143,6 +143,7 @@ class StateTaking:
         apart = f"; the average of round {download.state.follows} follows" if follows is not None else ""
         for donor, size in download.bytes_by_donor.items():
             self._state_donors[donor] = self._state_donors.get(donor, 0) + size
+        self.swarm.deadlines.downloaded(download.seconds)  # the next downloads' deadline learns from it (deadlines.py)
         served = ", ".join(f"{d[-6:]} {gib(n)}" for d, n in sorted(download.bytes_by_donor.items()))
         self.swarm.faults.count(reason, "took the state of round %d from %d donor(s) in %.2f s (%s; hash %s; this worker "
                                 "was at round %d%s)", download.boundary, len(download.bytes_by_donor), download.seconds,

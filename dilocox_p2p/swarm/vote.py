@@ -202,7 +202,7 @@ class GroupVote:
         group join `voters` as their records come in, and for one chunk timeout the majority is not settled while
         an admitted member that may still announce has announced nothing for this round: it may be of the group."""
         started = time.monotonic()
-        deadline, others = started + self.sw.allreduce_timeout, voters - {self.stage.peer_id}
+        deadline, others = started + self.stage.deadlines.allreduce, voters - {self.stage.peer_id}
         admitted = self.membership.voters() - {self.stage.peer_id} if grow else set()
         records: dict[str, swarm_pb2.AverageRecord] = {}
         unheard = set(admitted)
@@ -220,11 +220,11 @@ class GroupVote:
             hashes = [r.average_hash for r in records.values()] + ([mine] if mine is not None else [])
             waited = time.monotonic() - started
             # an unheard member is waited for one chunk timeout at most (another borrower announces nothing)
-            maybe = unheard - others if waited < self.sw.chunk_timeout else set()
+            maybe = unheard - others if waited < self.stage.deadlines.chunk else set()
             awaited = self._awaited((others - set(records)) | maybe, waited)
             if 2 * held_by_most(hashes) > len(voters | awaited) or not awaited:
                 break
-            if not probed and waited >= self.sw.chunk_timeout:
+            if not probed and waited >= self.stage.deadlines.chunk:
                 # a member killed in the round whose copy this worker never had to ask for was not found gone while
                 # it collected, and its record still says it trains: probed once, it is not waited for either
                 probed = True
@@ -232,7 +232,7 @@ class GroupVote:
                 continue
             if time.monotonic() >= deadline:
                 logger.info("round %d: %d of %d members' average records in after %.0fs; deciding with them",
-                            self.round, len(records), len(voters), self.sw.allreduce_timeout)  # fmt: skip
+                            self.round, len(records), len(voters), self.stage.deadlines.allreduce)  # fmt: skip
                 break
             time.sleep(AGREE_POLL_S)
         return records
@@ -254,7 +254,7 @@ class GroupVote:
             if p not in self._gone
             and not (p in members and self.membership.finished(members[p], self.round))
             and not (p in members and members[p].record.first_round > self.round)
-            and (waited < self.sw.chunk_timeout or (p in members and members[p].record.training))
+            and (waited < self.stage.deadlines.chunk or (p in members and members[p].record.training))
         }  # fmt: skip
 
     def _restricted(self, average: Average, record: swarm_pb2.AverageRecord, winner: str) -> Average | None:
@@ -273,8 +273,8 @@ class GroupVote:
 
     def _downloaded(self, average: Average, holders: list[str], winner: str) -> Average | None:
         """The majority's copy from one of its `holders`, checked against its hash (None: counted)."""
-        got = self.averager.adopt(self.round, holders, winner, wait_s=self.sw.chunk_timeout,
-                                  deadline_s=self.sw.state_timeout)  # fmt: skip
+        got = self.averager.adopt(self.round, holders, winner, wait_s=self.stage.deadlines.chunk,
+                                  deadline_s=self.stage.deadlines.state)  # fmt: skip
         for failure in got.failures:
             self.stage.faults.count("downloads_failed", "round %d: no majority average from %s", self.round, failure)
         if got.average is None:

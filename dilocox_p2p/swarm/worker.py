@@ -128,6 +128,9 @@ class SwarmStageWorker(StateTaking, StageWorker):
     def take_fault_counts(self) -> dict[str, int]:
         return self.swarm.take_faults()
 
+    def deadlines(self) -> dict[str, float] | None:
+        return self.swarm.deadlines.snapshot()
+
     def take_wire_bytes(self) -> tuple[int, int] | None:
         return self.swarm.wire.take()
 
@@ -294,7 +297,7 @@ class SwarmStageWorker(StateTaking, StageWorker):
         the majority's if this worker (or another stage of this peer) is in the minority: the last
         exchanges (a copy that failed to adopt the group's average, a member stranded) have no later
         hash check to repair them. Bounded by the same deadline as `on_finish`."""
-        self._leave_by = time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
+        self._leave_by = time.monotonic() + self.cfg.swarm.round_wait + self.swarm.deadlines.state
         repair = self.swarm.agreement.settle(boundary, state_hash, deadline=self._leave_by)
         if not any(self._all_gather(repair is not None)):
             return False
@@ -312,7 +315,7 @@ class SwarmStageWorker(StateTaking, StageWorker):
         of this peer whose group agreed keeps serving while another's does not (a corrupted last round on one
         stage could not be repaired once the other stage's donors had left)."""
         ours = self.outer.hash()
-        deadline = self._leave_by or time.monotonic() + self.cfg.swarm.round_wait + self.cfg.swarm.state_timeout
+        deadline = self._leave_by or time.monotonic() + self.cfg.swarm.round_wait + self.swarm.deadlines.state
         while True:
             held = not self._stop.is_set() and self._all_hold(boundary, ours)
             done = held or self._stop.is_set() or time.monotonic() >= deadline

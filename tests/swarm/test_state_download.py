@@ -18,6 +18,7 @@ from dilocox_p2p.config_network import SwarmConfig
 from dilocox_p2p.state import PendingAverage, StageState
 from dilocox_p2p.swarm.agreement import Agreement
 from dilocox_p2p.swarm.averager import DilocoxAverager
+from dilocox_p2p.swarm.deadlines import Deadlines
 from dilocox_p2p.swarm.dht import RunRecords
 from dilocox_p2p.swarm.faults import FaultCounter
 from dilocox_p2p.swarm.membership import Membership
@@ -166,7 +167,8 @@ def test_a_pending_average_served_before_its_announcement_shows_is_taken_once_th
                                                         training=True, joined_at=time.time(), peer_name="donor"))  # fmt: skip
     membership = Membership(joiner_records, config_hash="0" * 64, faults=faults)
     membership.refresh()
-    agreement = Agreement(joiner_records, joiner, membership, SwarmConfig(round_wait=5.0, allreduce_timeout=10.0), faults)
+    sw = SwarmConfig(round_wait=5.0, allreduce_timeout=10.0)
+    agreement = Agreement(joiner_records, joiner, membership, sw, faults, Deadlines(sw))
     donor = Donor()
     donor_averager.set_state_provider(donor.offered_state)
     donor_averager.set_state_boundary(BOUNDARY, ready=False)
