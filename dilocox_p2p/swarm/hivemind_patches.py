@@ -40,6 +40,10 @@ PATCHES: dict[str, str] = {
     "DecentralizedAverager._aggregate_with_group": "returns our RoundResult instead of the gathered data",
     "DecentralizedAverager._run_allreduce_inplace_": "runs ExactAllReduceRunner or the gather; keeps each round's average "
     "(swarm/group_round.py: GroupRound)",
+    "DecentralizedAverager._allreduce_timeout / next_chunk_timeout": "properties over shared memory the host sets each "
+    "round (swarm/deadlines.py: SharedDeadlines), read where hivemind reads them (_step's wait_for); the all-reduce's "
+    "sender_timeout and reducer_timeout (allreduce_kwargs, fixed at hivemind's start) are replaced from them in "
+    "_run_allreduce_inplace_; SharedDeadlines._aggregate_with_group marks a round whose all-reduce that deadline cut",
     "DecentralizedAverager._rpc_handlers / _stub_type": "reset so that the subclass's own rpc_* handlers are served",
     "DecentralizedAverager._matchmaking": "read to set the group bits and target size per round",
     "DecentralizedAverager._running_groups": "read (asserted) as hivemind does when registering a group; read by "
