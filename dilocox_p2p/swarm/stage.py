@@ -198,7 +198,14 @@ class SwarmStage:
         gets the new ones: an all-reduce that averaged, its seconds from the group's start; one that its deadline
         ended while it still moved (fp32: the averager saw hivemind's deadline fire with parts still coming), a
         longer deadline. A compressed round that missed parts is not counted either way: a member that died leaves
-        the same trace as a slow one there, and must not stretch everyone's deadlines."""
+        the same trace as a slow one there, and must not stretch everyone's deadlines. Never raises: a failure costs
+        the lesson, never the round."""
+        try:
+            self._learn_deadlines(round, average)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("round %d: the deadlines could not learn from the exchange: %r", round, e)
+
+    def _learn_deadlines(self, round: int, average: Average) -> None:
         phases = dict(average.phases)
         moving = sum(phases.get(k, 0.0) for k in ("transfer", "phase2", "mend"))
         if average.kind is AverageKind.AVERAGED and len(average.group) >= 2:
