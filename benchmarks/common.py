@@ -1,4 +1,5 @@
-"""What every benchmark result carries: the command, the machine, versions and the date."""
+"""What every benchmark result carries (the command, the machine, versions and the date), and what the lab benchmarks
+share: a peer's metrics records, waiting for peers to finish, stopping them."""
 
 from __future__ import annotations
 
@@ -78,3 +79,35 @@ def run_variants(args: Any, variants: dict[str, Any], run: Any, *, prefix: str) 
     print(path)
     print(result)
     return 0
+
+
+def records(run_dir: Path) -> list[dict]:
+    """A peer's metrics.jsonl records so far (none before its first)."""
+    from dilocox_p2p.metrics import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    return read_metrics(path) if path.exists() else []
+
+
+def wait_all(procs: Any, timeout: float) -> None:
+    """Wait until every process of `procs` (a dict of Popen) exited, or `timeout` seconds passed."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+        time.sleep(1.0)
+
+
+def stop_all(procs: Any, timeout: float = 120) -> None:
+    """SIGTERM every process of `procs` (a dict of Popen) still running, wait for each, SIGKILL what will not stop."""
+    import signal
+    import subprocess
+
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()

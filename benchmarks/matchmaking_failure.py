@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -40,13 +38,6 @@ def _join(args: argparse.Namespace, compression_kind: str, host: int, run_dir: P
             "--data-seed", str(host), "--initial-peers", boot, "--host-maddrs", "/ip4/0.0.0.0/tcp/0"]  # fmt: skip
 
 
-def _records(run_dir: Path) -> list[dict]:
-    from dilocox_p2p.metrics import read_metrics
-
-    path = run_dir / "metrics.jsonl"
-    return read_metrics(path) if path.exists() else []
-
-
 def run(args: argparse.Namespace, compression_kind: str, root: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     hosts = range(1, 1 + args.peers)
@@ -60,28 +51,19 @@ def run(args: argparse.Namespace, compression_kind: str, root: Path) -> dict:
                 extra = {"DILOCOX_FAULTS": faults} if host == faulty_host else {}
                 procs[host] = lab.popen(host, _join(args, compression_kind, host, root / f"peer{host}", boot), cwd=ROOT, env={**env, **extra},
                                         stdout=open(root / f"peer{host}.out", "w"), stderr=subprocess.STDOUT)  # fmt: skip
-            deadline = time.monotonic() + args.timeout
-            while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
-                time.sleep(1.0)
+            common.wait_all(procs, args.timeout)
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs.values():
-                try:
-                    p.wait(120)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            common.stop_all(procs)
     return _summary(root, hosts, faulty_host, {h: p.returncode for h, p in procs.items()})
 
 
 def _summary(root: Path, hosts: range, faulty_host: int, codes: dict[int, int | None]) -> dict:
-    faulty = {r["applied_round"]: r["kinds"][0] for r in _records(root / f"peer{faulty_host}") if r["applied_round"] is not None}
+    faulty = {r["applied_round"]: r["kinds"][0] for r in common.records(root / f"peer{faulty_host}") if r["applied_round"] is not None}
     hit = sorted(t for t, kind in faulty.items() if kind not in ("averaged", "partial", "mended"))  # left out of the group
     members, ratios = {}, []
     hashes = {}
     for host in hosts:
-        records = [r for r in _records(root / f"peer{host}") if r["applied_round"] is not None]
+        records = [r for r in common.records(root / f"peer{host}") if r["applied_round"] is not None]
         hashes[host] = {r["applied_round"]: r["stage_hashes"] for r in records}
         if host == faulty_host:
             continue

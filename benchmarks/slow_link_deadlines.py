@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,13 +37,6 @@ def _join(args: argparse.Namespace, deadlines: str, host: int, run_dir: Path, bo
             "--data-seed", str(host), "--initial-peers", boot, "--host-maddrs", "/ip4/0.0.0.0/tcp/0"]  # fmt: skip
 
 
-def _records(run_dir: Path) -> list[dict]:
-    from dilocox_p2p.metrics import read_metrics
-
-    path = run_dir / "metrics.jsonl"
-    return read_metrics(path) if path.exists() else []
-
-
 def run(args: argparse.Namespace, deadlines: str, root: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     hosts = range(1, 1 + args.peers)
@@ -56,22 +48,13 @@ def run(args: argparse.Namespace, deadlines: str, root: Path) -> dict:
             for host in hosts:
                 procs[host] = lab.popen(host, _join(args, deadlines, host, root / f"peer{host}", boot), cwd=ROOT, env=env,
                                         stdout=open(root / f"peer{host}.out", "w"), stderr=subprocess.STDOUT)  # fmt: skip
-            deadline = time.monotonic() + args.timeout
-            while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
-                time.sleep(1.0)
+            common.wait_all(procs, args.timeout)
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs.values():
-                try:
-                    p.wait(120)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            common.stop_all(procs)
     seconds = time.monotonic() - started
     peers, hashes = {}, []
     for host in hosts:
-        records = [r for r in _records(root / f"peer{host}") if r["applied_round"] is not None]
+        records = [r for r in common.records(root / f"peer{host}") if r["applied_round"] is not None]
         hashes.append({r["round"]: r["stage_hashes"] for r in records})
         tokens = records[-1]["tokens"] - records[0]["tokens"] if len(records) > 1 else 0  # cumulative in the records
         span = records[-1]["time"] - records[0]["time"] if len(records) > 1 else None

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,13 +38,6 @@ def _join(args: argparse.Namespace, host: int, run_dir: Path, boot: str, *extra:
             "--stages", "1", "--rounds", "500", "--inner-steps", "10", "--mode", "delayed", "--round-wait", "20",
             "--progress", "lines", "--device", "cpu", "--set", "inner.threads=1", "--run-dir", str(run_dir),
             "--data-seed", str(host), "--initial-peers", boot, "--host-maddrs", "/ip4/0.0.0.0/tcp/0", *extra]  # fmt: skip
-
-
-def _records(run_dir: Path) -> list[dict]:
-    from dilocox_p2p.metrics import read_metrics
-
-    path = run_dir / "metrics.jsonl"
-    return read_metrics(path) if path.exists() else []
 
 
 def _wait(condition, timeout: float, what: str) -> None:
@@ -70,31 +62,24 @@ def run(args: argparse.Namespace, donors_asked: int, root: Path) -> dict:
                 cmd = _join(args, host, root / f"peer{host}", boot, "--min-peers", str(args.donors))
                 procs[host] = lab.popen(host, cmd, stdout=open(root / f"peer{host}.out", "w"), stderr=subprocess.STDOUT,
                                         cwd=ROOT, env=env)  # fmt: skip
-            _wait(lambda: any(r["round"] >= 1 for r in _records(root / "peer1")), args.timeout, "the donors reached round 2")
+            _wait(lambda: any(r["round"] >= 1 for r in common.records(root / "peer1")), args.timeout, "the donors reached round 2")
             for host in joiner_hosts:
                 cmd = _join(args, host, root / f"peer{host}", boot, "--set", f"swarm.state_donors={donors_asked}")
                 procs[host] = lab.popen(host, cmd, stdout=open(root / f"peer{host}.out", "w"), stderr=subprocess.STDOUT,
                                         cwd=ROOT, env=env)  # fmt: skip
-            _wait(lambda: all(len(_records(root / f"peer{h}")) >= 2 for h in joiner_hosts), args.timeout,
+            _wait(lambda: all(len(common.records(root / f"peer{h}")) >= 2 for h in joiner_hosts), args.timeout,
                   "every joiner trained two rounds")  # fmt: skip
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs.values():
-                try:
-                    p.wait(120)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            common.stop_all(procs)
     return _summary(root, donor_hosts, joiner_hosts)
 
 
 def _summary(root: Path, donor_hosts: range, joiner_hosts: range) -> dict:
-    theirs = {r["round"]: r["stage_hashes"] for r in _records(root / f"peer{donor_hosts[0]}")}
+    theirs = {r["round"]: r["stage_hashes"] for r in common.records(root / f"peer{donor_hosts[0]}")}
     served: dict[str, int] = {}
     joiners = {}
     for host in joiner_hosts:
-        records = _records(root / f"peer{host}")
+        records = common.records(root / f"peer{host}")
         for r in records:
             for donor, n in (r.get("state_donors") or [{}])[0].items():
                 served[donor] = served.get(donor, 0) + n

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -18,7 +19,7 @@ from dilocox_p2p.swarm.held import AverageService
 from dilocox_p2p.swarm.transfer import SignedReplies
 from dilocox_p2p.wire import swarm_pb2
 
-__all__ = ["LOOP", "RUN", "SHAPES", "Worker", "edit", "ops", "stream"]
+__all__ = ["LOOP", "RUN", "SHAPES", "Worker", "edited", "ops", "parsed", "stream", "sweep_bit_flips"]
 
 RUN = "fuzz-replies"
 SHAPES = [torch.Size((5, 4)), torch.Size((7,)), torch.Size((3, 3))]
@@ -47,9 +48,45 @@ class Worker(AverageService, SignedReplies):
         return list(tensors)
 
 
+def parsed(chunks: list[bytes]) -> list[swarm_pb2.Chunk]:
+    """The chunks whose bytes still parse (a chunk that no longer does is dropped, as a stream would drop it)."""
+    out = []
+    for blob in chunks:
+        try:
+            out.append(swarm_pb2.Chunk.FromString(blob))
+        except Exception:
+            continue
+    return out
+
+
+def sweep_bit_flips(served: list[bytes], verdict: Callable[[list[bytes]], tuple[bool, str]]) -> tuple[int, int]:
+    """`verdict` (taken or not, and why not; it checks what was taken itself) of `served` with one bit flipped: each
+    byte's lowest, then its highest, every one in turn (exhaustive). Every refusal must say why. Returns (cases,
+    refused)."""
+    cases = refused = 0
+    for i, blob in enumerate(served):
+        for j in range(len(blob)):
+            for bit in (0x01, 0x80):
+                chunks = list(served)
+                chunks[i] = blob[:j] + bytes([blob[j] ^ bit]) + blob[j + 1 :]
+                taken, reason = verdict(chunks)
+                cases += 1
+                if not taken:
+                    assert reason, "refused without a reason"
+                    refused += 1
+    return cases, refused
+
+
 async def stream(chunks: list[swarm_pb2.Chunk]):
     for chunk in chunks:
         yield chunk
+
+
+def edited(chunks: list[bytes], edits: list[tuple]) -> list[bytes]:
+    """`chunks` with each of `edits` (one of `ops`' draws) made in turn."""
+    for op in edits:
+        chunks = edit(chunks, op)
+    return chunks
 
 
 def edit(chunks: list[bytes], op: tuple) -> list[bytes]:

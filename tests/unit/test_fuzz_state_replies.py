@@ -22,7 +22,7 @@ from dilocox_p2p.swarm.state_pieces import checked_piece
 from dilocox_p2p.swarm.state_service import StateDownload, StateService
 from dilocox_p2p.swarm.transfer import Oversized, claimed_nonce, read_stream
 from dilocox_p2p.wire import swarm_pb2
-from tests.helpers.replies import LOOP, RUN, SHAPES, Worker, edit, ops, stream
+from tests.helpers.replies import LOOP, RUN, SHAPES, Worker, edited, ops, parsed, stream, sweep_bit_flips
 
 pytestmark = pytest.mark.unit
 
@@ -74,13 +74,7 @@ SERVED_PIECE = _served(PIECE_REQUEST, *DONOR._piece_of(METADATA, [*STATE, *PENDI
 def _read(chunks: list[bytes], request, max_bytes: int):
     """The asker's read of these chunks and its opening of the signed header (a chunk that no longer parses is
     dropped, as a stream would): (header, reply), or raises what the asker's `_ask_state` raises."""
-    parsed = []
-    for blob in chunks:
-        try:
-            parsed.append(swarm_pb2.Chunk.FromString(blob))
-        except Exception:
-            continue
-    reply = LOOP.run_until_complete(read_stream(stream(parsed), first_within=5.0, each_within=5.0, total_within=10.0,
+    reply = LOOP.run_until_complete(read_stream(stream(parsed(chunks)), first_within=5.0, each_within=5.0, total_within=10.0,
                                                 max_bytes=max_bytes))  # fmt: skip
     return ASKER._open_head(reply, swarm_pb2.StateHeader, DONOR.signer.worker_id, request), reply
 
@@ -114,6 +108,21 @@ def _as_signed(got: StateDownload) -> bool:
             and pending.missing == ((2, 5),) and pending.group == ("a", "b"))  # fmt: skip
 
 
+def _whole_verdict(chunks: list[bytes]) -> tuple[bool, str]:
+    """Whether the asker took the whole state (then exactly the one signed: asserted here), and why not."""
+    got = _whole(chunks)
+    assert got.state is None or _as_signed(got), "a state other than the one signed was taken"
+    return got.state is not None, got.reason
+
+
+def _piece_verdict(chunks: list[bytes]) -> tuple[bool, str]:
+    """Whether the asker kept the piece (then exactly the one signed: asserted here), and why not."""
+    piece, why = _piece(chunks)
+    a, b = RANGES[PIECE]
+    assert piece is None or all(torch.equal(x, y) for x, y in zip(piece.tensors, STATE[a:b], strict=True))
+    return piece is not None, why
+
+
 def test_the_donors_whole_state_and_piece_as_served_are_taken_whole():
     got = _whole(SERVED_WHOLE)
     assert got.state is not None and _as_signed(got), got.reason
@@ -125,44 +134,20 @@ def test_the_donors_whole_state_and_piece_as_served_are_taken_whole():
 
 def test_every_single_bit_flip_of_a_served_state_or_piece_is_refused_or_changes_nothing_signed():
     # exhaustive, not sampled: each byte of both replies with its lowest and highest bit flipped
-    a, b = RANGES[PIECE]
-    cases = refused = 0
-    for served, taken in ((SERVED_WHOLE, _whole), (SERVED_PIECE, _piece)):
-        for i, blob in enumerate(served):
-            for j in range(len(blob)):
-                for bit in (0x01, 0x80):
-                    chunks = list(served)
-                    chunks[i] = blob[:j] + bytes([blob[j] ^ bit]) + blob[j + 1 :]
-                    got = taken(chunks)
-                    cases += 1
-                    if taken is _whole:
-                        ok, reason = got.state is not None, got.reason
-                        assert not ok or _as_signed(got), "a state other than the one signed was taken"
-                    else:
-                        ok, reason = got[0] is not None, got[1]
-                        assert not ok or all(torch.equal(x, y) for x, y in zip(got[0].tensors, STATE[a:b], strict=True))
-                    if not ok:
-                        assert reason, "refused without a reason"
-                        refused += 1
-    assert cases == 2 * (sum(map(len, SERVED_WHOLE)) + sum(map(len, SERVED_PIECE))) and refused > 0.9 * cases, (cases, refused)
+    for served, verdict in ((SERVED_WHOLE, _whole_verdict), (SERVED_PIECE, _piece_verdict)):
+        cases, refused = sweep_bit_flips(served, verdict)
+        assert cases == 2 * sum(map(len, served)) and refused > 0.9 * cases, (cases, refused)
 
 
 @settings(max_examples=800, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(edits=ops)
 def test_an_altered_whole_state_reply_is_taken_exactly_as_signed_or_refused_with_a_reason(edits):
-    chunks = SERVED_WHOLE
-    for op in edits:
-        chunks = edit(chunks, op)
-    got = _whole(chunks)
-    assert _as_signed(got) if got.state is not None else got.reason
+    taken, reason = _whole_verdict(edited(SERVED_WHOLE, edits))
+    assert taken or reason, "refused without a reason"
 
 
 @settings(max_examples=800, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(edits=ops)
 def test_an_altered_state_piece_is_kept_exactly_as_signed_or_refused_with_a_reason(edits):
-    chunks = SERVED_PIECE
-    for op in edits:
-        chunks = edit(chunks, op)
-    piece, why = _piece(chunks)
-    a, b = RANGES[PIECE]
-    assert all(torch.equal(x, y) for x, y in zip(piece.tensors, STATE[a:b], strict=True)) if piece is not None else why
+    taken, reason = _piece_verdict(edited(SERVED_PIECE, edits))
+    assert taken or reason, "refused without a reason"
