@@ -40,11 +40,14 @@ class SwarmConfig:
     round_wait: float = 30.0
     """Most seconds a fast peer waits for slower ones to form a round's group (then averages without them)."""
     allreduce_timeout: float = 60.0
-    """Most seconds one all-reduce may take once its group is formed."""
+    """Most seconds one all-reduce may take once its group is formed (with `deadlines = "learned"`: where this
+    stage's deadline starts, and what deadline_floor and deadline_ceiling are shares of)."""
     chunk_timeout: float = 10.0
-    """A peer that sends no data for this long during an all-reduce is dropped from it."""
+    """A peer that sends no data for this long during an all-reduce is dropped from it (learned deadlines scale it
+    with the all-reduce's: keep it well below half of allreduce_timeout, so that a silent member is dropped before
+    the all-reduce's deadline, which a live but slow link alone should reach)."""
     state_timeout: float = 60.0
-    """Most seconds a state download (late join, repair) may take."""
+    """Most seconds a state download (late join, repair) may take (learned: where this stage's deadline starts)."""
     deadlines: Literal["learned", "fixed"] = "learned"
     """learned: the all-reduce, chunk and state deadlines follow what this peer's recent exchanges and state downloads
     took (4x their 90th percentile), and grow (2x) after one ran out while still moving, within deadline_floor and
