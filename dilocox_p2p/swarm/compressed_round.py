@@ -40,9 +40,18 @@ from .client_member import reducers_of
 if TYPE_CHECKING:
     from .group_round import RoundResult
 
-__all__ = ["CompressedRound", "gather_suspects"]
+__all__ = ["CompressedRound", "gather_suspects", "reduced_by_nobody"]
 
 logger = logging.getLogger(__name__)
+
+
+def reduced_by_nobody(failed_reducers: Iterable[str], outsiders: Iterable[str]) -> bool:
+    """Whether the spans that missed a member were reduced by nobody, so that no member holds them and asking the
+    others for copies (a whole average each: 0.5 s of a 0.3-0.4 s exchange in the lab at the 1 Gbit/s setting,
+    benchmarks/matchmaking_failure.py) cannot fill them: every reducer whose part is missing answered it is in no
+    such group (a member whose matchmaking failed after its leader counted it in), or none is (a compressed span
+    that averaged nobody is missing alike everywhere)."""
+    return set(failed_reducers) <= set(outsiders)
 
 
 def gather_suspects(group: Sequence[str], rejected: Mapping[int, str], outsiders: Iterable[str], *, me: str) -> list[str]:
@@ -117,16 +126,12 @@ class CompressedRound:
         used = tuple(group[i] for i in assembled.used)
         kind = AverageKind.PARTIAL if assembled.missing else AverageKind.AVERAGED
         self._hold(assembled.tensors, kind, used, result.group_id, missing=assembled.missing)
-        reducers = result.reducers
-        # a span whose reducer answered it is in no such group was reduced by nobody, and a span that averaged nobody
-        # is missing alike everywhere: no member holds either, so asking them all for copies (a whole average each:
-        # 0.5 s of a 0.3 s exchange in the lab at the 1 Gbit/s setting) cannot fill it
-        fillable = any(reducers[i] not in self._outsiders for i in assembled.refused)
-        if assembled.missing and fillable:  # mended from the others' copies, never from a member banned meanwhile
-            banned = set(self.membership.banned())
+        refused = [result.reducers[i] for i in assembled.refused]
+        if assembled.missing and not reduced_by_nobody(refused, self._outsiders):
+            banned = set(self.membership.banned())  # mended from the others' copies, never from a member banned meanwhile
             holed = dataclasses.replace(
-                result, group=[p for p in group if p not in banned], missing=assembled.missing,
-                failed_reducers=[result.reducers[i] for i in assembled.refused], bytes_sent=sent, bytes_received=received,
+                result, group=[p for p in group if p not in banned], missing=assembled.missing, failed_reducers=refused,
+                bytes_sent=sent, bytes_received=received,
             )  # fmt: skip
             average = dataclasses.replace(self._mend(holed, tensors=assembled.tensors), group=used,
                                           digests=tuple(self._digests))  # fmt: skip

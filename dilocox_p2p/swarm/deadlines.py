@@ -36,7 +36,7 @@ from typing import Any
 
 from ..config_network import SwarmConfig
 
-__all__ = ["MARGIN", "RAN_OUT_SHARE", "Deadlines", "SharedDeadlines"]
+__all__ = ["MARGIN", "Deadlines", "SharedDeadlines"]
 
 MARGIN = 4.0  # a deadline is this many times the slow end of what it bounds
 QUANTILE = 0.9

@@ -38,7 +38,7 @@ from hivemind.utils import get_dht_time
 
 from .. import injection, startup
 from ..average import Average, AverageKind, Spans, applies_nothing
-from .compressed_round import CompressedRound, gather_suspects
+from .compressed_round import CompressedRound, gather_suspects, reduced_by_nobody
 from .group_round import RoundResult
 from .held import Collected, HeldAverage
 from .matchmaking import cancel_step
@@ -363,10 +363,7 @@ class RoundExchange(CompressedRound, GroupVote):
         answered: list[str] = []
         mended_from: list[str] = []
         skip = injection.armed("skip_mending", round=self.round, stage=self.stage.stage)
-        # spans whose reducers all answered they are in no such group were reduced by nobody: no copy can fill them
-        # (asking for whole averages cost 0.5 s of a 0.4 s exchange in the lab: benchmarks/matchmaking_failure.py)
-        reduced_by_nobody = bool(result.failed_reducers) and set(result.failed_reducers) <= set(result.outsiders)
-        if result.missing and not skip and not reduced_by_nobody:
+        if result.missing and not skip and not reduced_by_nobody(result.failed_reducers, result.outsiders):
             collected = self._collect(mending_order(result, self.stage.peer_id), start=raw)
             raw, mended_from = collected.average or raw, collected.mended_from
             answered = collected.alive

@@ -55,8 +55,8 @@ def test_an_all_reduce_that_ran_out_doubles_the_deadline_until_one_averages_in_t
     for _ in range(5):
         d.exchange_ran_out()
     assert d.allreduce == SW.deadline_ceiling * 10.0  # never past the ceiling
-    d.exchanged(15.0)  # it fits now: from then on MARGIN times what it took (in CI, the first fit fell back to the
-    assert d.allreduce == MARGIN * 15.0  # configured deadline until more came, and the next round ran out again)
+    d.exchanged(15.0)  # it fits now: from then on MARGIN times what it took (in the lab, the first fit fell back to
+    assert d.allreduce == MARGIN * 15.0  # the configured deadline until more came, and the next round ran out again)
     for _ in range(WINDOW):  # fast again: once the slow one left the window, back to the configured deadline
         d.exchanged(1.0)
     assert d.allreduce == 10.0
