@@ -26,6 +26,7 @@ from ..wire import protocol_version
 from .dht import HEARTBEAT_S, MEMBER_TTL_S, Member, RunRecords
 from .faults import FaultCounter
 from .member_push import take_pushed
+from .stall import STALL_GRACE_S, StallWatch
 
 __all__ = ["Membership", "Suspicion", "config_diff", "suspected"]
 
@@ -95,6 +96,8 @@ class Membership:
         self._news = threading.Condition(self._lock)  # notified when a push or a lookup changed the view
         self._generation = 0  # how many times a push or a lookup changed the view
         self._closed = threading.Event()
+        self.stalls = StallWatch()  # a lookup right after this process was stopped is not taken at its word (refresh)
+        self.stalls.on_stall = lambda _seconds: self.forgive()  # nor the failures its own stop caused (suspect)
         self._threads = [threading.Thread(target=self._watch, name="members", daemon=True),
                          threading.Thread(target=self._take_pushes_loop, name="member-pushes", daemon=True)]
         # which of some peers are gone (their p2p daemon refuses connections): reconnect.RouteKeeper.gone
@@ -102,11 +105,13 @@ class Membership:
 
     def start(self) -> None:
         self.refresh()
+        self.stalls.start()
         for thread in self._threads:
             thread.start()
 
     def close(self) -> None:
         self._closed.set()
+        self.stalls.close()
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout=HEARTBEAT_S + 5)
@@ -168,6 +173,8 @@ class Membership:
             if not self._closed.is_set():
                 self.faults.count("lookups_failed", "member lookup of stage %d failed: %r", self.records.stage, e)
             return False
+        if self._lost_everyone_after_stall(members):
+            return False
         with self._lock:
             self._members = members = self._with_pushed(members)
             self._looked, self._looked_dht = time.monotonic(), began
@@ -175,6 +182,22 @@ class Membership:
             self._news.notify_all()
         self._refuse_other_configs(members)
         return True
+
+    def _lost_everyone_after_stall(self, found: list[Member]) -> bool:
+        """Whether a lookup that `found` these records, made soon after this process was stopped (stall.py), lost
+        every other member this worker knew to train: not taken as their departure (counted as a failed lookup;
+        the view stays) until STALL_GRACE_S after the stall, by when a live member has re-published and pushed
+        its record. A worker whose members really left goes on alone that much later."""
+        since = self.stalls.since_stall()
+        if since >= STALL_GRACE_S or any(m.peer_id != self.peer_id for m in found):
+            return False
+        with self._lock:
+            known = sum(m.peer_id != self.peer_id and m.record.training for m in self._members)
+        if known:
+            self.faults.count("lookups_failed", "member lookup of stage %d found none of the %d other members this "
+                              "worker knew, %.1f s after this process was stopped: not taken as their departure",
+                              self.records.stage, known, since)  # fmt: skip
+        return bool(known)
 
     def _refuse_other_configs(self, members: list[Member]) -> None:
         """Say once per worker that one of `members` (read or pushed) has another config hash: it is no member."""
@@ -285,7 +308,10 @@ class Membership:
             return (voters - self._banned) | {self.peer_id}
 
     def suspect(self, peer_ids: list[str]) -> None:
-        """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again."""
+        """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again. Not
+        within STALL_GRACE_S of this process being stopped (stall.py): its own timers ran out, not their parts."""
+        if self.stalls.since_stall() < STALL_GRACE_S:
+            return
         now = get_dht_time()
         with self._lock:
             lives = self._lives()

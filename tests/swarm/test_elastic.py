@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks.soak import worker_peer_id
 from dilocox_p2p.proto_gen import envelope_pb2, swarm_pb2
+from dilocox_p2p.swarm.record_rules import MEMBER_TTL_S
 
 pytestmark = pytest.mark.swarm
 
@@ -39,11 +40,11 @@ def _wait_for(condition, timeout, message):
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("compression", [(), ("--stages", "1", "--compression", "int8")], ids=["fp32", "int8"])
+@pytest.mark.parametrize("compression", [("--compression", "none"), ("--compression", "int8")], ids=["fp32", "int8"])
 def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm, compression):
     # int8: the victim dies once its parts went out, before its reduced part did (the compressed butterfly);
     # its span is missing alike on both survivors, or one of them mends it from the other
-    args = ("--mode", "delayed", "--rounds", "6", "--min-peers", "3", *compression)
+    args = ("--mode", "delayed", "--rounds", "6", "--min-peers", "3", "--stages", "1", *compression)
     survivors = [swarm.start_peer(*args) for _ in range(2)]
     victim = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "kill_peer_in_allreduce:round=2:stage=0"})
     killed_at = _wait_until_dead(victim, timeout=180)
@@ -65,31 +66,6 @@ def test_a_peer_killed_during_an_all_reduce_does_not_stall_the_others(swarm, com
     assert next_round["time"] - killed_at < ROUND_WAIT + ALLREDUCE_TIMEOUT + one_round + 5
     # from then on, the survivors average as a pair
     assert records[5]["group_sizes"] == [2] * len(records[5]["stage_hashes"])
-
-
-def test_a_late_joiner_holds_the_same_theta_g_from_its_first_round(swarm):
-    # the run lasts until the joiner has averaged with the others, however long its start-up
-    # (torch import, DHT, state download) takes on a loaded 2-core box; then every peer stops
-    args = ("--mode", "delayed", "--rounds", "60")
-    first = [swarm.start_peer(*args, "--min-peers", "2") for _ in range(2)]
-    first[0].wait_for_round(1, timeout=180)  # the run has moved on: the joiner cannot start at round 0
-    joiner = swarm.start_peer(*args)
-    _wait_for(lambda: sum(r["group_sizes"] == [3, 3] for r in joiner.metrics()) >= 2, 360,
-              lambda: f"the joiner never averaged with the others twice:\n{joiner.output()}")
-    agreed_until = max(r["round"] for r in joiner.metrics())
-    for peer in [*first, joiner]:
-        peer.signal(signal.SIGTERM)
-    for peer in [*first, joiner]:
-        assert peer.wait(timeout=120) == 128 + signal.SIGTERM, peer.output()
-
-    mine = {t: h for t, h in _hashes(joiner).items() if t <= agreed_until}
-    assert min(mine) >= 2, joiner.output()  # it started from the swarm's state, not from round 0
-    assert sum(r["faults"]["catch_ups"] for r in joiner.metrics()) >= 1
-    others = [_hashes(p) for p in first]
-    common = [t for t in mine if all(t in o for o in others)]  # SIGTERM may stop a peer a round earlier
-    assert any(r["group_sizes"] == [3, 3] for r in joiner.metrics() if r["round"] in common)
-    for t in common:
-        assert all(o[t] == mine[t] for o in others), f"joiner differs at round {t}"
 
 
 def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm):
@@ -123,16 +99,21 @@ def test_a_peer_with_another_config_is_refused_and_sigterm_leaves_cleanly(swarm)
 
 def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
     # the run lasts until the thawed peer has caught up and averaged with both others again, however long that
-    # takes on a loaded box; then every peer stops
+    # takes on a loaded box; then every peer stops. The freeze outlasts every member record (MEMBER_TTL_S): the
+    # thawed peer's view of the others expired, and its first lookups after waking may find nobody (its DHT
+    # requests in flight all failed at once on waking): it must not take that for the others' departure and train
+    # on alone, ahead of them (churn soak, CI run 170: it raced 20 rounds ahead, and the others took its state)
     args = ("--mode", "delayed", "--rounds", "200", "--min-peers", "3", "--stages", "1")
     others = [swarm.start_peer(*args) for _ in range(2)]
     frozen = swarm.start_peer(*args)
     frozen.wait_for_round(1, timeout=180)
     frozen.freeze()  # SIGSTOP: a swapped-out machine, a preempted VM
+    frozen_at = time.monotonic()
     try:
         stopped_at = max(r["round"] for r in frozen.metrics())
         _wait_for(lambda: max(r["round"] for r in others[0].metrics()) >= stopped_at + 3, 180,
                   lambda: f"the others stalled while a peer was frozen:\n{others[0].output()}")
+        time.sleep(max(0.0, frozen_at + MEMBER_TTL_S + 2 - time.monotonic()))
     finally:
         frozen.thaw()
     thawed_at = max(r["round"] for r in others[0].metrics())
@@ -156,6 +137,9 @@ def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
     # (a catch-up) or that its state differs from the majority's (a repair)
     caught_up = [t for t, r in sorted(records.items()) if r["faults"]["catch_ups"] or r["faults"]["repairs"]]
     assert caught_up, "the frozen peer never took the swarm's state"
+    assert "this process did not run for" in frozen.stage_log(0)  # it knew it had been stopped (swarm/stall.py)
+    alone = [t for t, r in records.items() if "alone" in r["kinds"]]
+    assert not alone, f"the thawed peer trained alone in rounds {alone} while the others trained:\n{frozen.output()}"
     assert set(range(max(records))) - set(records), "the frozen peer skipped no round: it was never two rounds behind"
     after = [t for t in records if t >= caught_up[0] and t in a]
     assert after and all(c[t] == a[t] for t in after), "the frozen peer differs from the swarm after catching up"
@@ -164,7 +148,7 @@ def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
 def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_it(swarm):
     # the run lasts until the restarted peer has averaged with the survivor again, however long its
     # start-up takes on a loaded box (the survivor trains on alone meanwhile); then both stop
-    args = ("--mode", "delayed", "--rounds", "80", "--min-peers", "2")
+    args = ("--mode", "delayed", "--rounds", "80", "--min-peers", "2", "--stages", "1")
     survivor = swarm.start_peer(*args)
     victim = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "kill_peer_in_allreduce:round=2:stage=0"})
     killed_at = _wait_until_dead(victim, timeout=180)
@@ -176,7 +160,7 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     def back():
         return {r["round"]: r for r in resumed.metrics() if r["time"] > restarted_at}
 
-    _wait_for(lambda: sum(r["group_sizes"] == [2, 2] for r in back().values()) >= 3, 300,
+    _wait_for(lambda: sum(r["group_sizes"] == [2] for r in back().values()) >= 3, 300,
               lambda: f"the resumed peer never averaged with the survivor again:\n{resumed.output()}")
     agreed_until = max(back())
     for peer in (survivor, resumed):
@@ -195,7 +179,7 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     # pending average follows while it trains) is back at the next boundary, and the survivor never is alone
     # (the victim died in the exchange of round 2, before or after it recorded round 2: the survivor's record of
     # round 3, which applies that exchange, may be anything)
-    assert all(r["kinds"] == ["alone", "alone"] for t, r in alone.items() if 3 < t <= min(resumed_rounds)), (
+    assert all(r["kinds"] == ["alone"] for t, r in alone.items() if 3 < t <= min(resumed_rounds)), (
         [(t, r["kinds"]) for t, r in sorted(alone.items())]
     )
     # the average of round 2 was in flight at the checkpoint: the restarted peer must take the swarm's state
@@ -207,11 +191,11 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     )
     # nor did it wait out the deadline of phase 5 for the copy of a member that had died in the round (restarted
     # at once, its new life never announces it: it held the survivor's round 2 back 30 s in CI)
-    waited_out = [line for i in range(2) for line in survivor.stage_log(i).splitlines() if "records in after" in line]
+    waited_out = [line for line in survivor.stage_log(0).splitlines() if "records in after" in line]
     assert not waited_out, waited_out
     s = _hashes(survivor)
     common = [t for t in resumed_rounds if t in s]  # SIGTERM may stop the survivor a round earlier
-    assert any(resumed_rounds[t]["group_sizes"] == [2, 2] for t in common)
+    assert any(resumed_rounds[t]["group_sizes"] == [2] for t in common)
     assert all(s[t] == resumed_rounds[t]["stage_hashes"] for t in common), "the resumed peer differs from the survivor"
 
 
