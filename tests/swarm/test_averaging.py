@@ -137,7 +137,8 @@ def test_peers_that_start_from_their_own_correction_still_hold_identical_theta_g
 def test_streaming_peers_sync_one_fragment_at_a_time_and_hold_identical_theta_g_after_every_sync(swarm, compression):
     # 2 fragments of the stage's 6 layer groups, each synced every 10 inner steps, offset by 5; the average
     # merges into the trained weights 2 steps after its all-reduce starts; theta_g moves one sync round late
-    args = ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--stages", "1", "--compression", compression)
+    args = ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--inner-steps", "10", "--stages", "1",
+            "--compression", compression)  # fmt: skip
     peers, rounds = _three_peers(swarm, *args, syncs=2)
     last = 2 * ROUNDS - 1
     for t, records in rounds.items():

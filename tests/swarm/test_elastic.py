@@ -200,7 +200,9 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
 
 
 @pytest.mark.parametrize(
-    "mode", [("--mode", "eager"), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2")], ids=["eager", "streaming"]
+    "mode",
+    [("--mode", "eager"), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--inner-steps", "10")],
+    ids=["eager", "streaming"],
 )
 def test_an_overlapped_swarm_loses_a_killed_peer_and_takes_in_a_late_joiner_in_agreement(swarm, mode):
     # eager and streaming train from weights of their own (theta_g plus a correction, or merged weights); the
