@@ -1,6 +1,6 @@
 """Whether this process was stopped: a thread that wakes every TICK_S notices when it did not run for STALL_S.
 
-A worker that was stopped (SIGSTOP, a paused or swapped-out VM, a laptop lid) finds on waking that every
+A worker that was stopped for STALL_S or more (SIGSTOP, a paused or swapped-out VM, a laptop lid) finds on waking that every
 member record it held expired meanwhile, and its first lookups may find nobody: the DHT requests that were in
 flight when it stopped all fail at once on waking, and hivemind leaves those nodes out of its lookups for a while
 (its blacklist). Taken at their word, such lookups say the other members left: the worker then trained alone,
@@ -22,7 +22,10 @@ __all__ = ["STALL_GRACE_S", "STALL_S", "TICK_S", "StallWatch"]
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.25
-STALL_S = 3.0  # a thread that wakes every TICK_S and did not run for this long: the process was stopped or starved
+# a thread that wakes every TICK_S and did not run for this long: the process was stopped (a heartbeat, HEARTBEAT_S:
+# a member's records only expire from a view after a longer stop; a thread starved of CPU that long on a loaded
+# machine is rare, and is taken for a stop)
+STALL_S = 5.0
 STALL_GRACE_S = 15.0  # MEMBER_TTL_S: a live member re-published and pushed its record within this time after a stall
 
 

@@ -100,7 +100,11 @@ def test_containers_agree_survive_a_kill_take_a_late_joiner_and_resume_from_thei
     docker("exec", "-u", "root", p3, "tc", "qdisc", "add", "dev", "eth0", "root", *LINK)
     late = wait_for(p3, "caught up and 3 rounds done", lambda s: s["round"] >= joined_at and len(s["recent_rounds"]) >= 3,
                     timeout=400)  # fmt: skip
-    assert_agree({p0: status(p0), p3: status(p3)}, since=late["recent_rounds"][0]["round"], at_least=2)
+    # p0 may be a round or two behind the joiner at this moment (a round of its own that waited for the joiner while
+    # the joiner borrowed: CI run 173 read p0 at 19 and the joiner at 21); agreement is judged on rounds both did
+    since = late["recent_rounds"][0]["round"]
+    wait_for(p0, f"past round {since + 2}", lambda s: s["round"] >= since + 3)
+    assert_agree({p0: status(p0), p3: status(p3)}, since=since, at_least=2)
 
     # 4. a peer container killed and started again on its volume resumes from its checkpoint
     before = status(p1)["round"]

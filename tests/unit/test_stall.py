@@ -20,7 +20,7 @@ spec = importlib.util.spec_from_file_location("stall", {str(STALL_PY)!r})  # the
 stall = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(stall)
 StallWatch = stall.StallWatch
-watch = StallWatch(tick_s=0.05, stall_s=1.0)
+watch = StallWatch(tick_s=0.05, stall_s=1.0)  # the default (5 s) scaled down
 watch.on_stall = lambda seconds: print(f"stalled {{seconds:.2f}} {{watch.since_stall():.2f}}", flush=True)
 watch.start()
 print("watching", flush=True)
