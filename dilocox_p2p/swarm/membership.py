@@ -26,9 +26,9 @@ from ..wire import protocol_version
 from .dht import HEARTBEAT_S, MEMBER_TTL_S, Member, RunRecords
 from .faults import FaultCounter
 from .member_push import take_pushed
-from .stall import STALL_GRACE_S, StallWatch
+from .stall import StallWatch
 
-__all__ = ["Membership", "Suspicion", "config_diff", "suspected"]
+__all__ = ["STALL_GRACE_S", "Membership", "Suspicion", "config_diff", "suspected"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ POLL_S = 0.5  # without pushes (member_push.py), a wait looks the records up aga
 LOOK_S = 2.0
 REFRESH_S = 3 * HEARTBEAT_S
 PROBE_AFTER_S = 1.0  # members still not at a round after this long are probed once: gone ones are not waited for
+STALL_GRACE_S = MEMBER_TTL_S  # after a stall (stall.py): a live member re-published and pushed its record by then
 BARRIER_POLL_S = 0.25  # the start barrier is looked at more often: every peer of the quorum waits on it
 
 

@@ -1,13 +1,13 @@
 """Whether this process was stopped: a thread that wakes every TICK_S notices when it did not run for STALL_S.
 
-A worker that was stopped for STALL_S or more (SIGSTOP, a paused or swapped-out VM, a laptop lid) finds on waking that every
-member record it held expired meanwhile, and its first lookups may find nobody: the DHT requests that were in
-flight when it stopped all fail at once on waking, and hivemind leaves those nodes out of its lookups for a while
-(its blacklist). Taken at their word, such lookups say the other members left: the worker then trained alone,
+A worker that was stopped for STALL_S or more (SIGSTOP, a paused or swapped-out VM, a laptop lid) may find on
+waking that every member record it held expired meanwhile, and its first lookups may find nobody: the DHT
+requests that were in flight when it stopped all fail at once on waking, and hivemind drops those nodes from its
+routing table. Taken at their word, such lookups say the other members left: the worker then trained alone,
 round after round, ahead of the others, who took its lone state as the swarm's (churn soak, CI run 170).
-Membership does not take a lookup that lost every other member as their departure within STALL_GRACE_S of a
-stall (membership.py); by then the members' own heartbeats and pushes have reached the woken worker again. Nor
-does it suspect the members whose parts its all-reduce missed meanwhile: its own timers ran out, not their parts.
+Membership (membership.py, STALL_GRACE_S) does not take a lookup that lost every other member as their departure
+for a while after a stall, nor suspect the members whose parts its all-reduce missed meanwhile: its own timers
+ran out, not their parts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["STALL_GRACE_S", "STALL_S", "TICK_S", "StallWatch"]
+__all__ = ["STALL_S", "TICK_S", "StallWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,6 @@ TICK_S = 0.25
 # a member's records only expire from a view after a longer stop; a thread starved of CPU that long on a loaded
 # machine is rare, and is taken for a stop)
 STALL_S = 5.0
-STALL_GRACE_S = 15.0  # MEMBER_TTL_S: a live member re-published and pushed its record within this time after a stall
 
 
 class StallWatch:
@@ -37,7 +36,6 @@ class StallWatch:
         self._lock = threading.Lock()
         self._woke_at = float("-inf")  # time.monotonic() at which the last stall was noticed
         self.stalls = 0
-        self.longest = 0.0  # seconds, the longest stall noticed
         self.on_stall: Callable[[float], None] | None = None  # called in the watch's thread with the stall's length
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
@@ -62,10 +60,8 @@ class StallWatch:
             stalled = now - last - self.tick_s
             if stalled >= self.stall_s:
                 with self._lock:
-                    self._woke_at, self.stalls, self.longest = now, self.stalls + 1, max(self.longest, stalled)
-                logger.warning("this process did not run for %.1f s (stopped, or starved of CPU): for the next %.0f s "
-                               "a lookup that finds none of the other members is not taken as their departure",
-                               stalled, STALL_GRACE_S)  # fmt: skip
+                    self._woke_at, self.stalls = now, self.stalls + 1
+                logger.warning("this process did not run for %.1f s (stopped, or starved of CPU)", stalled)
                 if self.on_stall is not None:
                     self.on_stall(stalled)
             last = now
