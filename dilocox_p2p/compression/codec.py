@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..average import AGAINST, against_the_group, bound, ordered_mean
+from ..average import AGAINST, against_the_group, all_finite, bound, ordered_mean
 from ..config import CompressionConfig
 from ..proto_gen import compression_pb2 as pb
 from .feedback import ErrorFeedback
@@ -96,7 +96,7 @@ class MessageRejected(ValueError):
 
 
 def is_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return all_finite(tensors)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils import MPFuture
 
 from .. import injection
-from ..average import Average, AverageKind, Spans, average_hash, fill_missing, malformed_average
+from ..average import Average, AverageKind, Spans, all_finite, average_hash, fill_missing, malformed_average
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
@@ -244,7 +244,7 @@ class AverageService:
             return None, "the tensors do not fit this stage (cut short or malformed)", size
         if reply.sha256 != header.sha256:
             return None, "refused: the tensor bytes do not match the signed header's SHA-256 (altered on the way)", size
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        if not all_finite(tensors):
             return None, "refused: the average holds NaN or Inf", size
         info = header.average
         missing = tuple((s.start, s.end) for s in info.missing)
