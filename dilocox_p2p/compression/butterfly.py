@@ -183,8 +183,9 @@ class Assembled:
     empty: int = 0
     """Reducers whose span averaged no member's part (every part left out): their spans are missing too."""
     digest: bytes = b""
-    """Names the reduced parts assembled (lowrank.basis_digest over those present): low-rank's phase-2 basis. A
-    reduced part no member could get (its reducer died before serving it) is zeros alike on every member."""
+    """Names the reduced parts assembled (lowrank.basis_digest over those present; low-rank's phase 1 only):
+    low-rank's phase-2 basis. A reduced part no member could get (its reducer died before serving it) is zeros
+    alike on every member."""
 
 
 def reduced_phase(phase: int) -> int:
@@ -292,7 +293,9 @@ def assemble(
     else:
         rc.settle_factor_spans(counted)
     present = [i for i, blob in enumerate(reduced) if blob is not None and i not in refused]
-    digest = basis_digest(reduced, present)  # what a basis of this mean came from: members that hold the same agree
+    # what a low-rank basis of this mean came from (members that hold the same agree); nothing else reads it, and
+    # hashing a quantized stage's reduced parts cost a sixth of its assembly
+    digest = basis_digest(reduced, present) if phase == 1 and codec.factored else b""
     return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty, digest)
 
 
