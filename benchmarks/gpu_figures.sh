@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md (section 3), on a machine with one NVIDIA GPU:
-#   bash benchmarks/gpu_figures.sh
-# Inner-training throughput of `350m` and `1b` on the GPU (one stage: a pipeline of several
-# stages needs one GPU per stage), and the codecs on a real `350m` pseudo-gradient trained
-# on the GPU (the codecs run on the CPU, where the averager process runs them). Each step is
-# bounded in time (about 9 minutes in all) and writes benchmarks/results/<name>.json with the
-# GPU's name; a step that fails or runs out of time is reported and the next one runs.
+#   bash benchmarks/gpu_figures.sh [inner-350m] [codecs] [inner-1b]     (no argument: all three, in that order)
+# inner-*: ours (`join --no-swarm --stages 1`, its CUDA defaults: bf16 autocast + compile) in the delayed and
+# streaming modes beside the plain loop's best variant (bf16 autocast + torch.compile of the whole model), one
+# stage (a pipeline of several stages needs one GPU per stage), all in one process tree on one GPU.
+# codecs: every compression strategy on a real 350m pseudo-gradient trained on the GPU in bf16, as member 0 of a
+# group of 3 over its real transport, on this machine's CPU cores (where a peer's exchange thread runs them),
+# beside a bf16 round of H=100 of the same preset.
+# Each step is bounded in time (about 9 minutes in all) and writes benchmarks/results/<name>.json with the GPU's
+# name; a step that fails or runs out of time is reported and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,11 +17,22 @@ step() {
     local limit=$1; shift
     timeout "$limit" "$PY" "$@" || { echo "FAILED (exit $?): $*" >&2; failed=1; }
 }
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(inner-350m codecs inner-1b)
 nvidia-smi -L
-# ours (join --no-swarm, its CUDA defaults: bf16 + compile) beside the plain loop's variants, same process tree
-step 240 benchmarks/inner_reference.py --device cuda --preset 350m --steps 20 --batch-size 16 --microbatches 4
-step 300 benchmarks/inner_reference.py --device cuda --preset 1b --steps 10 --batch-size 16 --microbatches 4 \
-    --variants bf16 bf16-compile
-step 300 benchmarks/compression.py --device cuda --preset 350m --stages 1 \
-    --inner-steps 5 --batch-size 16 --microbatches 4 --repeats 2 --name compression_cuda_350m
+for part in "${parts[@]}"; do
+    echo "=== $part ($(date -u +%H:%M:%S))"
+    case $part in
+    inner-350m)
+        step 240 benchmarks/inner_reference.py --device cuda --preset 350m --steps 20 --rounds 3 \
+            --batch-size 16 --microbatches 4 --variants bf16-compile --ours delayed streaming ;;
+    inner-1b)
+        step 270 benchmarks/inner_reference.py --device cuda --preset 1b --steps 10 --rounds 3 \
+            --batch-size 16 --microbatches 4 --variants bf16-compile --ours delayed streaming ;;
+    codecs)
+        step 270 benchmarks/compression.py --device cuda --preset 350m --stages 1 --inner-steps 10 \
+            --batch-size 16 --microbatches 4 --repeats 2 --no-memory --name compression_cuda_350m ;;
+    *) echo "unknown part $part (inner-350m, codecs, inner-1b)" >&2; exit 2 ;;
+    esac
+done
 exit $failed

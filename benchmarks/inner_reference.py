@@ -5,12 +5,13 @@
     python benchmarks/inner_reference.py --device cuda --preset 350m --steps 20 --batch-size 16 --microbatches 4
 
 "Ours" is `dilocox-peer join --no-swarm --stages 1` (real stage process, its defaults for
-the device: bf16 autocast and torch.compile on CUDA, fp32 eager on CPU); its figure is the
-median `inner_tokens_per_s` of the rounds after the first (which holds compilation). "Plain"
+the device: bf16 autocast and torch.compile on CUDA, fp32 eager on CPU), once per outer mode
+asked for (`--ours`: the outer step's work beside training differs by mode); its figure is
+the median `inner_tokens_per_s` of the rounds after the first (which holds compilation). "Plain"
 is a few dozen lines: the same `GPT`, AdamW (fused on CUDA), the same tokens per optimizer
 step in the same micro-batches, grad-norm clipping, `loss.item()` once per step, in each
 variant asked for (fp32, tf32, bf16 autocast, bf16 autocast + torch.compile of the whole
-model). Each runs in its own child process, one after the other, so each has the device to
+model or of each block). Each runs in its own child process, one after the other, so each has the device to
 itself. Writes benchmarks/results/<name>.json: every figure, the best plain variant and
 ours / best.
 """
@@ -29,30 +30,33 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_result  # noqa: E402
 
-VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile")
+VARIANTS = ("fp32", "tf32", "bf16", "bf16-compile", "bf16-compile-units")
 
 
-def run_ours(args: argparse.Namespace, tmp: Path) -> dict:
+def run_ours(args: argparse.Namespace, tmp: Path, spec: str) -> dict:
+    """One run of ours; `spec` is an outer mode, then config overrides for this run alone: MODE[+KEY=VALUE...]."""
+    mode, *overrides = spec.split("+")
     run_dir = tmp / "ours"
     cmd = [
         sys.executable, "-m", "dilocox_p2p.cli", "join", "--no-swarm", "--run-dir", str(run_dir),
-        "--preset", args.preset, "--stages", "1", "--device", args.device,
+        "--preset", args.preset, "--stages", "1", "--device", args.device, "--mode", mode,
         "--rounds", str(args.rounds), "--inner-steps", str(args.steps),
         "--batch-size", str(args.batch_size), "--microbatches", str(args.microbatches),
         "--progress", "off", "--log-level", "warning", "--data-seed", "0",
         "--set", "run.checkpoint_every=1000", "--set", "data.val_batches=1",  # a 1b checkpoint is 16 GB
-        *(f for kv in args.set for f in ("--set", kv)),
+        *(f for kv in [*args.set, *overrides] for f in ("--set", kv)),
     ]
     started = time.perf_counter()
     if subprocess.run(cmd).returncode != 0:
         for log in sorted((run_dir / "logs").glob("*.log")):
             print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text().splitlines()[-30:]), file=sys.stderr)
-        raise SystemExit("ours: join failed (its stage logs above)")
+        raise SystemExit(f"ours ({spec}): join failed (its stage logs above)")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r["inner_tokens_per_s"] for r in records[1:]] or [records[0]["inner_tokens_per_s"]]
     return {
         "variant": "ours",
-        "overrides": args.set,
+        "mode": mode,
+        "overrides": [*args.set, *overrides],
         "tokens_per_s": statistics.median(steady),
         "tokens_per_s_per_round": [r["inner_tokens_per_s"] for r in records],
         "round_tokens_per_s": [r["tokens_per_s"] for r in records],
@@ -93,6 +97,9 @@ def plain_loop(args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             **({"fused": True} if cuda else {"foreach": True}))
     forward = torch.compile(model) if variant.endswith("compile") else model
+    if variant.endswith("compile-units"):  # each block (and the embedding, the head) its own graph, as ours by default
+        for unit in model.stage.layers:
+            unit.compile()
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if variant.startswith("bf16") else (
         contextlib.nullcontext)
     n = args.microbatches
@@ -139,6 +146,9 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                         help="plain variants (default: all on CUDA; fp32 and bf16 on CPU)")
+    parser.add_argument("--ours", nargs="+", default=["delayed", "streaming"], metavar="MODE[+KEY=VALUE...]",
+                        help="runs of ours, one each: an outer mode, then overrides for that run alone "
+                        "(delayed+inner.compile_scope=stage)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for ours")
     parser.add_argument("--name", default=None, help="result name (default inner_reference_<device>_<preset>)")
     parser.add_argument("--plain", choices=VARIANTS, help=argparse.SUPPRESS)  # the child process of one variant
@@ -147,17 +157,20 @@ def main() -> int:
         print(json.dumps(plain_loop(args)), flush=True)
         return 0
     variants = args.variants or (list(VARIANTS) if args.device == "cuda" else ["fp32", "bf16"])
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        ours = run_ours(args, Path(tmp))
-        print(f"ours: {ours['tokens_per_s']:,.0f} tokens/s", flush=True)
+    results, ours = [], {}
+    for spec in args.ours:
+        with tempfile.TemporaryDirectory() as tmp:
+            ours[spec] = run_ours(args, Path(tmp), spec)
+        print(f"ours ({spec}): {ours[spec]['tokens_per_s']:,.0f} tokens/s", flush=True)
     for variant in variants:
         result = run_plain(variant, args)
         print(f"plain {variant}: {result['tokens_per_s']:,.0f} tokens/s", flush=True)
         results.append(result)
     best = max(results, key=lambda r: r["tokens_per_s"])
-    summary = {"best_plain": best["variant"], "ours_over_best_plain": ours["tokens_per_s"] / best["tokens_per_s"]}
-    print(f"ours / plain {best['variant']}: {summary['ours_over_best_plain']:.3f}", flush=True)
+    ratios = {mode: r["tokens_per_s"] / best["tokens_per_s"] for mode, r in ours.items()}
+    summary = {"best_plain": best["variant"], "ours_over_best_plain": ratios}
+    for mode, ratio in ratios.items():
+        print(f"ours ({mode}) / plain {best['variant']}: {ratio:.3f}", flush=True)
     name = args.name or f"inner_reference_{args.device}_{args.preset}"
     path = write_result(name, {"config": {k: v for k, v in vars(args).items() if k != "plain"},
                                "ours": ours, "plain": results, **summary})

@@ -181,8 +181,12 @@ class InnerConfig:
     stages) or fp32; auto = bf16 on CUDA, fp32 on CPU. theta_g and the outer step stay fp32 either way, so peers
     of a run may differ here and still agree bit for bit."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile each transformer block of the stage; auto = on for CUDA, off on CPU. Falls back to eager,
-    with a warning, where compilation is unavailable."""
+    """torch.compile the stage (compile_scope); auto = on for CUDA, off on CPU. Falls back to eager, with a warning,
+    where compilation is unavailable."""
+    compile_scope: Literal["stage", "unit"] = "stage"
+    """What one torch.compile graph holds: the whole stage (one graph: on an H200 at 350m, 1.46x the tokens/s of a
+    graph per unit, docs/benchmarks.md section 3; the first step compiles for about 30 s), or each unit (a block,
+    the embedding, the head; the blocks share one graph, so the first step takes a few seconds)."""
     checkpoint_activations: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them: less memory, about one
     more forward of compute."""
@@ -379,7 +383,7 @@ _LOCAL_FIELDS = {
         "settled_nice", "identity", "certificate", "state_donors", "deadlines", "deadline_floor", "deadline_ceiling",
     },  # fmt: skip
     "control": {"progress", "log_level", "log_format", "control_addr", "metrics_addr"},
-    "inner": {"threads", "precision", "compile", "checkpoint_activations", "microbatches", "schedule"},
+    "inner": {"threads", "precision", "compile", "compile_scope", "checkpoint_activations", "microbatches", "schedule"},
 }
 
 

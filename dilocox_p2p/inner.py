@@ -115,7 +115,8 @@ class InnerTrainer:
         )  # fmt: skip
 
     def _compile(self) -> bool:
-        """Compile each unit of the stage (the blocks share one compiled graph, so warm-up stays short)."""
+        """Compile the stage (inner.compile_scope): each unit (the blocks share one compiled graph, so warm-up stays
+        short), or the whole stage as one graph."""
         reason = compile_unavailable(self.device)
         if reason is not None:
             logger.warning("inner.compile: torch.compile is unavailable (%s); training eagerly", reason)
@@ -123,6 +124,9 @@ class InnerTrainer:
         import torch._dynamo
 
         torch._dynamo.config.suppress_errors = True  # a unit that fails to compile runs eagerly, with dynamo's warning
+        if self.cfg.inner.compile_scope == "stage":
+            self.module.compile()
+            return True
         for unit in self.module.layers:
             unit.compile()
         return True

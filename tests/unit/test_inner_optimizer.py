@@ -7,6 +7,7 @@ keeps torch._dynamo out of an eager stage of one stage (a second of CPU at every
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 import textwrap
@@ -105,3 +106,33 @@ def test_an_eager_stage_of_one_stage_trains_without_importing_torch_dynamo():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False"], out.stdout
+
+
+def test_a_stage_compiled_whole_trains_as_the_eager_one():
+    """inner.compile_scope = stage (the default): the stage module compiles as one graph, for real (dynamo captured
+    it), and trains to the eager stage's losses, to compiled kernels' rounding. (Scope `unit` compiles each unit.)"""
+    scope = "stage"
+    code = textwrap.dedent(f"""
+        import json, torch
+        from torch._dynamo.utils import counters
+        from dilocox_p2p.config import load_config
+        from dilocox_p2p.inner import InnerTrainer
+        torch.set_num_threads(1)
+        losses = {{}}
+        for compiled in ("off", "on"):
+            cfg = load_config(overrides={{"model.preset": "tiny", "model.stages": 1, "inner.batch_size": 2,
+                                          "inner.microbatches": 1, "inner.warmup_steps": 0, "inner.compile": compiled,
+                                          "inner.compile_scope": "{scope}"}})
+            trainer = InnerTrainer(cfg, stage=0, device=torch.device("cpu"))
+            batch = torch.randint(0, 256, (2, cfg.model.shape.seq_len), generator=torch.Generator().manual_seed(0))
+            losses[compiled] = [trainer.train_step(i, batch, batch).loss for i in range(3)]
+        print(json.dumps({{"losses": losses, "graphs": counters["stats"]["unique_graphs"],
+                          "whole": trainer.module._compiled_call_impl is not None}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["graphs"] >= 1
+    assert result["whole"] == (scope == "stage")
+    assert result["losses"]["on"] == pytest.approx(result["losses"]["off"], rel=1e-4)
+    assert result["losses"]["on"][2] < result["losses"]["on"][0]
