@@ -254,7 +254,7 @@ def main() -> int:
             memory = f"  peak +{r['transient_peak_fp32_copies']:.2f} copies" if args.memory else ""
             print(f"{label:40s} {r['message_bytes']:>10,d} B/message  x{r['ratio_vs_fp32_ring']:7.1f} vs fp32 ring  "
                   f"err {r['relative_error_first_round']:.3f}  codec {r['total_s']:.2f}s/round "
-                  f"({100 * r['share_of_round']:.1f}% of a round of H={args.horizon}){memory}", flush=True)
+                  f"({100 * r['share_of_round']:.3g}% of a round of H={args.horizon}){memory}", flush=True)
     path = write_result(args.name, {
         "preset": args.preset, "stage": 0, "stages": args.stages, "device": args.device, "inner_steps": args.inner_steps,
         "group_size": GROUP, "inner_step_s": step_s, "horizon": args.horizon, "round_compute_s": round_s,

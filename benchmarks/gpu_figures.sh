@@ -7,8 +7,10 @@
 # codecs: every compression strategy on a real 350m pseudo-gradient trained on the GPU in bf16, as member 0 of a
 # group of 3 over its real transport, on this machine's CPU cores (where a peer's exchange thread runs them),
 # beside a bf16 round of H=100 of the same preset.
-# Each step is bounded in time (about 9 minutes in all) and writes benchmarks/results/<name>.json with the GPU's
-# name; a step that fails or runs out of time is reported and the next one runs.
+# Each step is bounded in time (inner-350m 5 min, codecs 4, inner-1b 5.5: with a 15-minute lease, run them in
+# separate calls while the machine is warm) and writes benchmarks/results/<name>.json with the GPU's name; a step
+# that fails or runs out of time is reported and the next one runs. The whole-stage compilation takes about 40 s
+# of each run of ours (its first round, not counted).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,13 +26,13 @@ for part in "${parts[@]}"; do
     echo "=== $part ($(date -u +%H:%M:%S))"
     case $part in
     inner-350m)
-        step 240 benchmarks/inner_reference.py --device cuda --preset 350m --steps 20 --rounds 3 \
+        step 300 benchmarks/inner_reference.py --device cuda --preset 350m --steps 20 --rounds 3 \
             --batch-size 16 --microbatches 4 --variants bf16-compile --ours delayed streaming ;;
     inner-1b)
-        step 270 benchmarks/inner_reference.py --device cuda --preset 1b --steps 10 --rounds 3 \
-            --batch-size 16 --microbatches 4 --variants bf16-compile --ours delayed streaming ;;
+        step 330 benchmarks/inner_reference.py --device cuda --preset 1b --steps 10 --rounds 3 \
+            --batch-size 16 --microbatches 4 --variants bf16-compile --ours delayed ;;
     codecs)
-        step 270 benchmarks/compression.py --device cuda --preset 350m --stages 1 --inner-steps 10 \
+        step 240 benchmarks/compression.py --device cuda --preset 350m --stages 1 --inner-steps 10 \
             --batch-size 16 --microbatches 4 --repeats 2 --no-memory --name compression_cuda_350m ;;
     *) echo "unknown part $part (inner-350m, codecs, inner-1b)" >&2; exit 2 ;;
     esac
