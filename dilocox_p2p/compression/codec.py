@@ -80,7 +80,7 @@ from .payload import (
 from .settlement import Settlement
 from .transport import butterfly_from, reduced_config, rides_butterfly
 
-__all__ = ["NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec", "is_finite"]
+__all__ = ["NO_FAULT", "NOT_RECEIVED", "OTHER_BASIS", "Decoded", "MessageRejected", "Received", "RoundCodec", "StageCodec"]
 
 NOT_RECEIVED = "not received"
 """Why a message a member never got is left out (`Decoded.rejected`)."""
@@ -93,10 +93,6 @@ NO_FAULT = frozenset({NOT_RECEIVED, OTHER_BASIS, AGAINST})
 
 class MessageRejected(ValueError):
     """A member's message that cannot be averaged (the reason says why)."""
-
-
-def is_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    return all_finite(tensors)
 
 
 @dataclass
@@ -162,7 +158,7 @@ class StageCodec:
 
     def begin(self, round: int, delta: Sequence[torch.Tensor]) -> RoundCodec:
         with self.lock:
-            if self.feedback is not None and is_finite(delta):
+            if self.feedback is not None and all_finite(delta):
                 target = self.feedback.absorb(delta)  # the buffers themselves: encoding reads them first
                 return RoundCodec(self, round, target)
             # no feedback, or a delta holding NaN or Inf (only a worker playing hostile sends one: exchange.py);

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import struct
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
@@ -39,7 +38,7 @@ from google.protobuf.message import DecodeError
 from ..average import all_finite, fixed_order_sum, ordered_mean
 from ..config import TOPK_MAX_CHUNK, CompressionConfig
 from ..proto_gen import compression_pb2 as pb
-from .quantize import Quantized, dequantize, dequantize_fp4, quantize, quantize_fp4
+from .quantize import Quantized, dequantize, dequantize_fp4, quantize, quantize_fp4, read_only_tensor
 from .topk import Kept, SparseChunks, TopKLayout, pack_topk, select_topk, unpack_topk
 
 __all__ = [
@@ -297,7 +296,9 @@ class PayloadReader(ABC):
 class _Fp16Reader(PayloadReader):
     def __init__(self, data: memoryview, numel: int):
         super().__init__(numel)
-        self.values = _half_values(data)
+        if len(data) % 2:
+            raise ValueError(f"{len(data)} bytes of fp16 values")
+        self.values = read_only_tensor(data, torch.float16)
         if self.values.numel() != numel:
             raise ValueError(f"{self.values.numel()} fp16 values, expected {numel}")
         if not all_finite([self.values]):
@@ -305,17 +306,6 @@ class _Fp16Reader(PayloadReader):
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
         return self.values[lo:hi].to(torch.float32)
-
-
-def _half_values(data: memoryview) -> torch.Tensor:
-    """fp16 values read in place (never written; torch warns of a read-only buffer)."""
-    if len(data) % 2:
-        raise ValueError(f"{len(data)} bytes of fp16 values")
-    if not len(data):
-        return torch.empty(0, dtype=torch.float16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.float16)
 
 
 class _QuantizedReader(PayloadReader):

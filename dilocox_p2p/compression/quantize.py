@@ -97,10 +97,10 @@ def quantize_fp4(x: torch.Tensor, *, block: int = 64) -> Quantized:
 def dequantize_fp4(q: Quantized) -> torch.Tensor:
     """The fp32 tensor fp4 codes stand for: +-2^(e-7) * scale, one rounded multiply per value."""
     n = int(np.prod(q.shape, dtype=np.int64))
-    raw = _bytes(q.codes, torch.uint8)
+    raw = read_only_tensor(q.codes, torch.uint8)
     if raw.numel() != -(-n // 2):
         raise ValueError(f"fp4 codes: {raw.numel()} bytes for {n} values (expected {-(-n // 2)})")
-    codes = torch.stack([raw & 0x0F, raw >> 4], dim=1).reshape(-1)[:n].to(torch.int64)
+    codes = _nibbles(raw, n).to(torch.int64)
     return _times_scales(_FP4_VALUES[codes], q.scales, q.block).reshape(q.shape)
 
 
@@ -115,7 +115,7 @@ def _times_scales(codes: torch.Tensor, scales: object, block: int) -> torch.Tens
     then one rounded fp32 multiply, a block at a time against its scale broadcast (no per-value copy of the scales:
     the same bits as multiplying by a repeated scale)."""
     n = codes.numel()
-    wide = _bytes(scales, torch.int16).view(torch.bfloat16).to(torch.float32)
+    wide = read_only_tensor(scales, torch.int16).view(torch.bfloat16).to(torch.float32)
     if wide.numel() != -(-n // block):
         raise ValueError(f"{wide.numel()} scales for {n} values in blocks of {block}")
     out = torch.empty(n, dtype=torch.float32)
@@ -127,7 +127,7 @@ def _times_scales(codes: torch.Tensor, scales: object, block: int) -> torch.Tens
     return out
 
 
-def _bytes(blob: object, dtype: torch.dtype) -> torch.Tensor:
+def read_only_tensor(blob: object, dtype: torch.dtype) -> torch.Tensor:
     """A read-only buffer (bytes, memoryview) as a tensor of `dtype`, without copying it (never written)."""
     view = memoryview(blob).cast("B")  # type: ignore[arg-type]
     if not len(view):
@@ -168,10 +168,15 @@ def _pack_nibbles(nibbles: np.ndarray) -> bytes:
 
 def _unpack(blob: bytes, bits: int, n: int) -> torch.Tensor:
     """The `n` codes of a blob as integers (int8: the bytes themselves, not copied; int4: two a byte, low first)."""
-    raw = _bytes(blob, torch.uint8 if bits == 4 else torch.int8)
+    raw = read_only_tensor(blob, torch.uint8 if bits == 4 else torch.int8)
     expected = n if bits == 8 else -(-n // 2)
     if raw.numel() != expected:
         raise ValueError(f"{bits}-bit codes: {raw.numel()} bytes for {n} values (expected {expected})")
     if bits == 8:
         return raw
-    return (torch.stack([raw & 0x0F, raw >> 4], dim=1).reshape(-1)[:n].to(torch.int8) - 8)
+    return _nibbles(raw, n).to(torch.int8) - 8
+
+
+def _nibbles(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` 4-bit values of uint8 bytes, two a byte, low nibble first."""
+    return torch.stack([raw & 0x0F, raw >> 4], dim=1).reshape(-1)[:n]

@@ -35,8 +35,8 @@ import torch
 from hivemind.utils import get_dht_time
 
 from .. import injection
-from ..average import Average, AverageKind
-from ..compression.codec import StageCodec, is_finite
+from ..average import Average, AverageKind, all_finite
+from ..compression.codec import StageCodec
 from ..fragments import as_fragments, fragment_of, of_round
 from ..config import Config, config_hash, shared_fields
 from ..endpoints import loopback_only
@@ -327,7 +327,7 @@ class SwarmStage:
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, round: int) -> Future[Average]:
         if injection.armed("nan_pseudo_gradient", round=round, stage=self.stage):
             tensors[0].view(-1)[0] = float("nan")
-        finite = is_finite(tensors)
+        finite = all_finite(tensors)
         # tells the others this round is ready to average, or that this worker sits it out (nothing to send). The
         # record keeps the latest round sat out (swarm.proto): reset at the next round, it was gone before a slower
         # member read it, which then counted this worker into that round's group and waited round_wait for it (CI)

@@ -205,7 +205,8 @@ def test_error_feedback_round_trips_through_a_state_dict():
 
 
 # ----- one stage's codec, three members in one process ---------------------------------------
-from dilocox_p2p.compression.codec import StageCodec, is_finite  # noqa: E402
+from dilocox_p2p.average import all_finite  # noqa: E402
+from dilocox_p2p.compression.codec import StageCodec  # noqa: E402
 from dilocox_p2p.config import CompressionConfig  # noqa: E402
 
 SHAPES = [torch.Size((96, 64)), torch.Size((64,)), torch.Size((64, 200)), torch.Size((3, 5))]
@@ -315,7 +316,7 @@ def test_a_malformed_or_non_finite_message_is_left_out_by_every_member():
     results = _exchange(codecs, [_deltas(s) for s in range(3)], tamper=tamper)
     assert all(r.used == [0, 2] and list(r.rejected) == [1] for r in results)
     assert all(torch.equal(a, b) for a, b in zip(results[0].tensors, results[2].tensors))
-    assert not is_finite([torch.tensor([1.0, float("nan")])])
+    assert not all_finite([torch.tensor([1.0, float("nan")])])
 
 
 @pytest.mark.parametrize("kind", ["int8", "topk", "lowrank"])
@@ -453,7 +454,7 @@ def test_a_value_fp16_cannot_hold_is_sent_as_its_largest_and_the_rest_follows_in
         blob = round_codec.message(1)
         delivered += member.receive(blob, round=round, phase=1).reader.read_all()  # refused: MessageRejected
         round_codec.settle(True)  # averaged: what it carried leaves the buffer
-        assert is_finite(codec.feedback.buffers)
+        assert all_finite(codec.feedback.buffers)
     assert torch.equal(delivered, delta)  # 65504 + 4496 (both exact in fp16), over two rounds
 
 
@@ -464,7 +465,7 @@ def test_an_error_feedback_buffer_never_holds_nan_or_inf():
     big = torch.full((64,), 3e38)
     codec.begin(0, [big]).settle(False)  # never averaged: it stays in the buffer
     codec.begin(1, [big]).settle(False)  # 6e38 is beyond fp32: held at its largest value
-    assert is_finite(codec.feedback.buffers) and float(codec.feedback.buffers[0][0]) == torch.finfo(torch.float32).max
+    assert all_finite(codec.feedback.buffers) and float(codec.feedback.buffers[0][0]) == torch.finfo(torch.float32).max
     held = codec.feedback.buffers[0].clone()
     hostile = codec.begin(2, [torch.full((64,), float("nan"))])  # a worker playing hostile (exchange._play_hostile)
     with pytest.raises(MessageRejected, match="NaN or Inf"):
@@ -479,7 +480,7 @@ def test_a_block_too_large_for_any_scale_is_clamped_and_still_received(kind):
     delta = torch.full((64,), 3.4e38)  # near fp32's largest: its scale times 128 (what a receiver checks) overflows
     received = codec.receive(codec.begin(0, [delta]).message(1), round=0, phase=1).reader.read_all()
     assert bool(torch.isfinite(received).all()) and float(received.min()) > 1e35
-    assert is_finite(codec.feedback.buffers)
+    assert all_finite(codec.feedback.buffers)
 
 
 ENCODED_OTHERWISE = {  # (what the sender encodes with, what the run uses): each pair lays out 4096 values alike
