@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -82,9 +83,20 @@ class RunConfig:
     """Write a checkpoint every this many rounds (and at the end)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where inner training runs; auto picks cuda when available."""
+    devices: tuple[str, ...] = ()
+    """The GPU of each stage of this peer, in stage order (cuda:N, N as this process sees them: after
+    CUDA_VISIBLE_DEVICES); empty: stage s on cuda:s (under torchrun, cuda:LOCAL_RANK). Two stages on one GPU is
+    refused: NCCL carries activations between distinct GPUs only."""
 
     def __post_init__(self) -> None:
         check_choices(self, "run")
+        for text in self.devices:
+            if not re.fullmatch(r"cuda:\d+", text):
+                fail("run.devices", list(self.devices), f"{text!r} is not cuda:N (one GPU per stage, in stage order)")
+        if len(set(self.devices)) != len(self.devices):
+            fail("run.devices", list(self.devices), "names a GPU twice: each stage needs its own")
+        if self.devices and self.device == "cpu":
+            fail("run.devices", list(self.devices), "names GPUs but run.device is cpu: drop one of them")
         if not self.run_id or any(c in self.run_id for c in " ./\\"):
             fail("run.run_id", self.run_id, "must be non-empty, without spaces, dots or slashes")
         if self.rounds < 1:
@@ -350,6 +362,9 @@ class Config:
         shape = self.model.shape
         if shape.seq_len < 2:
             fail("model.seq_len", shape.seq_len, "must be at least 2")
+        if self.run.devices and len(self.run.devices) != self.model.stages:
+            fail("run.devices", list(self.run.devices), f"names {len(self.run.devices)} GPUs for {self.model.stages} "
+                 "stages: one per stage, in stage order")  # fmt: skip
         if self.model.stages > 1 and self.inner.microbatches < self.model.stages:
             fail("inner.microbatches", self.inner.microbatches,
                   f"must be at least model.stages ({self.model.stages}): the pipeline fills every stage with a "
@@ -376,7 +391,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 
 # Fields peers may set differently: where they run, what they print, how they connect.
 _LOCAL_FIELDS = {
-    "run": {"run_dir", "checkpoint_every", "device"},
+    "run": {"run_dir", "checkpoint_every", "device", "devices"},
     "data": {"paths", "seed", "cache_dir"},
     "swarm": {
         "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "reachability", "min_peers", "peer_wait", "helper_nice",

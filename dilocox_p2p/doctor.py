@@ -332,7 +332,7 @@ def memory_checks(cfg: Config) -> list[Check]:
     from .checkpoint import save_checkpoint
 
     kept = int(inspect.signature(save_checkpoint).parameters["keep"].default)
-    want_cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    want_cuda = bool(cfg.run.devices) or cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
         return [Check("FAIL", "device cuda", "no CUDA device is visible to this process",
                       "check the driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES, or pass --device cpu")]  # fmt: skip

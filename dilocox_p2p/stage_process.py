@@ -86,7 +86,7 @@ def _run_stage(spec: WorkerSpec, *, store: Any = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mp.set_start_method("fork", force=True)  # hivemind's DHT and averager processes are forked from here
     try:
-        device = resolve_device(cfg.run.device, spec.stage)
+        device = resolve_device(cfg.run.device, spec.stage, cfg.run.devices)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -117,9 +117,8 @@ def run_under_torchrun(cfg: Config, *, resume: bool) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != cfg.model.stages:
         raise ConfigError(f"torchrun started {world} processes but model.stages = {cfg.model.stages}; make them equal")
-    dist.init_process_group(
-        "nccl" if resolve_device(cfg.run.device, rank).type == "cuda" else "gloo", timeout=timedelta(minutes=10)
-    )
+    device = resolve_device(cfg.run.device, rank, cfg.run.devices)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     message: list[Any] = [None]
     if rank == 0:
         try:

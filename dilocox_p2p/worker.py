@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -456,13 +457,23 @@ class StageWorker:
         }
 
 
-def resolve_device(choice: str, stage: int) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+def resolve_device(choice: str, stage: int, devices: Sequence[str] = ()) -> torch.device:
+    """The device of `stage`: the CPU, or its GPU: `devices[stage]` where run.devices names them, else cuda:stage
+    (cuda:LOCAL_RANK under torchrun), wrapped around the GPUs this process sees."""
+    if not devices and (choice == "cpu" or (choice == "auto" and not torch.cuda.is_available())):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        from .errors import ConfigError
+    from .errors import ConfigError
 
-        raise ConfigError("--device cuda: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES)")
+    if not torch.cuda.is_available():
+        flag = "--devices" if devices else "--device cuda"
+        raise ConfigError(f"{flag}: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES)")
+    count = torch.cuda.device_count()
+    if devices:
+        device = torch.device(devices[stage])
+        if device.index >= count:
+            raise ConfigError(f"--devices: stage {stage} is on {devices[stage]}, but this process sees {count} GPU(s) "
+                              f"(cuda:0..cuda:{count - 1}, after CUDA_VISIBLE_DEVICES)")  # fmt: skip
+        return device
     local = int(os.environ.get("LOCAL_RANK", stage))
-    return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cuda", local % count)
 

@@ -77,16 +77,32 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-TIERS = ("unit", "swarm", "netns", "docker")
+TIERS = ("unit", "swarm", "netns", "docker", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):
     """Every test belongs to a tier: the test command selects tiers (`-m "unit or swarm"`, then `-m "netns or
-    docker"`), and a test of none would never run there."""
+    docker"`), and a test of none would never run there. The gpu tier is skipped, with the reason, where this
+    machine has fewer CUDA devices than a test needs (`gpu_count`): CI never needs a GPU."""
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:10])}")
+    _skip_without_gpus(items)
     items[:] = spread_swarm_tests(items)
+
+
+def _skip_without_gpus(items: list) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in gpu_items:
+        marker = item.get_closest_marker("gpu_count")
+        need = marker.args[0] if marker else 1
+        if visible < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), this machine has {visible}"))
 
 
 # tests this long must not be the last ones a worker starts (30-46 s each on 2 cores beside another test)

@@ -384,3 +384,45 @@ def test_a_clip_ratio_outside_one_to_the_screens_bar_is_refused_with_the_range(c
     with pytest.raises(ConfigError, match=r"swarm.clip_ratio = .*must be 0 \(off\) or within \[1, max_norm_ratio = 10.0\]"):
         load_config(overrides={"swarm.clip_ratio": clip})
 
+
+
+def test_devices_name_one_gpu_per_stage_from_the_command_line_or_toml(tmp_path):
+    from dilocox_p2p.cli.__main__ import build_parser
+    from dilocox_p2p.cli.options import config_from_args
+
+    args = build_parser().parse_args(["join", "--no-swarm", "--stages", "2", "--microbatches", "2",
+                                      "--devices", "cuda:3", "cuda:1"])  # fmt: skip
+    assert config_from_args(args).run.devices == ("cuda:3", "cuda:1")
+    path = tmp_path / "gpus.toml"
+    path.write_text('[run]\ndevices = ["cuda:0", "cuda:2"]\n[model]\nstages = 2\n')
+    assert load_config(path).run.devices == ("cuda:0", "cuda:2")
+    assert load_config(overrides={"model.stages": 2}).run.devices == ()  # stage s on cuda:s
+
+
+@pytest.mark.parametrize("devices, stages, why", [
+    (["cuda:0"], 2, "names 1 GPUs for 2 stages"),
+    (["cuda:0", "cuda:0"], 2, "names a GPU twice"),
+    (["gpu0", "cuda:1"], 2, "'gpu0' is not cuda:N"),
+    (["cuda:1"], 1, None),
+])  # fmt: skip
+def test_devices_that_do_not_give_each_stage_its_own_gpu_are_refused_with_the_reason(devices, stages, why):
+    overrides = {"run.devices": devices, "model.stages": stages, "inner.microbatches": stages}
+    if why is None:
+        assert load_config(overrides=overrides).run.devices == tuple(devices)
+        return
+    with pytest.raises(ConfigError, match=why):
+        load_config(overrides=overrides)
+    with pytest.raises(ConfigError, match="names GPUs but run.device is cpu"):
+        load_config(overrides={"run.devices": ["cuda:0"], "model.stages": 1, "run.device": "cpu"})
+
+
+def test_devices_on_a_machine_without_cuda_fail_at_start_naming_the_flag():
+    import torch
+
+    from dilocox_p2p.worker import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the GPU tier checks --devices there (tests/gpu)")
+    assert resolve_device("auto", 1).type == "cpu"
+    with pytest.raises(ConfigError, match="--devices: no CUDA device is visible"):
+        resolve_device("auto", 0, ["cuda:0"])
