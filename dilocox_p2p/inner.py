@@ -7,9 +7,14 @@ The gradient norm for clipping is global: stages sum their squared norms in one 
 all-reduce per step, which also carries the stop flag so all stages stop together.
 A peer of one stage runs the same micro-batches in a plain loop.
 
+Data parallelism inside a peer (`replicas` > 1, with `replica_group`: the stage's copies in the other
+pipeline replicas): each replica trains its 1/replicas of the step's batch through its own pipeline, and
+the replicas average their gradients (one all-reduce per step, in a flat buffer) before the norm, the clip
+and AdamW, so that every replica holds the same weights and a step is that of the whole batch.
+
 On a GPU the stage trains as a plain bf16 loop would (inner.precision, inner.compile): bf16
 autocast over fp32 master weights and AdamW state, TF32 for what stays fp32, fused AdamW,
-each unit compiled, bf16 activations between stages, and one host sync per step. theta_g,
+the stage compiled, bf16 activations between stages, and one host sync per step. theta_g,
 the pseudo-gradient and the outer step never see bf16: they read the fp32 master weights.
 """
 
@@ -77,8 +82,20 @@ class StepResult:
 class InnerTrainer:
     """One stage's layers, its pipeline schedule and its inner optimizer."""
 
-    def __init__(self, cfg: Config, *, stage: int, device: torch.device, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, cfg: Config, *, stage: int, device: torch.device, group: dist.ProcessGroup | None = None,
+        replicas: int = 1, replica_group: dist.ProcessGroup | None = None,
+    ):  # fmt: skip
+        """`group`: this replica's pipeline (its stages, in order); `replica_group`: this stage in every replica."""
+        if replicas < 1 or cfg.inner.batch_size % (replicas * cfg.inner.microbatches):
+            raise ValueError(f"{replicas} replicas of {cfg.inner.microbatches} micro-batches do not divide a batch of "
+                             f"{cfg.inner.batch_size}")  # fmt: skip
+        if replicas > 1 and (replica_group is None or dist.get_world_size(replica_group) != replicas):
+            raise ValueError(f"{replicas} replicas need a process group of the stage's {replicas} copies")
+        if replicas > 1 and cfg.model.stages > 1 and group is None:
+            raise ValueError("replicas of a pipeline need each replica's own pipeline group (the world is all of them)")
         self.cfg, self.stage, self.device, self.group = cfg, stage, device, group
+        self.replicas, self.replica_group = replicas, replica_group
         n_stages = cfg.model.stages
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.precision = resolve_precision(cfg.inner.precision, device)
@@ -106,7 +123,7 @@ class InnerTrainer:
     def _pipeline_schedule(self, group: dist.ProcessGroup | None) -> PipelineSchedule:
         """This stage's part of the configured pipeline schedule (a peer of one stage needs none)."""
         shape, inner = self.cfg.model.shape, self.cfg.inner
-        rows = inner.batch_size // inner.microbatches
+        rows = inner.batch_size // self.replicas // inner.microbatches  # this replica's share, per micro-batch
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32  # what every boundary carries
         return PipelineSchedule(
             self.module, stage=self.stage, n_stages=self.cfg.model.stages, microbatches=inner.microbatches,
@@ -159,7 +176,7 @@ class InnerTrainer:
 
     def _memory_advice(self, what: str) -> str:
         inner, shape = self.cfg.inner, self.cfg.model.shape
-        rows = inner.batch_size // inner.microbatches
+        rows = inner.batch_size // self.replicas // inner.microbatches  # this replica's share, per micro-batch
         return (
             f"stage {self.stage} ran out of {self.device.type} memory in a forward or backward pass ({self.n_params():,} parameters, "
             f"micro-batches of {rows} x {shape.seq_len} tokens, {self.precision}"
@@ -221,7 +238,8 @@ class InnerTrainer:
     def train_step(
         self, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, stop: bool = False
     ) -> StepResult:
-        """One inner step at global step `step` (sets the lr), with global-norm clipping."""
+        """One inner step at global step `step` (sets the lr), with global-norm clipping; `inputs` and `targets`:
+        this replica's share of the step's batch (all of it without replicas)."""
         lr = lr_at(
             step,
             peak=self.cfg.inner.lr,
@@ -234,10 +252,12 @@ class InnerTrainer:
         started = time.perf_counter() if self._first_step_s is None else None
         self.optimizer.zero_grad(set_to_none=True)
         losses = self._run_schedule(inputs, targets, train=True)
+        if self.replicas > 1:
+            self._average_replicas()
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         local_sq = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.device)
         shared = torch.stack([local_sq.float(), torch.tensor(float(stop), device=self.device)])
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+        if self.cfg.model.stages > 1:  # the pipeline's stages: the global norm, and a stop for all of them
             dist.all_reduce(shared, group=self.group)
         clip = self.cfg.inner.grad_clip
         if clip > 0:  # torch's clamped coefficient, on the device: no host sync before the optimizer step
@@ -245,12 +265,31 @@ class InnerTrainer:
         with self._out_of_memory_explained(self._optimizer_memory_advice):
             self.optimizer.step()
         loss = torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
-        stop_flag, loss_value = torch.stack([shared[1], loss]).tolist()  # the step's one host sync
+        flags = torch.stack([shared[1], loss])
+        if self.replicas > 1:  # a stop for every replica; the whole batch's loss (the replicas' shares are equal)
+            dist.all_reduce(flags, group=self.replica_group)
+            flags[1] /= self.replicas
+        stop_flag, loss_value = flags.tolist()  # the step's one host sync
         if started is not None:
             self._first_step_s = time.perf_counter() - started
             if self.compiled:
                 logger.info("inner: first step (compilation included) took %.1f s", self._first_step_s)
         return StepResult(loss=loss_value if losses else None, stop=stop_flag > 0)
+
+    @torch.no_grad()
+    def _average_replicas(self) -> None:
+        """Every replica's gradients of this stage to their mean, in one all-reduce of a flat buffer (every replica
+        gets the same bits back, so the replicas' weights stay equal)."""
+        grads = [p.grad for p in self.module.parameters()]
+        if any(g is None for g in grads):  # a stage that took no part in this step (none: every unit is used)
+            raise RuntimeError("a parameter of this stage has no gradient to average across replicas")
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.replica_group)
+        flat /= self.replicas
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:

@@ -141,3 +141,72 @@ def test_bf16_stages_hand_each_other_bf16_activations_and_still_follow_the_whole
             ref = ref_grads[key].ravel()
             cosine = float(np.dot(grad.ravel(), ref) / (np.linalg.norm(grad) * np.linalg.norm(ref) + 1e-30))
             assert np.isfinite(grad).all() and cosine > 0.98, (key, cosine)
+
+
+def _replica_process(rank: int, replicas: int, n_stages: int, port: int, results) -> None:
+    """Rank = replica * n_stages + stage: two steps of its replica's share of the batch, through its pipeline;
+    sends back the losses, its averaged gradients of the first step and its weights after the second."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=replicas * n_stages)
+    try:
+        replica, stage = divmod(rank, n_stages)
+        pipelines = [dist.new_group([r * n_stages + s for s in range(n_stages)]) for r in range(replicas)]
+        copies = [dist.new_group([r * n_stages + s for r in range(replicas)]) for s in range(n_stages)]
+        cfg = _config(n_stages)
+        trainer = InnerTrainer(cfg, stage=stage, device=torch.device("cpu"), group=pipelines[replica],
+                               replicas=replicas, replica_group=copies[stage])  # fmt: skip
+        inputs, targets = _batch()
+        share = slice(replica * BATCH // replicas, (replica + 1) * BATCH // replicas)
+        losses = [trainer.train_step(0, inputs[share], targets[share]).loss]
+        grads = {(i, n): p.grad.numpy().copy() for i, layer in zip(trainer.module.units, trainer.module.layers)
+                 for n, p in layer.named_parameters()}  # fmt: skip
+        losses.append(trainer.train_step(1, inputs[share], targets[share]).loss)
+        weights = {(i, n): p.detach().numpy().copy() for i, layer in zip(trainer.module.units, trainer.module.layers)
+                   for n, p in layer.named_parameters()}  # fmt: skip
+        results.put((rank, losses, grads, weights))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_on_the_whole_batch():
+    # issue 36, DP x PP: 4 processes (2 replicas x 2 stages, gloo); each replica trains half of the batch and the
+    # replicas average their gradients, so each step is the whole batch's, as one process training all of it
+    replicas, n_stages = 2, 2
+    reference = InnerTrainer(_config(1), stage=0, device=torch.device("cpu"))
+    inputs, targets = _batch()
+    ref_losses = [reference.train_step(0, inputs, targets).loss]
+    ref_grads = {(i, n): p.grad.numpy().copy() for i, layer in zip(reference.module.units, reference.module.layers)
+                 for n, p in layer.named_parameters()}  # fmt: skip
+    ref_losses.append(reference.train_step(1, inputs, targets).loss)
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    queue_ = ctx.Queue()
+    procs = [ctx.Process(target=_replica_process, args=(r, replicas, n_stages, store.port, queue_))
+             for r in range(replicas * n_stages)]  # fmt: skip
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((queue_.get(timeout=_TIMEOUT_S) for _ in procs), key=lambda item: item[0])
+        for p in procs:
+            p.join(timeout=30)
+        assert [p.exitcode for p in procs] == [0] * len(procs)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    by_rank = {rank: (losses, grads, weights) for rank, losses, grads, weights in results}
+    for replica in range(replicas):
+        last = by_rank[replica * n_stages + n_stages - 1][0]
+        assert last == pytest.approx(ref_losses, abs=1e-5), "a step is not the whole batch's"
+        assert by_rank[replica * n_stages][0] == [None, None], "only the last stage knows the loss"
+    for rank, (_, grads, _) in by_rank.items():
+        for key, grad in grads.items():
+            np.testing.assert_allclose(grad, ref_grads[key], rtol=0, atol=1e-5, err_msg=f"rank {rank} {key}")
+    for stage in range(n_stages):  # the replicas of a stage hold the same weights, bit for bit
+        first, second = (by_rank[r * n_stages + stage][2] for r in range(replicas))
+        assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)
