@@ -44,11 +44,16 @@ def wait_for(name: str, what: str, ok, timeout: float = 300) -> dict:
         last = status(name)
         if last is not None and ok(last):
             return last
-        running = docker("inspect", "-f", "{{.State.Running}}", name).strip()
-        assert running == "true", f"{name} exited:\n{docker('logs', '--tail', '60', name)}"
+        state = docker("inspect", "-f", "{{.State.Running}} exit {{.State.ExitCode}} {{.State.Error}}", name).strip()
+        assert state.startswith("true"), f"{name} stopped ({state}) before {what}:\n{logs_of(name)}"
         time.sleep(1.0)
-    logs = subprocess.run(["docker", "logs", "--tail", "60", name], capture_output=True, text=True).stderr
-    raise AssertionError(f"{name}: not {what} within {timeout}s (last status {last}):\n{logs}")
+    raise AssertionError(f"{name}: not {what} within {timeout}s (last status {last}):\n{logs_of(name)}")
+
+
+def logs_of(name: str, tail: int = 80) -> str:
+    """The container's last lines, both streams (the peer logs to stderr, its progress lines go to stdout)."""
+    out = subprocess.run(["docker", "logs", "--tail", str(tail), name], capture_output=True, text=True, timeout=60)
+    return f"--- stdout\n{out.stdout}--- stderr\n{out.stderr}"
 
 
 def hashes(s: dict, since: int = 0) -> dict[int, list[str]]:
@@ -69,7 +74,7 @@ def test_containers_agree_survive_a_kill_take_a_late_joiner_and_resume_from_thei
     boot = containers.run("boot", images["bootstrap"], "--host-maddrs", "/ip4/0.0.0.0/tcp/31337", volume="boot")
     deadline = time.monotonic() + 120
     while not (maddrs := docker("exec", boot, "cat", "/data/bootstrap/multiaddrs.txt", check=False).strip()):
-        assert time.monotonic() < deadline, docker("logs", boot)
+        assert time.monotonic() < deadline, logs_of(boot)
         time.sleep(0.5)
     peer_id = re.search(r"/p2p/(\w+)", maddrs).group(1)
     initial = f"/dns4/{boot}/tcp/31337/p2p/{peer_id}"

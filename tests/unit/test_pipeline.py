@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from dilocox_p2p.config import load_config
 from dilocox_p2p.inner import InnerTrainer
 from dilocox_p2p.model import GPT, lm_loss
+from tests.helpers import niced
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +82,8 @@ def _run_stages(n_stages: int, schedule: str = "1f1b", precision: str = "fp32"):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_stage_process, args=(r, n_stages, store.port, results, schedule, precision)) for r in range(n_stages)]
+    args = [(__name__, "_stage_process", r, n_stages, store.port, results, schedule, precision) for r in range(n_stages)]
+    procs = [ctx.Process(target=niced.call, args=a) for a in args]  # below the swarm tier's peers (helpers/niced.py)
     for p in procs:
         p.start()
     try:
@@ -184,7 +186,7 @@ def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_on_the_whole_
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     queue_ = ctx.Queue()
-    procs = [ctx.Process(target=_replica_process, args=(r, replicas, n_stages, store.port, queue_))
+    procs = [ctx.Process(target=niced.call, args=(__name__, "_replica_process", r, replicas, n_stages, store.port, queue_))
              for r in range(replicas * n_stages)]  # fmt: skip
     for p in procs:
         p.start()
