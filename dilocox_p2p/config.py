@@ -86,7 +86,11 @@ class RunConfig:
     devices: tuple[str, ...] = ()
     """The GPU of each stage of this peer, in stage order (cuda:N, N as this process sees them: after
     CUDA_VISIBLE_DEVICES); empty: stage s on cuda:s (under torchrun, cuda:LOCAL_RANK). Two stages on one GPU is
-    refused: NCCL carries activations between distinct GPUs only."""
+    refused: NCCL carries activations between distinct GPUs only. With run.replicas, one per process: replica 0's
+    stages, then replica 1's..."""
+    replicas: int = 1
+    """Copies of this peer's pipeline (data parallelism inside the peer, DP x PP: replicas x stages processes);
+    each trains its share of every step's batch and they average their gradients every step (replicas.py)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "run")
@@ -103,6 +107,8 @@ class RunConfig:
             fail("run.rounds", self.rounds, "must be at least 1")
         if self.checkpoint_every < 1:
             fail("run.checkpoint_every", self.checkpoint_every, "must be at least 1")
+        if self.replicas < 1:
+            fail("run.replicas", self.replicas, "must be at least 1")
 
     @property
     def path(self) -> Path:
@@ -362,9 +368,14 @@ class Config:
         shape = self.model.shape
         if shape.seq_len < 2:
             fail("model.seq_len", shape.seq_len, "must be at least 2")
-        if self.run.devices and len(self.run.devices) != self.model.stages:
-            fail("run.devices", list(self.run.devices), f"names {len(self.run.devices)} GPUs for {self.model.stages} "
-                 "stages: one per stage, in stage order")  # fmt: skip
+        processes = self.model.stages * self.run.replicas
+        if self.run.devices and len(self.run.devices) != processes:
+            fail("run.devices", list(self.run.devices), f"names {len(self.run.devices)} GPUs for {processes} stage "
+                 "processes (stages x replicas): one each, in stage order, replica after replica")  # fmt: skip
+        if self.inner.batch_size % (self.run.replicas * self.inner.microbatches):
+            fail("inner.batch_size", self.inner.batch_size, f"must be a multiple of run.replicas x inner.microbatches "
+                 f"({self.run.replicas} x {self.inner.microbatches}): each replica trains an equal share of every "
+                 "step's batch, in micro-batches")  # fmt: skip
         if self.model.stages > 1 and self.inner.microbatches < self.model.stages:
             fail("inner.microbatches", self.inner.microbatches,
                   f"must be at least model.stages ({self.model.stages}): the pipeline fills every stage with a "
@@ -391,7 +402,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 
 # Fields peers may set differently: where they run, what they print, how they connect.
 _LOCAL_FIELDS = {
-    "run": {"run_dir", "checkpoint_every", "device", "devices"},
+    "run": {"run_dir", "checkpoint_every", "device", "devices", "replicas"},
     "data": {"paths", "seed", "cache_dir"},
     "swarm": {
         "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "reachability", "min_peers", "peer_wait", "helper_nice",

@@ -80,6 +80,30 @@ class InnerAdamW:
                 eps=group["eps"], maximize=False,
             )  # fmt: skip
 
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def steps_taken(self) -> list[float] | None:
+        """Each parameter's step count, in group order; None until every parameter has taken a step."""
+        params = self._params()
+        if not all(p in self.state for p in params):
+            return None
+        return [float(self.state[p]["step"]) for p in params]
+
+    def set_steps_taken(self, steps: list[float]) -> None:
+        """Give every parameter a state (made as at its first step where it has none) with these step counts; the
+        moments are then set in place (`moments`): a copy of another optimizer's state, as replicas.py sends it."""
+        fused = {p: bool(g["fused"]) for g in self.param_groups for p in g["params"]}
+        params = self._params()
+        if len(steps) != len(params):
+            raise ValueError(f"{len(steps)} step counts for {len(params)} parameters")
+        for p, step in zip(params, steps):
+            self.state.setdefault(p, self._new_state(p, fused[p]))["step"].fill_(step)
+
+    def moments(self) -> list[torch.Tensor]:
+        """Both moments of every parameter, in group order (every parameter has a state: `steps_taken`)."""
+        return [self.state[p][key] for p in self._params() for key in _MOMENTS]
+
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.Optimizer's layout: parameters numbered in group order, their state by number."""
         numbers: dict[torch.Tensor, int] = {}

@@ -89,7 +89,7 @@ def prepare_run_dir(cfg: Config, *, resume: bool) -> int:
 
 
 def _stage_entry(
-    cfg: Config, stage: int, resume: bool, data_seed: int, lead: tuple[str, ...], ports: Any, own_session: bool
+    cfg: Config, rank: int, resume: bool, data_seed: int, lead: tuple[str, ...], ports: Any, own_session: bool
 ) -> None:
     """Entry point of a stage process (forked from the peer's fork server, which imported stage_process)."""
     from .stage_process import stage_main
@@ -97,7 +97,7 @@ def _stage_entry(
 
     own_process_locks()
 
-    stage_main(cfg, stage=stage, resume=resume, data_seed=data_seed, lead_maddrs=lead, ports=ports,
+    stage_main(cfg, rank=rank, resume=resume, data_seed=data_seed, lead_maddrs=lead, ports=ports,
                own_session=own_session)  # fmt: skip
 
 
@@ -140,9 +140,11 @@ def run_peer(cfg: Config, *, resume: bool) -> int:
     ports = ctx.SimpleQueue()  # stage 0 hosts the peer's rendezvous store and tells the others its port
     own_session = os.getsid(0) == os.getpid()  # the whole session is this peer's (swarm/priority.py, settle)
     procs = []
-    for stage in range(cfg.model.stages):
-        args = (cfg, stage, resume, data_seed, lead, ports, own_session)
-        proc = ctx.Process(target=_stage_entry, args=args, name=f"stage{stage}")
+    for rank in range(cfg.model.stages * cfg.run.replicas):  # replica 0's stages first (peer_layout.py)
+        replica, stage = divmod(rank, cfg.model.stages)
+        args = (cfg, rank, resume, data_seed, lead, ports, own_session)
+        name = f"stage{stage}" + (f" of replica {replica}" if replica else "")
+        proc = ctx.Process(target=_stage_entry, args=args, name=name)
         proc.start()
         procs.append(proc)
     return _supervise(procs)

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +37,8 @@ from .logs import set_log_context
 from .metrics import MetricsWriter, Progress
 from .average import Averager, LocalAverager
 from .outer import OuterLoop
+from .peer_layout import PeerGroups
+from .replicas import ReplicaSync, share_of
 from .round_outcome import RoundOutcome
 
 __all__ = ["StageWorker", "WorkerSpec"]
@@ -67,14 +67,20 @@ class StopRequested(Exception):
 
 
 class StageWorker:
-    def __init__(self, spec: WorkerSpec, device: torch.device, control_group: dist.ProcessGroup | None = None):
+    def __init__(self, spec: WorkerSpec, device: torch.device, groups: PeerGroups | None = None):
+        """`groups`: this process's groups (peer_layout.py); None: the default group is the peer's pipeline."""
         self.spec, self.cfg, self.stage, self.device = spec, spec.cfg, spec.stage, device
-        self.control_group = control_group
+        groups = groups or PeerGroups(replica=0, replicas=1, pipeline=None, control=None)
+        self.control_group = groups.objects  # this peer's stages (replica 0's pipeline), for objects
         self.run_dir = self.cfg.run.path
         self.lead = self.stage == 0
         self.stop_signal: int | None = None
         self._stop_asked = 0.0  # time.monotonic() of the first stop signal
-        self.trainer = InnerTrainer(self.cfg, stage=self.stage, device=device)
+        self.trainer = InnerTrainer(self.cfg, stage=self.stage, device=device, group=groups.pipeline,
+                                    replicas=groups.replicas, replica_group=groups.copies)  # fmt: skip
+        # replicas: this stage's copies train their shares of each batch; replica 0 (this worker) sends them each round
+        self.replicas = ReplicaSync(self.trainer, groups, self.stage) if groups.replicas > 1 else None
+        self.share = share_of(self.cfg.inner.batch_size, groups.replicas, 0)
         startup.mark("model")
         # streaming: each outer round of H steps is P sync rounds of H/P steps, each syncing one fragment
         self.syncs = self.cfg.outer.syncs_per_round
@@ -91,6 +97,8 @@ class StageWorker:
             corpus = load_corpus(self.cfg.data, shape.seq_len)
             self.sampler = BatchSampler(corpus.train, shape.seq_len, self.cfg.inner.batch_size, spec.data_seed)
             self.val = val_batches(corpus, shape.seq_len, self.cfg.inner.batch_size, self.cfg.data.val_batches)
+        if self.replicas is not None:  # the pipeline carries a replica's share: each batch in as many pieces
+            self.val = [_piece(batch, self.share.stop, i) for batch in self.val for i in range(groups.replicas)]
         startup.mark("corpus")
         self.tokens = 0
         self.n_params_peer = self._sum_over_stages(self.trainer.n_params())
@@ -194,18 +202,22 @@ class StageWorker:
             raise StopRequested
 
     # ----- collectives on the peer's control group ------------------------------------
+    def _size(self) -> int:
+        """This peer's stages (the processes of its pipeline, replica 0's where it has replicas)."""
+        return dist.get_world_size(self.control_group) if dist.is_initialized() else 1
+
     def _gather(self, item: Any) -> list[Any] | None:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if self._size() == 1:
             return [item]
-        out: list[Any] | None = [None] * dist.get_world_size() if self.lead else None
+        out: list[Any] | None = [None] * self._size() if self.lead else None
         dist.gather_object(item, out, dst=0, group=self.control_group)
         return out
 
     def _all_gather(self, item: Any) -> list[Any]:
         """`item` from every stage of this peer, in stage order, on every stage."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if self._size() == 1:
             return [item]
-        out: list[Any] = [None] * dist.get_world_size()
+        out: list[Any] = [None] * self._size()
         dist.all_gather_object(out, item, group=self.control_group)
         return out
 
@@ -303,11 +315,15 @@ class StageWorker:
                 t = boundary
             self.on_finish(self.rounds)
         except StopRequested:
+            if self.replicas is not None:  # the copies saw the same stop, and wait for the next round
+                self.replicas.end_round()
             done = latest_common_round(self.run_dir, cfg.model.stages)
             if self.lead:
                 logger.warning("stopped; the last checkpoint is at round %s: continue with --resume", done)
             return self.stop_signal or signal.SIGTERM
         finally:
+            if self.replicas is not None:
+                self.replicas.send_end()
             if progress is not None:
                 progress.close()
             self.close()
@@ -327,19 +343,28 @@ class StageWorker:
     def _train_inner(self, t: int, progress: Progress | None) -> list[float]:
         steps = self.steps
         losses = []
+        merge_after = self.outer.tau if self.cfg.outer.mode == "streaming" else 0  # it changes the weights then
+        if self.replicas is not None:
+            self.replicas.send_round(t * steps, steps, merge_after, self.sampler)
         for i in range(steps):
             inputs, targets = self.sampler.next() if self.sampler else (None, None)
+            if inputs is not None:
+                inputs, targets = inputs[self.share], targets[self.share]
             result = self.trainer.train_step(t * steps + i, inputs, targets, stop=self.stop_signal is not None)
             if result.stop:
                 raise StopRequested
             if result.loss is not None:
                 losses.append(result.loss)
             self.outer.after_inner_step(i + 1)
+            if self.replicas is not None and i + 1 == merge_after:
+                self.replicas.send_weights()
             startup.mark("first_step")
             if progress is not None:
                 progress.step(t)
             if self.board is not None:
                 self.board.step(t, i + 1)
+        if self.replicas is not None:
+            self.replicas.end_round()
         return losses
 
     def run_round(self, t: int, progress: Progress | None) -> tuple[dict[str, Any] | None, int]:
@@ -457,23 +482,9 @@ class StageWorker:
         }
 
 
-def resolve_device(choice: str, stage: int, devices: Sequence[str] = ()) -> torch.device:
-    """The device of `stage`: the CPU, or its GPU: `devices[stage]` where run.devices names them, else cuda:stage
-    (cuda:LOCAL_RANK under torchrun), wrapped around the GPUs this process sees."""
-    if not devices and (choice == "cpu" or (choice == "auto" and not torch.cuda.is_available())):
-        return torch.device("cpu")
-    from .errors import ConfigError
-
-    if not torch.cuda.is_available():
-        flag = "--devices" if devices else "--device cuda"
-        raise ConfigError(f"{flag}: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES)")
-    count = torch.cuda.device_count()
-    if devices:
-        device = torch.device(devices[stage])
-        if device.index >= count:
-            raise ConfigError(f"--devices: stage {stage} is on {devices[stage]}, but this process sees {count} GPU(s) "
-                              f"(cuda:0..cuda:{count - 1}, after CUDA_VISIBLE_DEVICES)")  # fmt: skip
-        return device
-    local = int(os.environ.get("LOCAL_RANK", stage))
-    return torch.device("cuda", local % count)
-
+def _piece(batch: tuple[Any, Any], rows: int, i: int) -> tuple[Any, Any]:
+    """Rows i*rows.. of a validation batch (a middle stage's placeholder stays one)."""
+    inputs, targets = batch
+    if inputs is None:
+        return batch
+    return inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows]

@@ -25,6 +25,7 @@ _FLAG_KEYS = {
     "checkpoint_every": "run.checkpoint_every",
     "device": "run.device",
     "devices": "run.devices",
+    "replicas": "run.replicas",
     "preset": "model.preset",
     "stages": "model.stages",
     "seq_len": "model.seq_len",
@@ -69,6 +70,8 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where inner training runs (default auto)")
     g.add_argument("--devices", nargs="+", metavar="cuda:N",
                    help="the GPU of each stage, in stage order (default: stage s on cuda:s)")
+    g.add_argument("--replicas", type=int, metavar="D",
+                   help="copies of the pipeline inside this peer, each training 1/D of every batch (default 1)")
     g.add_argument("--preset", help="model size: tiny, small, 125m, 350m, 1b")
     g.add_argument("--stages", type=int, help="pipeline stages (processes) of this peer")
     g.add_argument("--seq-len", type=int, help="context length in bytes (default: the preset's)")

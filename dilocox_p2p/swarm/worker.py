@@ -67,7 +67,7 @@ class SwarmStageWorker(StateTaking, StageWorker):
             self.swarm = start([] if self.lead else known)
         if not known:  # stage 0 tells the others where it listens once it does
             lead_maddrs = [self.swarm.maddrs() if self.lead else None]
-            if dist.is_initialized() and dist.get_world_size() > 1:
+            if self._size() > 1:
                 dist.broadcast_object_list(lead_maddrs, src=0, group=self.control_group)
             if not self.lead:
                 self.swarm = start(lead_maddrs[0])

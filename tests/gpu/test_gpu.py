@@ -67,7 +67,7 @@ def test_two_stages_train_over_nccl_on_the_gpus_devices_names_in_stage_order(tmp
 def test_a_stage_on_a_gpu_this_process_cannot_see_is_refused_with_the_count_it_sees():
     import torch
 
-    from dilocox_p2p.worker import resolve_device
+    from dilocox_p2p.peer_layout import resolve_device
 
     count = torch.cuda.device_count()
     assert resolve_device("auto", 0, [f"cuda:{count - 1}"]) == torch.device("cuda", count - 1)

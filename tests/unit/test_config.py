@@ -400,7 +400,7 @@ def test_devices_name_one_gpu_per_stage_from_the_command_line_or_toml(tmp_path):
 
 
 @pytest.mark.parametrize("devices, stages, why", [
-    (["cuda:0"], 2, "names 1 GPUs for 2 stages"),
+    (["cuda:0"], 2, "names 1 GPUs for 2 stage processes"),
     (["cuda:0", "cuda:0"], 2, "names a GPU twice"),
     (["gpu0", "cuda:1"], 2, "'gpu0' is not cuda:N"),
     (["cuda:1"], 1, None),
@@ -419,10 +419,28 @@ def test_devices_that_do_not_give_each_stage_its_own_gpu_are_refused_with_the_re
 def test_devices_on_a_machine_without_cuda_fail_at_start_naming_the_flag():
     import torch
 
-    from dilocox_p2p.worker import resolve_device
+    from dilocox_p2p.peer_layout import resolve_device
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the GPU tier checks --devices there (tests/gpu)")
     assert resolve_device("auto", 1).type == "cpu"
     with pytest.raises(ConfigError, match="--devices: no CUDA device is visible"):
         resolve_device("auto", 0, ["cuda:0"])
+
+
+@pytest.mark.parametrize("overrides, why", [
+    ({"run.replicas": 0}, "run.replicas = 0: must be at least 1"),
+    ({"run.replicas": 3, "inner.batch_size": 16, "inner.microbatches": 4}, "multiple of run.replicas x inner.microbatches"),
+    ({"run.replicas": 2, "model.stages": 2, "run.devices": ["cuda:0", "cuda:1"]}, "names 2 GPUs for 4 stage processes"),
+])  # fmt: skip
+def test_replicas_that_cannot_share_the_batch_or_the_gpus_are_refused_with_the_reason(overrides, why):
+    from dilocox_p2p.cli.__main__ import build_parser
+    from dilocox_p2p.cli.options import config_from_args
+
+    with pytest.raises(ConfigError, match=why):
+        load_config(overrides=overrides)
+    # a peer's replicas are its own business: peers of one run may differ in them
+    two = load_config(overrides={"run.replicas": 2, "inner.batch_size": 16, "inner.microbatches": 4})
+    assert config_hash(two) == config_hash(load_config(overrides={"inner.batch_size": 16, "inner.microbatches": 4}))
+    args = build_parser().parse_args(["join", "--replicas", "2"])
+    assert config_from_args(args).run.replicas == 2
