@@ -114,6 +114,9 @@ def test_containers_agree_survive_a_kill_take_a_late_joiner_and_resume_from_thei
     # 4. a peer container killed and started again on its volume resumes from its checkpoint
     before = status(p1)["round"]
     docker("kill", p1)
+    # `docker kill` returns once the signal is sent: a `docker start` before the container stopped is a no-op on a
+    # running container, which then stops for good (CI: "exited", its log ending with the killed life's last line)
+    docker("wait", p1)
     docker("start", p1)
     docker("exec", "-u", "root", p1, "tc", "qdisc", "add", "dev", "eth0", "root", *LINK)
     back = wait_for(p1, "back in the swarm for 2 rounds", lambda s: len(s["recent_rounds"]) >= 2, timeout=400)

@@ -40,13 +40,13 @@ def test_a_peer_of_two_replicas_trains_as_a_peer_of_one_on_the_same_batches(tmp_
 
 
 def test_a_peer_of_two_replicas_joins_a_swarm_as_one_member_per_stage_and_agrees(swarm):
-    wide = swarm.start_peer("--replicas", "2", "--rounds", "4", "--min-peers", "2")
-    plain = swarm.start_peer("--rounds", "4", "--min-peers", "2")
+    wide = swarm.start_peer("--replicas", "2", "--rounds", str(ROUNDS), "--min-peers", "2")
+    plain = swarm.start_peer("--rounds", str(ROUNDS), "--min-peers", "2")
     for peer in (wide, plain):
         assert peer.wait(timeout=240) == 0, peer.output()
     records = {p: {r["round"]: r for r in p.metrics()} for p in (wide, plain)}
-    assert sorted(records[wide]) == sorted(records[plain]) == list(range(4))
-    for t in range(4):
+    assert sorted(records[wide]) == sorted(records[plain]) == list(range(ROUNDS))
+    for t in range(ROUNDS):
         assert records[wide][t]["stage_hashes"] == records[plain][t]["stage_hashes"], t
     # each stage's group: this peer's replica 0 and the other peer, never a copy of replica 1 (groups of 2, not 3)
     sizes = [r["group_sizes"] for p in (wide, plain) for r in records[p].values() if r["applied_round"] is not None]
