@@ -1,4 +1,5 @@
-"""A peer on NVIDIA GPUs: bf16 + the stage compiled whole on one GPU, a pipeline over NCCL on two, `--devices`.
+"""A peer on NVIDIA GPUs: bf16 + the stage compiled whole on one GPU, a pipeline over NCCL on two, `--devices`,
+two replicas of a stage (`--replicas`).
 
     pytest -m gpu tests/gpu -q          # on a machine with CUDA (two GPUs for the pipeline test)
 
@@ -61,6 +62,19 @@ def test_two_stages_train_over_nccl_on_the_gpus_devices_names_in_stage_order(tmp
     assert "inner: bf16 on cuda:1" in peer.stage_log(0)
     assert "inner: bf16 on cuda:0" in peer.stage_log(1)
     assert len(peer.metrics()) == 2
+
+
+@pytest.mark.gpu_count(2)
+def test_two_replicas_of_one_stage_average_their_gradients_over_nccl_and_train_as_one(tmp_path):
+    # DP inside the peer (replicas.py): replica 1's copy of the stage on cuda:1 follows replica 0's on cuda:0; beside
+    # it the same peer on one GPU, on the same data: the same losses to bf16's rounding
+    args = [*GPU_ARGS, "--stages", "1", "--set", "inner.microbatches=1", "--set", "inner.compile=off"]
+    one, two = Peer(tmp_path / "one", args), Peer(tmp_path / "two", [*args, "--replicas", "2"])
+    for peer in (one, two):
+        assert peer.proc.returncode == 0, peer.output()
+    assert "replica 1 of 2: follows replica 0's stage 0" in (two.run_dir / "logs" / "stage0.replica1.log").read_text()
+    for a, b in zip(one.metrics(), two.metrics(), strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-2), (a["round"], a["train_loss"], b["train_loss"])
 
 
 @pytest.mark.gpu_count(1)
