@@ -193,7 +193,7 @@ class InnerConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm (over all stages) to this; 0 disables."""
     threads: int = 0
-    """torch threads per stage process; 0 shares the machine's cores among the stages."""
+    """torch threads per stage process; 0 shares the machine's cores among the stage processes (of every replica)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Inner forward and backward: bf16 autocast (fp32 master weights and AdamW state, bf16 activations between
     stages) or fp32; auto = bf16 on CUDA, fp32 on CPU. theta_g and the outer step stay fp32 either way, so peers

@@ -65,7 +65,7 @@ def stage_main(
 
 
 def _threads(cfg: Config) -> int:
-    return cfg.inner.threads or max(1, (os.cpu_count() or 1) // cfg.model.stages)
+    return cfg.inner.threads or max(1, (os.cpu_count() or 1) // (cfg.model.stages * cfg.run.replicas))
 
 
 def _worker_class(cfg: Config) -> type[StageWorker]:

@@ -214,7 +214,7 @@ class CompressedRound:
             logger.info("round %d: %s", self.round, failure)
         never = {**reduced.rejected, **refused}  # parts that never reached this reducer, reduced parts this member
         self._outsiders |= {*scattered.outsiders, *gathered.outsiders}
-        self.membership.suspect(gather_suspects(group, never, self._outsiders, me=me))
+        self.membership.suspect(gather_suspects(group, never, self._outsiders, me=me), self.round)
         return (assembled, reduced, scattered.bytes_sent + gathered.bytes_sent,
                 scattered.bytes_received + gathered.bytes_received)  # fmt: skip
 
@@ -243,7 +243,8 @@ class CompressedRound:
         self._left_out(result.group, decoded.rejected, what="message")
         for failure in failures:
             logger.info("round %d: %s", self.round, failure)
-        self.membership.suspect(gather_suspects(result.group, decoded.rejected, outsiders, me=self.stage.peer_id))
+        self.membership.suspect(gather_suspects(result.group, decoded.rejected, outsiders, me=self.stage.peer_id),
+                                self.round)
         if not used:
             return self._none_averaged(len(result.group), expected)
         self._hold(decoded.tensors, AverageKind.AVERAGED, used, result.group_id)

@@ -368,7 +368,7 @@ class RoundExchange(CompressedRound, GroupVote):
             raw, mended_from = collected.average or raw, collected.mended_from
             answered = collected.alive
             bytes_received += collected.bytes_received
-        self.membership.suspect(suspects_after(result, answered, mended=not raw.missing))
+        self.membership.suspect(suspects_after(result, answered, mended=not raw.missing), self.round)
         self.clock.mark("mend")
         return raw.to_average(
             bytes_sent=result.bytes_sent,

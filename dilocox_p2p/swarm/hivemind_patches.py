@@ -75,6 +75,8 @@ PATCHES: dict[str, str] = {
     "Matchmaking.was_accepted_to_group: its set() is wrapped (matchmaking._count_acceptances) to count the leaders' "
     "ACCEPTED answers: a request that found no group after one was accepted (lost_acceptance, group_admission.py)",
     "Matchmaking.request_timeout": "read: how long a part waits for a request in flight to end",
+    "logger hivemind.averaging.matchmaking, debug records of _request_join_group": "captured by task, not printed "
+    "(join_reasons.py): why a request to a leader ended without a group, in the line that reports it",
     "PotentialLeaders.pop_next_leader": "wrapped (averager._ask_designated_then_admitted): a follower asks the round's "
     "designated leader first, a designated leader asks nobody for a quarter of round_wait (matchmaking.DesignatedLeader); "
     "leaders this round does not admit are skipped",

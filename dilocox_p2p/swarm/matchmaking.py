@@ -109,6 +109,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
+from . import join_reasons
+
 __all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "drop_stale_searches", "forget_lost_acceptance", "hold_matchmaking_tasks", "joining", "looking_for_group",
            "lost_acceptance", "lower_target", "pop_while_unsure",
            "outside_every_group", "refuses_mutual_ask", "screen_join_requests", "set_target_size", "track_join_requests"]
@@ -237,17 +239,21 @@ def track_join_requests(matchmaking: Any) -> None:
     matchmaking._dilocox_asking = collections.Counter()
     request_join_group = matchmaking._request_join_group
     _count_acceptances(matchmaking)
+    join_reasons.capture()
 
     async def request_join_group_tracked(leader: Any, *args: Any, **kwargs: Any) -> Any:
         name = leader.to_base58()
         matchmaking._dilocox_asked.append(name)
         matchmaking._dilocox_asking[name] += 1
-        asked, group = time.monotonic(), None
+        asked, group, cancelled = time.monotonic(), None, False
         acceptances = matchmaking._dilocox_acceptances
         matchmaking._dilocox_dropped = False
         try:
             group = await request_join_group(leader, *args, **kwargs)
             return group
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             matchmaking._dilocox_asking[name] -= 1
             if not matchmaking._dilocox_asking[name]:
@@ -257,8 +263,9 @@ def track_join_requests(matchmaking: Any) -> None:
             if lost:
                 matchmaking._dilocox_lost = True
             if group is None:  # hivemind says why at debug level only; a leader that counts it in anyway splits a round
-                logger.info("asked %s to take this worker into its group: %s after %.2f s", leader,
-                            _NO_GROUP[lost], time.monotonic() - asked)  # fmt: skip
+                why = "cancelled: its search ended" if cancelled else join_reasons.take() or "no reason given"
+                logger.info("asked %s to take this worker into its group: %s after %.2f s (%s)", leader,
+                            _NO_GROUP[lost], time.monotonic() - asked, why)  # fmt: skip
 
     matchmaking._request_join_group = request_join_group_tracked
 

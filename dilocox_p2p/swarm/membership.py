@@ -59,21 +59,28 @@ def config_diff(ours: str, theirs: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Suspicion:
-    """A member failed in an all-reduce at DHT time `at`, in the life that joined at `joined_at` (None: unknown)."""
+    """A member failed in the all-reduce of `round` (-1: unknown) at DHT time `at`, in the life that joined at
+    `joined_at` (None: unknown)."""
 
     at: float
     joined_at: float | None
+    round: int = -1
 
 
 def suspected(member: Member, suspicion: Suspicion | None) -> bool:
     """Whether `member` is still left out of groups for a failure: until it heartbeats again after it (a record
-    that expires a heartbeat later than one published at the failure), or until a new life of it publishes a
+    that expires a heartbeat later than one published at the failure), until it began a later round's exchange
+    (its record says so: it is alive, and past the round it failed in), or until a new life of it publishes a
     record. A peer restarted at once (a supervisor, --resume) kept the same key and would otherwise have been
-    left out for up to a heartbeat: several rounds of `tiny`, in which it only borrowed the others' average."""
+    left out for up to a heartbeat: several rounds of `tiny`, in which it only borrowed the others' average. So
+    was a member that lost one group by a fault of the network (a leader's answer lost: matchmaking.py): left
+    out, it came late to each next group and borrowed again, 3 rounds running (CI run 177)."""
     if suspicion is None:
         return False
     if suspicion.joined_at is not None and member.record.joined_at != suspicion.joined_at:
         return False  # another life: the failure was its predecessor's
+    if 0 <= suspicion.round < member.record.averaging_round:
+        return False
     return member.expiration < suspicion.at + MEMBER_TTL_S + HEARTBEAT_S
 
 
@@ -308,16 +315,17 @@ class Membership:
         with self._lock:
             return (voters - self._banned) | {self.peer_id}
 
-    def suspect(self, peer_ids: list[str]) -> None:
-        """Peers that failed in an all-reduce: not expected in the next groups until they heartbeat again. Not
-        within STALL_GRACE_S of this process being stopped (stall.py): its own timers ran out, not their parts."""
+    def suspect(self, peer_ids: list[str], round: int = -1) -> None:
+        """Peers that failed in the all-reduce of `round`: not expected in the next groups until they heartbeat again
+        or begin a later round's (`suspected`). Not within STALL_GRACE_S of this process being stopped (stall.py):
+        its own timers ran out, not their parts."""
         if self.stalls.since_stall() < STALL_GRACE_S:
             return
         now = get_dht_time()
         with self._lock:
             lives = self._lives()
             for peer_id in peer_ids:
-                self._suspects[peer_id] = Suspicion(now, lives.get(peer_id))
+                self._suspects[peer_id] = Suspicion(now, lives.get(peer_id), round)
 
     def _lives(self) -> dict[str, float]:
         """Each member's `joined_at` as of the last refresh: which life of it a suspicion or a probe is about

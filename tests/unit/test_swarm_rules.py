@@ -58,7 +58,7 @@ def test_a_peers_requests_are_taken_up_to_a_burst_then_at_its_rate_and_each_peer
     assert 3 <= taken_after <= 5
 
 
-def test_a_suspected_member_counts_again_once_it_heartbeats_after_its_failure_or_restarts_as_a_new_life():
+def test_a_suspected_member_counts_again_once_it_heartbeats_after_its_failure_begins_a_later_round_or_restarts():
     failed_at, life = 1000.0, 900.0
 
     def member(published_at: float, joined_at: float) -> Member:
@@ -72,6 +72,13 @@ def test_a_suspected_member_counts_again_once_it_heartbeats_after_its_failure_or
     assert not suspected(member(failed_at + 1, failed_at + 0.5), suspicion)
     # the life of the failure unknown (no record of it seen yet): only a later heartbeat counts
     assert suspected(member(failed_at + 1, failed_at + 0.5), Suspicion(failed_at, joined_at=None))
+    # failed in round 6's all-reduce: a record that began round 7's came after it (a member that lost one group to
+    # the network, not one that is gone); one still at round 6 says nothing new
+    in_round = Suspicion(failed_at, joined_at=life, round=6)
+    started = swarm_pb2.MemberRecord(joined_at=life, averaging_round=7)
+    assert not suspected(Member("b", started, expiration=failed_at + 1 + MEMBER_TTL_S), in_round)
+    started.averaging_round = 6
+    assert suspected(Member("b", started, expiration=failed_at + 1 + MEMBER_TTL_S), in_round)
 
 
 def test_a_member_mends_from_the_others_whose_reducers_delivered_first_and_never_asks_one_outside_the_group():
@@ -280,3 +287,38 @@ def _calls(redial, values, within: float, **kwargs) -> tuple[int, str]:
     return len(calls), result[1]
 
 
+
+
+def test_why_hivemind_ended_a_join_request_is_kept_for_the_requests_own_line_and_not_printed(caplog):
+    import asyncio
+    import logging
+
+    from dilocox_p2p.swarm import join_reasons
+
+    source = logging.getLogger("hivemind.averaging.matchmaking")
+    level = source.level
+    join_reasons.capture()
+    join_reasons.capture()  # once per process, however often asked
+
+    def _request_join_group(i: int) -> None:  # the function whose debug lines are reasons (hivemind's name)
+        source.debug("requested leader %d to be my leader, but got rejected with NOT_LOOKING_FOR_GROUP", i)
+
+    async def request(i: int) -> str:
+        _request_join_group(i)
+        await asyncio.sleep(0.01)  # the other request says its own reason meanwhile
+        return join_reasons.take()
+
+    async def both() -> list[str]:
+        return list(await asyncio.gather(request(1), request(2)))
+
+    try:
+        with caplog.at_level(logging.DEBUG):
+            assert asyncio.run(both()) == [
+                "requested leader 1 to be my leader, but got rejected with NOT_LOOKING_FOR_GROUP",
+                "requested leader 2 to be my leader, but got rejected with NOT_LOOKING_FOR_GROUP",
+            ]
+            source.debug("another function's debug line")
+        assert not [r for r in caplog.records if r.name == source.name], "a reason was printed"
+    finally:
+        source.filters.clear()
+        source.setLevel(level)
