@@ -340,16 +340,27 @@ def memory_checks(cfg: Config) -> list[Check]:
                           compressed=cfg.compression.kind != "none")  # fmt: skip
     per_param = sum(DEVICE_BYTES_PER_PARAM.values())
     checks = []
-    if want_cuda:
-        for index in range(min(cfg.model.stages, torch.cuda.device_count())):
-            stages = [s for s in range(cfg.model.stages) if s % torch.cuda.device_count() == index]
-            need = sum(est.device_bytes[s] for s in stages)
+    stages, replicas = cfg.model.stages, cfg.run.replicas
+    if want_cuda:  # every stage process (replica r's stage s: rank r x stages + s) on its GPU (peer_layout.py)
+        count = torch.cuda.device_count()
+        on: dict[int, list[int]] = {}
+        for rank in range(stages * replicas):
+            index = torch.device(cfg.run.devices[rank]).index if cfg.run.devices else rank % count
+            on.setdefault(index, []).append(rank)
+        for index, ranks in sorted(on.items()):
+            if index >= count:
+                continue  # resolve_device refuses it at start, naming the GPUs it sees
+            need = sum(est.device_bytes[rank % stages] for rank in ranks)
             free = int(torch.cuda.mem_get_info(index)[0])
-            what = f"GPU memory cuda:{index} (stage {', '.join(map(str, stages))}, preset {cfg.model.preset})"
+            held = ", ".join(f"{rank % stages}" + (f" of replica {rank // stages}" if rank >= stages else "") for rank in ranks)
+            what = f"GPU memory cuda:{index} (stage {held}, preset {cfg.model.preset})"
             checks.append(memory_check(what, need, free, basis=f"{per_param} B/param: {_basis(DEVICE_BYTES_PER_PARAM)}"))
     host_basis = _basis(HOST_BYTES_PER_PARAM) + ("" if want_cuda else f", + {_basis(DEVICE_BYTES_PER_PARAM)}")
-    what = f"RAM ({cfg.model.stages} stage(s), {sum(est.stage_params) / 1e6:.1f}M params, preset {cfg.model.preset})"
-    checks.append(memory_check(what, est.host_bytes, available_ram(), basis=host_basis))
+    # on CPU each replica's copies train in RAM too; the outer state is replica 0's alone
+    host = est.host_bytes + (0 if want_cuda else (replicas - 1) * sum(est.device_bytes))
+    copies = f" x {replicas} replicas" if replicas > 1 else ""
+    what = f"RAM ({stages} stage(s){copies}, {sum(est.stage_params) / 1e6:.1f}M params, preset {cfg.model.preset})"
+    checks.append(memory_check(what, host, available_ram(), basis=host_basis))
     run_dir = cfg.run.path.resolve()
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     checks.append(disk_check(run_dir, est.checkpoint_bytes, shutil.disk_usage(existing).free, checkpoints_kept=kept))

@@ -135,6 +135,23 @@ def test_memory_estimate_counts_the_preset_parameters_at_the_stated_bytes_per_pa
     assert max(big.device_bytes) < 0.3 * 16 * sum(big.stage_params)  # balanced: about a quarter each
 
 
+def test_the_ram_check_of_a_peer_with_replicas_on_cpu_counts_every_copy_of_its_stages(tmp_path):
+    from dilocox_p2p.config import load_config
+    from dilocox_p2p.doctor import memory_checks
+    from dilocox_p2p.memory_estimate import gib
+
+    def ram(replicas: int):
+        cfg = load_config(overrides={"run.device": "cpu", "run.replicas": replicas, "model.preset": "small",
+                                     "run.run_dir": str(tmp_path / "run"), "inner.batch_size": 16})  # fmt: skip
+        return next(c for c in memory_checks(cfg) if c.what.startswith("RAM"))
+
+    one, two = ram(1), ram(2)
+    est = estimate_memory(PRESETS["small"], 2, on_cuda=False, checkpoints_kept=2)
+    assert f"needs ~{gib(est.host_bytes)} " in one.detail and "replicas" not in one.what
+    # the copies of replica 1 train in RAM too: their weights, gradients and AdamW moments; theta_g is replica 0's
+    assert f"needs ~{gib(est.host_bytes + sum(est.device_bytes))} " in two.detail and "x 2 replicas" in two.what
+
+
 def test_memory_and_disk_checks_fail_over_the_free_amount_and_warn_near_it():
     assert memory_check("RAM", 10, 9, basis="b").status == "FAIL"
     assert memory_check("RAM", 9, 10, basis="b").status == "WARN"
