@@ -9,12 +9,13 @@ of H inner steps, and delayed mode keeps that round's delta (the pending average
 alone) in the round-1 checkpoint. Each strategy then runs in its own process as member 0 of a group of three whose members hold
 this delta, over the transport it takes in such a group (the compressed butterfly: encode and
 cut its message, reduce its span of the group's parts, assemble the reduced parts, low-rank
-twice; top-k below a group of 4: the all-gather, decode the group's messages), for --repeats
-rounds; only member 0's own work is timed. Reported per strategy: bytes per message and those
+twice; top-k below a group of 4: the all-gather, decode the group's messages), for one first
+round and then --repeats rounds; only member 0's own work is timed. Reported per strategy: bytes per message and those
 member 0 sends in a round, the ratio to an fp32 ring all-reduce (2 (N-1)/N x 4 bytes x params
 per member), the relative L2 error of the first round's decoded mean (no error feedback yet),
-encode / low-rank phase 2 / decode seconds (medians, with the process's own allocator, as in a
-peer), their share of a round of --horizon inner steps of the preset on --device (a bf16
+encode / low-rank phase 2 / decode seconds (medians of the rounds after the first, with the process's own allocator,
+as in a peer: the first round of a codec's life also makes its buffers, several times a later round's work on a
+fresh process at 350m, and is reported apart, `first_round_s`), their share of a round of --horizon inner steps of the preset on --device (a bf16
 round on CUDA), and, in another process with glibc's mmap threshold fixed at 128 KiB (freed
 tensors leave the resident set at once, so its peak is the peak of live memory), the largest
 transient memory of member 0's calls (peak during a call above what the process held as it
@@ -118,7 +119,7 @@ def measure(delta_path: str, settings: dict, repeats: int) -> dict:
     butterfly = cfg.kind == "lowrank" or codec.rides_butterfly(GROUP)
     others = [StageCodec(cfg, names, shapes, run_id="bench") for _ in range(GROUP - 1)] if butterfly else []
     meter = Meter()
-    for round in range(repeats):
+    for round in range(1 + repeats):  # the first round apart (module docstring)
         meter.new_round()
         run = _butterfly_round if butterfly else _gathered_round
         average, sizes, sent = run([codec, *others], round, delta, meter)
@@ -127,7 +128,8 @@ def measure(delta_path: str, settings: dict, repeats: int) -> dict:
             den = sum(_squares(d) for d in delta)
         del average  # the outer loop's business from here (it applies the mean)
     message = sum(sizes)
-    medians = {k: statistics.median(v) if any(v) else 0.0 for k, v in meter.times.items()}
+    medians = {k: statistics.median(v[1:]) if any(v[1:]) else 0.0 for k, v in meter.times.items()}
+    per_round = [sum(spent[i] for spent in meter.times.values()) for i in range(1 + repeats)]
     return {
         "transport": "butterfly" if butterfly else "gather",
         "params": params,
@@ -138,6 +140,8 @@ def measure(delta_path: str, settings: dict, repeats: int) -> dict:
         "relative_error_first_round": (num / den) ** 0.5,
         **medians,
         "total_s": sum(medians.values()),
+        "first_round_s": per_round[0],
+        "rounds_total_s": per_round,
         "transient_peak_fp32_copies": meter.transient / (4 * params),
         "codec_metrics": codec.metrics(),
     }
@@ -233,7 +237,7 @@ def main() -> int:
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds timed after the first, which is reported apart")
     parser.add_argument("--horizon", type=int, default=100, help="inner steps of the round the codecs are set beside")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the codecs (default: every core)")
     parser.add_argument("--no-memory", dest="memory", action="store_false",
@@ -281,7 +285,7 @@ def run_strategy(delta_path: Path, settings: dict, args: argparse.Namespace) -> 
     for key in memory_keys:
         result.pop(key)
     if args.memory:
-        memory = measured(["--repeats", "1"], {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
+        memory = measured(["--repeats", "1"], {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})  # 2 rounds in all
         result.update({key: memory[key] for key in memory_keys})
     return result
 

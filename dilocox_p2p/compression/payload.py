@@ -26,6 +26,7 @@ whole vector at once, and decoding a slice is one block's or one chunk's busines
 
 from __future__ import annotations
 
+import bisect
 import math
 import struct
 from abc import ABC, abstractmethod
@@ -70,6 +71,7 @@ class FlatLayout:
             self.offsets.append(offset)
             offset += -(-shape.numel() // pad) * pad
         self.numel = offset
+        self._ends = [o + s.numel() for o, s in zip(self.offsets, self.shapes)]  # ascending: `overlaps` bisects them
 
     def slices(self, step: int) -> Iterator[tuple[int, int]]:
         for lo in range(0, self.numel, step):
@@ -77,16 +79,26 @@ class FlatLayout:
 
     def overlaps(self, lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
         """(piece, start, end within the piece's flat view, where that starts within [lo, hi))."""
-        for index, (offset, shape) in enumerate(zip(self.offsets, self.shapes)):
-            a, b = max(lo, offset), min(hi, offset + shape.numel())
+        for index in range(bisect.bisect_right(self._ends, lo), len(self.offsets)):  # the first piece ending past lo
+            offset = self.offsets[index]
+            if offset >= hi:
+                return
+            a, b = max(lo, offset), min(hi, self._ends[index])
             if a < b:
                 yield index, a - offset, b - offset, a - lo
 
     def read(self, pieces: Sequence[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-        """Values [lo, hi) of the flat vector, as a new fp32 tensor (zeros in the padding)."""
-        out = torch.zeros(hi - lo, dtype=torch.float32)
+        """Values [lo, hi) of the flat vector, as a new fp32 tensor (zeros in the padding, the only values not
+        copied: no pass of zeros over the whole slice first)."""
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        filled = 0
         for index, a, b, at in self.overlaps(lo, hi):
+            if at > filled:
+                out[filled:at].zero_()
             out[at : at + b - a] = pieces[index].reshape(-1)[a:b]
+            filled = at + b - a
+        if filled < hi - lo:
+            out[filled:].zero_()
         return out
 
     def write(self, pieces: Sequence[torch.Tensor], lo: int, hi: int, values: torch.Tensor) -> None:
@@ -283,6 +295,11 @@ class PayloadReader(ABC):
     def read_all(self) -> torch.Tensor:
         return self.read(0, self.numel)
 
+    def sparse(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Values [lo, hi) as (positions from lo, int64; their fp32 values): the only ones that may be nonzero, each
+        position once; None for a dense payload (`read` then)."""
+        return None
+
     def norm(self, step: int) -> float:
         """The payload's L2 norm (float64), decoded `step` values at a time (lo on a slice boundary); inf or nan if
         it holds them. Its bits depend on the payload alone (its own slices, summed in a fixed order:
@@ -351,6 +368,15 @@ class _SparseReader(PayloadReader):
         assert self.kept is not None, "an empty payload has no values to read"
         return self.kept.dense(first, stop, chunk)[: hi - lo]
 
+    def sparse(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.layout.chunk
+        first, stop = lo // chunk, -(-hi // chunk)
+        assert self.kept is not None, "an empty payload has no values to read"
+        positions = self.kept.index[first:stop].long() + torch.arange(stop - first)[:, None] * chunk
+        values = self.kept.values(first, stop)
+        inside = positions < hi - lo  # the last chunk of a tensor may end past it (padding)
+        return positions[inside], values[inside]
+
     def norm(self, step: int) -> float:
         """The L2 norm of the kept values alone (the zeros between them add nothing), in chunk order: a function of
         the payload alone, as PayloadReader.norm, at 1/density less work."""
@@ -373,6 +399,10 @@ class ScaledReader(PayloadReader):
     def read(self, lo: int, hi: int) -> torch.Tensor:
         return self.reader.read(lo, hi).mul(self.scale)
 
+    def sparse(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        kept = self.reader.sparse(lo, hi)
+        return None if kept is None else (kept[0], kept[1].mul(self.scale))
+
 
 def streamed_mean(
     readers: Sequence[PayloadReader], layout: FlatLayout, step: int
@@ -381,6 +411,31 @@ def streamed_mean(
     pieces: `ordered_mean` slice by slice (the same bits as over whole tensors)."""
     out = [torch.empty(s, dtype=torch.float32) for s in layout.shapes]
     for lo, hi in layout.slices(step):
-        mean = ordered_mean((r.read(lo, hi) for r in readers), torch.Size((hi - lo,)))
+        mean = _sparse_mean(readers, lo, hi)
+        if mean is None:
+            mean = ordered_mean((r.read(lo, hi) for r in readers), torch.Size((hi - lo,)))
         layout.write(out, lo, hi, mean)
     return out
+
+
+def _sparse_mean(readers: Sequence[PayloadReader], lo: int, hi: int) -> torch.Tensor | None:
+    """`ordered_mean` of sparse payloads' slices [lo, hi) without their zeros, bit for bit (None where a payload is
+    dense). The float64 sum starts as the first payload's values and adds each other's where it keeps one: a zero
+    it skips (x + 0.0) changes nothing, unless x is -0.0, which only the first payload can put there (a sum of
+    f32 numbers in f64 is -0.0 only if both are): a slice whose first payload keeps a -0.0 goes the dense way."""
+    kept = []
+    for reader in readers:
+        pair = reader.sparse(lo, hi)
+        if pair is None:
+            return None
+        kept.append(pair)
+    if not kept:
+        return None
+    first_positions, first_values = kept[0]
+    if bool(((first_values == 0) & first_values.signbit()).any()):
+        return None
+    total = torch.zeros(hi - lo, dtype=torch.float64)
+    total[first_positions] = first_values.double()
+    for positions, values in kept[1:]:
+        total.index_put_((positions,), values.double(), accumulate=True)  # each position once: exact, any order
+    return total.div_(len(kept)).to(torch.float32)

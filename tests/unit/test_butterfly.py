@@ -478,3 +478,30 @@ def test_a_message_says_from_which_group_size_it_rides_the_butterfly_and_its_cod
     message = codec.begin(0, _deltas(0)).message(1)
     for n, expected in rides.items():
         assert rides_butterfly(message, n) == codec.rides_butterfly(n) == expected, n
+
+
+def test_the_mean_of_sparse_payloads_skips_their_zeros_and_keeps_the_dense_means_bits():
+    from dilocox_p2p.average import ordered_mean
+    from dilocox_p2p.compression.payload import ScaledReader, _sparse_mean
+
+    cfg = CompressionConfig(kind="topk", topk_chunk=256, topk_density=1 / 16)
+    readers = []
+    for seed in range(3):
+        deltas = _deltas(seed)
+        deltas[seed % len(deltas)].view(-1)[:40] = -deltas[0].view(-1)[:40]  # sums that cancel to zero, and signs
+        head, sections = unframe(StageCodec(cfg, NAMES, SHAPES, run_id="r").begin(0, deltas).message(1))
+        readers.append(PayloadReader.of(head.payload, sections, int(head.payload.shape[0])))
+    readers[2] = ScaledReader(readers[2], 0.37)  # a clipped contribution (average.bound)
+    numel, step = readers[0].numel, 1024
+    assert numel > 3 * step
+    for lo in range(0, numel, step):
+        hi = min(lo + step, numel)
+        dense = ordered_mean((r.read(lo, hi) for r in readers), torch.Size((hi - lo,)))
+        sparse = _sparse_mean(readers, lo, hi)
+        assert sparse is not None and torch.equal(sparse.view(torch.int32), dense.view(torch.int32)), lo
+    # a dense payload among them, or a -0.0 kept by the first: the dense way
+    fp16 = StageCodec(CompressionConfig(kind="fp16"), NAMES, SHAPES, run_id="r")
+    head, sections = unframe(fp16.begin(0, _deltas(7)).message(1))
+    assert _sparse_mean([readers[0], PayloadReader.of(head.payload, sections, int(head.payload.shape[0]))], 0, step) is None
+    readers[0].kept.magnitudes.zero_()  # every kept value now 0 times its sign: the negative ones are -0.0
+    assert bool(readers[0].kept.negative.any()) and _sparse_mean(readers, 0, step) is None
