@@ -37,7 +37,7 @@ from .config import Config
 from .errors import StageOutOfMemory
 from .inner_optimizer import InnerAdamW
 from .model import StageModule, build_stage, lm_loss
-from .pipeline_schedule import PipelineSchedule
+from .pipeline_schedule import PipelineSchedule, bubble_fraction
 
 __all__ = ["InnerTrainer", "StepResult", "compile_unavailable", "lr_at", "resolve_compile", "resolve_precision"]
 
@@ -125,6 +125,11 @@ class InnerTrainer:
         shape, inner = self.cfg.model.shape, self.cfg.inner
         rows = inner.batch_size // self.replicas // inner.microbatches  # this replica's share, per micro-batch
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32  # what every boundary carries
+        if self.stage == 0:
+            bubble = bubble_fraction(self.cfg.model.stages, inner.microbatches)
+            logger.info("pipeline: %s over %d stages in %d micro-batches of %d rows: each stage idles %.0f%% of a step "
+                        "(the bubble, (S-1)/(M+S-1)); more micro-batches (--microbatches) shrink it", inner.schedule,
+                        self.cfg.model.stages, inner.microbatches, rows, 100 * bubble)  # fmt: skip
         return PipelineSchedule(
             self.module, stage=self.stage, n_stages=self.cfg.model.stages, microbatches=inner.microbatches,
             boundary=((rows, shape.seq_len, shape.d_model), dtype), order=inner.schedule, loss_fn=lm_loss,

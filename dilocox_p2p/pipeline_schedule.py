@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["PipelineSchedule", "stage_order"]
+__all__ = ["PipelineSchedule", "bubble_fraction", "stage_order"]
 
 Order = Literal["1f1b", "gpipe"]
 
@@ -43,6 +43,13 @@ def stage_order(order: Order, stage: int, n_stages: int, microbatches: int) -> l
     for i in range(microbatches - warmup):
         actions += [("F", warmup + i), ("B", i)]
     return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]
+
+
+def bubble_fraction(n_stages: int, microbatches: int) -> float:
+    """The share of a step each stage waits idle in GPipe or 1F1B (the bubble): (S - 1) / (M + S - 1), with a
+    micro-batch's forward and backward taking the same time on every stage. 1F1B holds fewer activations than
+    GPipe, not a smaller bubble; more micro-batches shrink it."""
+    return (n_stages - 1) / (microbatches + n_stages - 1)
 
 
 class PipelineSchedule:

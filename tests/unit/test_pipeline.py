@@ -212,3 +212,39 @@ def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_on_the_whole_
     for stage in range(n_stages):  # the replicas of a stage hold the same weights, bit for bit
         first, second = (by_rank[r * n_stages + stage][2] for r in range(replicas))
         assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)
+
+
+def _simulated_bubble(order: str, n_stages: int, microbatches: int) -> float:
+    """The idle share of each stage's step when every forward and backward takes one unit of time: the stages run
+    their `stage_order` actions in order, each as soon as what it needs (the activation from the stage before,
+    the gradient from the stage after) is done."""
+    from dilocox_p2p.pipeline_schedule import stage_order
+
+    pending = [list(stage_order(order, s, n_stages, microbatches)) for s in range(n_stages)]
+    done: dict[tuple[str, int, int], int] = {}
+    free = [0] * n_stages
+    while any(pending):
+        progressed = False
+        for s in range(n_stages):
+            if not pending[s]:
+                continue
+            kind, i = pending[s][0]
+            needs = [("F", s - 1, i)] if kind == "F" and s else []
+            if kind == "B":
+                needs = [("F", s, i)] + ([("B", s + 1, i)] if s < n_stages - 1 else [])
+            if all(n in done for n in needs):
+                done[(kind, s, i)] = free[s] = max([free[s]] + [done[n] for n in needs]) + 1
+                pending[s].pop(0)
+                progressed = True
+        assert progressed, "the schedule deadlocks"
+    return 1 - 2 * microbatches / max(done.values())
+
+
+@pytest.mark.parametrize("order", ["1f1b", "gpipe"])
+def test_the_reported_bubble_is_the_idle_share_of_a_step_and_shrinks_with_more_microbatches(order):
+    from dilocox_p2p.pipeline_schedule import bubble_fraction
+
+    for n_stages in (2, 3, 4):
+        for microbatches in range(n_stages, 9):
+            assert bubble_fraction(n_stages, microbatches) == pytest.approx(_simulated_bubble(order, n_stages, microbatches))
+    assert bubble_fraction(4, 16) < bubble_fraction(4, 4) and bubble_fraction(1, 4) == 0.0
