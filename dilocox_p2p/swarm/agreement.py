@@ -130,6 +130,7 @@ class Agreement:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run_checks, name="hash-checks", daemon=True)
         self.donors_at = -1  # the newest boundary a donor said it was at when it no longer held the one asked for
+        self._left_for_newer = False  # a download in pieces was given up for the donors' newer boundary (once per take)
 
     def start(self) -> None:
         self._thread.start()
@@ -172,6 +173,7 @@ class Agreement:
         with self._lock:
             self._epoch += 1
             self._checks, self._repair = [], None
+        self._left_for_newer = False
 
     def take_repair(self) -> Repair | None:
         with self._lock:
@@ -344,6 +346,8 @@ class Agreement:
         pieces = self._fetch_pieces(boundary, donors)
         if pieces is not None:
             return pieces
+        if self.donors_at > boundary and self._left_for_newer:  # the donors left it while it came in pieces
+            return None
         for donor in donors:
             got = self.averager.download_round(donor, boundary, wait_s=self.deadlines.allreduce,
                                                timeout=self.deadlines.state, part=swarm_pb2.STATE_NOW)  # fmt: skip
@@ -376,12 +380,16 @@ class Agreement:
         holders = [d for d in donors if d not in records or records[d].state_hash == winner][: self.sw.state_donors]
         if winner is None or len(holders) < 2:
             return None
+        leave = not self._left_for_newer  # once per state taken (state_pieces.py)
         try:
             got = self.averager.download_pieces(holders, boundary, want_hash=winner, wait_s=self.deadlines.allreduce,
-                                                timeout=self.deadlines.state)  # fmt: skip
+                                                timeout=self.deadlines.state, leave_for_newer=leave)  # fmt: skip
         except TimeoutError as e:  # the averager process did not answer in time: whole from one donor, as before
             self.faults.count("downloads_failed", "state of round %d not taken in pieces: %r", boundary, e)
             return None
+        if leave and got.status == swarm_pb2.STATE_GONE and got.boundary > boundary:
+            self._left_for_newer = True
+            self.donors_at = max(self.donors_at, got.boundary)
         for donor, why in got.dropped.items():  # a donor gone past `boundary` is asked again whole: it says where it is
             self.faults.count("downloads_failed", "state of round %d: donor %s asked for no more pieces: %s",
                               boundary, donor, why)  # fmt: skip

@@ -13,7 +13,10 @@ nothing more: its pieces go to the next donor. Late: once some pieces are in, a 
 SLOW_FACTOR times the slowest of those (and at least MIN_LATE_S) is asked of one more donor too, and the
 donor that the faster one beat is asked for nothing more (waiting out a chunk timeout instead, the other donors
 had moved on, and kept the state one round only: the whole download failed, in the test of a stalled donor).
-The pending average is never in a piece: the state follows it
+Donors that move past the boundary while a joiner downloads it say where they are (STATE_GONE); once as many have
+moved on as are still asked (two or more), the download is given up and asked again at their boundary, where they
+all serve (`leave_for_newer`, once per state taken: Agreement): finishing from the last donor left put a whole state
+on it. The pending average is never in a piece: the state follows it
 (`StageState.follows`), and the taker gets it apart (Agreement.fetch_pending) from the donor of the first
 piece, which owes it (state_service._owe_pending), or from the others.
 """
@@ -58,19 +61,25 @@ class StatePieces:
     peer_id: PeerID
 
     def download_pieces(
-        self, donors: Sequence[str], boundary: int, *, want_hash: str, wait_s: float, timeout: float
-    ) -> StateDownload:
+        self, donors: Sequence[str], boundary: int, *, want_hash: str, wait_s: float, timeout: float,
+        leave_for_newer: bool = False,
+    ) -> StateDownload:  # fmt: skip
         """The state of `boundary` (theta_g and momentum; its pending average follows), in pieces from `donors`
-        (holders of the majority hash `want_hash`), each checked against that hash."""
-        kwargs = dict(donors=list(donors), boundary=boundary, want_hash=want_hash, wait_s=wait_s, timeout=timeout)
+        (holders of the majority hash `want_hash`), each checked against that hash. `leave_for_newer`: give it up
+        (STATE_GONE, at the newest boundary they told) once as many donors moved past it as are left (module
+        docstring)."""
+        kwargs = dict(donors=list(donors), boundary=boundary, want_hash=want_hash, wait_s=wait_s, timeout=timeout,
+                      leave_for_newer=leave_for_newer)  # fmt: skip
         return self._call("_download_pieces", timeout + wait_s + 30.0, **kwargs)  # type: ignore[attr-defined]
 
     async def _download_pieces(
-        self, donors: list[str], boundary: int, want_hash: str, wait_s: float, timeout: float, future: MPFuture
-    ) -> None:
+        self, donors: list[str], boundary: int, want_hash: str, wait_s: float, timeout: float, leave_for_newer: bool,
+        future: MPFuture,
+    ) -> None:  # fmt: skip
         started = time.monotonic()
         try:  # as long as one donor's whole state may take: a piece asked of every donor in turn must not take D times
-            got = await asyncio.wait_for(self._take_pieces(donors, boundary, want_hash, wait_s, timeout), timeout + wait_s)
+            taking = self._take_pieces(donors, boundary, want_hash, wait_s, timeout, leave_for_newer)
+            got = await asyncio.wait_for(taking, timeout + wait_s)
             got.seconds = time.monotonic() - started
             future.set_result(got)
         except asyncio.TimeoutError:
@@ -81,13 +90,14 @@ class StatePieces:
                 future.set_result(StateDownload(status=-1, boundary=-1, donor="", reason=repr(e)[:200]))
 
     async def _take_pieces(
-        self, donors: list[str], boundary: int, want_hash: str, wait_s: float, timeout: float
+        self, donors: list[str], boundary: int, want_hash: str, wait_s: float, timeout: float, leave_for_newer: bool = False
     ) -> StateDownload:
         like = [*self._averaged_tensors, *self._averaged_tensors]  # theta_g, then momentum
         ranges = piece_ranges([t.numel() * t.element_size() for t in like])
         start = int.from_bytes(hashlib.sha256(self.peer_id.to_bytes()).digest()[:4], "big") % len(donors)
         order = donors[start:] + donors[:start]
         dropped: dict[str, str] = {}
+        moved: dict[str, int] = {}  # donors that moved past `boundary`: the boundary each said it is at
         pieces: dict[int, _Piece] = {}
         took: list[float] = []  # seconds each piece in so far took
         load = collections.Counter({d: 0 for d in order})  # pieces each donor was asked for
@@ -96,6 +106,11 @@ class StatePieces:
             left = [order[(k + j) % len(order)] for j in range(len(order))]
             left = [d for d in left if d not in dropped and d not in tried]
             return min(left, key=lambda d: load[d]) if tried and left else (left[0] if left else None)
+
+        def most_moved() -> bool:
+            """Two or more donors moved past `boundary`, as many as are still asked: finishing from the few left put
+            a whole state on one donor (the lab test: 52% of four joiners' bytes); at theirs, all serve again."""
+            return len(moved) >= 2 and len(moved) >= sum(d not in dropped for d in order)
 
         async def take(k: int) -> None:
             tried: set[str] = set()
@@ -115,9 +130,13 @@ class StatePieces:
                     done, _ = await asyncio.wait(asking, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
                     for attempt in done:
                         donor, asked = asking.pop(attempt)
-                        got, why = attempt.result()
+                        got, why, at = attempt.result()
                         if got is None:
                             dropped.setdefault(donor, why)  # it is asked for no other piece
+                            if at > boundary:
+                                moved[donor] = at
+                            if leave_for_newer and most_moved():
+                                return  # no piece: the download ends, and is asked again at their boundary
                             continue
                         took.append(time.monotonic() - asked)
                         pieces[k] = got
@@ -154,6 +173,10 @@ class StatePieces:
         for p in pieces.values():
             served[p.donor] += p.size
         missing = [k for k in range(len(ranges)) if k not in pieces]
+        if missing and leave_for_newer and most_moved():
+            return StateDownload(status=swarm_pb2.STATE_GONE, boundary=max(moved.values()), donor="",
+                                 bytes_by_donor=dict(served), dropped=dropped,
+                                 reason=f"{len(moved)} of {len(order)} donors moved on (to round {max(moved.values())})")  # fmt: skip
         if missing:
             return StateDownload(status=-1, boundary=boundary, donor="", bytes_by_donor=dict(served), dropped=dropped,
                                  reason=f"pieces {missing} of {len(ranges)} could not be had from any donor")  # fmt: skip
@@ -169,18 +192,20 @@ class StatePieces:
     async def _take_piece(
         self, donor: str, boundary: int, k: int, ranges: list[tuple[int, int]], like: list[torch.Tensor],
         want_hash: str, wait_s: float, timeout: float,
-    ) -> tuple[_Piece | None, str]:  # fmt: skip
-        """Piece `k` from `donor`, checked, or why not."""
+    ) -> tuple[_Piece | None, str, int]:  # fmt: skip
+        """Piece `k` from `donor`, checked, or why not; and the boundary the donor said it is at where it moved past
+        `boundary` (its signed STATE_GONE; else -1)."""
         a, b = ranges[k]
         piece_bytes = sum(t.numel() * t.element_size() for t in like[a:b])
         try:
             header, reply = await self._ask_state(donor, boundary, wait_s, timeout, swarm_pb2.STATE_PIECE, piece=k,  # type: ignore[attr-defined]
                                                   max_bytes=int(piece_bytes * 1.02) + (1 << 20))  # fmt: skip
         except (WireRejected, Oversized) as e:
-            return None, f"refused: {e}"
+            return None, f"refused: {e}", -1
         except Exception as e:
-            return None, repr(e)[:200]
-        return checked_piece(donor, k, header, reply, like[a:b], len(ranges), want_hash)
+            return None, repr(e)[:200], -1
+        at = header.boundary if header.status == swarm_pb2.STATE_GONE else -1
+        return (*checked_piece(donor, k, header, reply, like[a:b], len(ranges), want_hash), at)
 
 
 def checked_piece(

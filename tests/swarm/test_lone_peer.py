@@ -60,14 +60,14 @@ def test_a_step_too_big_for_the_memory_stops_the_peer_with_the_settings_that_shr
 
 
 @pytest.mark.parametrize(
-    "mode", [(), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--stages", "1"), ("--replicas", "2")],
+    "mode", [(), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--stages", "1"), ("--replicas", "2", "--stages", "1")],
     ids=["delayed", "streaming", "replicas"],
 )
 def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tmp_path, mode):
     # streaming: the checkpoint also keeps the weights this peer trains from (they differ from theta_g); delayed
     # checks a pipeline of 2 stages, streaming one stage (what it checks does not depend on the stages); replicas:
-    # 2 copies of the 2-stage pipeline, whose second copy (no checkpoint of its own) takes the resumed state,
-    # AdamW's moments and the data's position from the first (replicas.py)
+    # 2 copies of the pipeline, whose second copy (no checkpoint of its own) takes the resumed state,
+    # AdamW's moments and the data's position from the first (replicas.py); of one stage (DP x PP: test_replicas.py)
     # rounds long enough (40 inner steps: 20 per streaming sync) that the kill, as soon as round 2 is recorded,
     # lands inside round 3
     args = ["--rounds", "4", "--inner-steps", "40", "--seed", "3", "--data-seed", "5", *mode]
