@@ -47,10 +47,6 @@ class PeerGroups:
         """The group that carries the pipeline's objects (gathers of facts, stop votes)."""
         return self.control or self.pipeline
 
-    @property
-    def pipeline_size(self) -> int:
-        return dist.get_world_size(self.objects) if dist.is_initialized() else 1
-
 
 def make_groups(*, rank: int, stages: int, replicas: int, backend: str) -> PeerGroups:
     """Every group of the peer; every process calls it, and makes every group in the same order (torch's rule)."""
