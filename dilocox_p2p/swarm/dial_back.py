@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 DIAL_BACK = "dilocox.v1.DialBack"
 MAX_PORTS = 4
 CONNECT_S = 3.0
+REQUEST_S = 15.0  # how long a served stream may take to bring its request: an idle stream holds only a coroutine (no
+# slot), and a node on a loaded machine took more than CONNECT_S to read one (CI run 185: the doctor saw no reply)
 MAX_AT_ONCE = 8  # dial-backs served at once; more wait
 ASKS, ASK_AGAIN_S = 5, 10.0  # a joining worker asks the initial peers this many times, this long apart, for a verdict
 _slots: asyncio.Semaphore | None = None
@@ -79,7 +81,7 @@ async def _answer(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
     global _slots
     _slots = _slots or asyncio.Semaphore(MAX_AT_ONCE)
     try:
-        request, error = await asyncio.wait_for(P2P.receive_protobuf(DialBackRequest, reader), CONNECT_S)
+        request, error = await asyncio.wait_for(P2P.receive_protobuf(DialBackRequest, reader), REQUEST_S)
         if request is None:
             logger.debug("dial-back for %s not answered: %r", stream_info.peer_id, error)
             return
@@ -226,7 +228,7 @@ def reachability_check(cfg: Any, addr: Any, *, timeout: float, local_host: str |
     try:
         try:
             reply, port = asyncio.run(_probe(addr, listen, timeout))
-        except TimeoutError:  # once more: a busy machine or node (the join path asks up to ASKS times)
+        except (TimeoutError, ConnectionError):  # once more: a busy machine or node (join asks up to ASKS times)
             reply, port = asyncio.run(_probe(addr, listen, timeout))
     except _CannotListen as e:
         if listen[1]:
