@@ -52,7 +52,7 @@ from ..wire import swarm_pb2
 from .faults import RefusalLog
 from .client_member import reach_members
 from .deadlines import SharedDeadlines
-from .gather import GatherResult, MessageGather
+from .gather import Arrivals, GatherResult, MessageGather
 from .group_admission import GroupAdmission, ask_designated_then_admitted
 from .group_round import GroupRound, RoundResult
 from .held import AverageService, Collected, HeldAverage
@@ -164,6 +164,7 @@ class DilocoxAverager(
         self._current_round = -1
         self._held: dict[int, HeldAverage] = {}
         self._dropped_up_to = -1  # the latest round whose average was held here and dropped (KEEP_AVERAGES)
+        self._held_arrived = Arrivals()  # an average was held: wakes the requests waiting for it (held.py)
         self._last_result: RoundResult | None = None
         self._payload: bytes | None = None  # this round's compressed message (phase 1), if compressed; b"": later
         self._group_ranks: list[int] = []  # low-rank: the ranks most tickets of the group formed now name

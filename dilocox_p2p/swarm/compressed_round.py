@@ -152,7 +152,7 @@ class CompressedRound:
         step: list[Assembled] = []
         for phase, mark in ((1, "transfer"), (2, "phase2")):
             message = round_codec.message(1) if phase == 1 else low_rank_second(round_codec, step[-1])
-            self.clock.mark("encode" if phase == 1 else "phase2")
+            self.clock.mark("encode")  # phase 2's too (its basis and factors): "phase2" is its exchange alone
             scattered = self.averager.scatter_phase(self.round, phase, message, group=group, group_id=result.group_id,
                                                     timeout=self.stage.deadlines.allreduce, clients=result.clients)  # fmt: skip
             for peer, reason in scattered.offenders.items():

@@ -26,13 +26,16 @@ the way is refused, and the member that served it is named in `offenders` (the s
 it). A reply without the message is a GatherHeader signed by the member asked, answering the
 request's nonce.
 A member returns once the others have pulled its message too (or a few seconds passed), so
-the bytes it served are counted with the round they belong to.
+the bytes it served are counted with the round they belong to. Nothing here polls: a request for a
+message not yet held, and a member waiting for its message to be pulled, wake when it is (`Arrivals`);
+each poll of 50 ms cost a step of the butterfly 25 ms on average, four steps for low-rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import logging
 import time
@@ -51,7 +54,7 @@ from ..wire import swarm_pb2
 from .dial import redial
 from .transfer import limit_per_peer
 
-__all__ = ["GatherResult", "MessageGather", "MessageReply"]
+__all__ = ["Arrivals", "GatherResult", "MessageGather", "MessageReply"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,28 @@ DELIVERY_WAIT_S = 3.0  # how long a member waits for the others to pull its mess
 RELAY_WAIT_S = 2.0  # how long a holder is asked to wait for a message it may still be pulling itself
 CUT_SHORT = "cut short"  # a pull whose stream ended before the whole message came: asked again, never a strike
 OUTSIDE = "in no such group"  # the answer of a member a leader counted in after it had given up on the leader
+
+
+class Arrivals:
+    """Wakes the coroutines of one event loop that wait for something to arrive (a message into the inbox, a pull of
+    this worker's message): each checks its own condition again when woken."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self, timeout: float) -> None:
+        """Until the next `notify`, or `timeout` seconds."""
+        if timeout <= 0:
+            return
+        if self._event is None:
+            self._event = asyncio.Event()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
 
 
 @dataclass
@@ -120,9 +145,17 @@ class MessageGather:
             collections.OrderedDict()
         )
         self._max_message_bytes = max_message_bytes
-        self._served: dict[tuple[bytes, int], int] = collections.defaultdict(int)  # bytes served per inbox
+        self._served: dict[bytes, int] = collections.defaultdict(int)  # bytes served per group, not yet reported
         self._delivered: dict[tuple[bytes, int], set[str]] = collections.defaultdict(set)  # who pulled my message
         self._messages_served = 0  # replies that carried a message, counted for fault injection
+        self._arrived = Arrivals()  # a message entered the inbox
+        self._pulled_here = Arrivals()  # a member pulled this worker's message
+
+    def _put(self, box: dict[tuple[str, int], tuple[bytes, bytes]], which: tuple[str, int], held: tuple[bytes, bytes]) -> None:
+        """Hold `held` (a message or part and its author's signed digest) as (sender, part) = `which` in `box`; wake
+        the requests waiting for it."""
+        box[which] = held
+        self._arrived.notify()
 
     async def _outside_group(self, group_id: bytes, sender: PeerID | None = None) -> bool:
         """Whether this worker is in no group `group_id` and about to join none (the averager knows; `sender`, a
@@ -135,8 +168,9 @@ class MessageGather:
             self._inbox[key] = {}
             while len(self._inbox) > KEYS_KEPT:
                 old, _ = self._inbox.popitem(last=False)
-                self._served.pop(old, None)
                 self._delivered.pop(old, None)
+                if all(group != old[0] for group, _ in self._inbox):
+                    self._served.pop(old[0], None)
         return self._inbox[key]
 
     async def _all_gather(
@@ -151,7 +185,7 @@ class MessageGather:
         self._my_id = me
         box = self._box(group_id, phase)
         if me in peers:
-            box[(me, 0)] = (payload, self._sealed_digest(group_id, phase, 0, payload))
+            self._put(box, (me, 0), (payload, self._sealed_digest(group_id, phase, 0, payload)))
         result = GatherResult(messages=[])
         others = [p for p in peers if p != me]
         direct = [p for p in others if me not in clients or p not in clients]
@@ -162,7 +196,7 @@ class MessageGather:
                 got, reason, size = await self._pull_whole(holder, group_id, phase, sender, until)
                 result.bytes_received += size
                 if got is not None:
-                    box[(sender, 0)] = got
+                    self._put(box, (sender, 0), got)
                     logger.info("phase %d: %s's message relayed by %s", phase, sender, holder)
                     break
                 if reason.startswith("refused"):
@@ -181,24 +215,26 @@ class MessageGather:
         """The compressed butterfly's first step: this worker's message in parts, one per reducer (`reducers`, in
         group order: `peers` but the client members), each served to that reducer only; returns the parts of this
         worker's own span from every member of `peers`, in group order (None: never came; nobody else holds them,
-        so nothing is relayed). A client member reduces no span: it waits until the reducers took its parts."""
+        so nothing is relayed). A client member reduces no span: it returns at once (the reducers take its parts before
+        they serve the reduced parts it pulls next)."""
         self._my_id = me
         reducers = list(peers) if reducers is None else list(reducers)
         assert len(parts) == len(reducers), f"{len(parts)} parts for {len(reducers)} reducers"
         box = self._box(group_id, phase)
         for part, payload in enumerate(parts, start=1):
-            box[(me, part)] = (payload, self._sealed_digest(group_id, phase, part, payload))
+            self._put(box, (me, part), (payload, self._sealed_digest(group_id, phase, part, payload)))
         result = GatherResult(messages=[])
-        takers = [p for p in reducers if p != me]
         if me not in reducers:  # a client member (client_member.py): the reducers pull over the links it opened
-            result.bytes_sent = await self._delivered_to(takers, group_id, phase, deadline)
+            result.bytes_sent = self._sent_since(group_id)  # counted with its next step (below)
             return result
         mine = reducers.index(me) + 1
         others = [p for p in peers if p != me]
-        answered, outsiders = await self._pull_from_each(others, group_id, phase, mine, deadline, result)
+        _, outsiders = await self._pull_from_each(others, group_id, phase, mine, deadline, result)
         result.messages = [box[(p, mine)][0] if (p, mine) in box else None for p in peers]
         result.outsiders = sorted(outsiders)
-        result.bytes_sent = await self._delivered_to([p for p in answered if p in takers], group_id, phase, deadline)
+        # no wait for the reducers to take this worker's parts: its reduce goes on at once, and a reducer serves its
+        # reduced part only once it took them. What is served of them from now on is counted with the next step
+        result.bytes_sent = self._sent_since(group_id)
         return result
 
     async def _pull_from_each(
@@ -219,7 +255,7 @@ class MessageGather:
                 elif reason.endswith(OUTSIDE):
                     outsiders.add(peer)
             else:
-                box[(peer, part)] = got
+                self._put(box, (peer, part), got)
                 answered.append(peer)
         return answered, outsiders
 
@@ -231,11 +267,17 @@ class MessageGather:
 
     async def _delivered_to(self, members: Sequence[str], group_id: bytes, phase: int, deadline: float) -> int:
         """Wait (a few seconds at most) until `members` pulled what this worker holds for them of (group, phase),
-        so that the bytes served are counted with the round they belong to; returns those bytes."""
+        so that the bytes served are counted with the round they belong to; returns the bytes served to the group
+        since the last step's count (`_sent_since`)."""
         key, until = (group_id, phase), min(deadline, time.monotonic() + DELIVERY_WAIT_S)
         while not set(members) <= self._delivered[key] and time.monotonic() < until:
-            await asyncio.sleep(0.02)
-        return self._served[key]
+            await self._pulled_here.wait(until - time.monotonic())
+        return self._sent_since(group_id)
+
+    def _sent_since(self, group_id: bytes) -> int:
+        """The bytes this worker served to the group `group_id` since the last count: each byte counted once, by the
+        step that returns after it was served (a scatter does not wait for its parts to be taken)."""
+        return self._served.pop(group_id, 0)
 
     async def _pull_whole(
         self, holder: str, group_id: bytes, phase: int, sender: str, deadline: float, *, part: int = 0
@@ -328,7 +370,7 @@ class MessageGather:
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 120.0)
         key, which = (request.group_id, request.phase), (request.sender, request.part)
         while time.monotonic() < deadline and which not in self._inbox.get(key, {}):
-            await asyncio.sleep(0.05)
+            await self._arrived.wait(deadline - time.monotonic())
         held = self._inbox.get(key, {}).get(which)
         if held is None:
             header.status, header.reason = swarm_pb2.STATE_NOT_READY, "not held here"
@@ -346,11 +388,12 @@ class MessageGather:
         if injection.armed("cut_served_message", stage=self.stage, serve=self._messages_served):
             blob = blob[: len(blob) // 2]  # then the stream ends, as a connection reset mid-reply reads
         first = swarm_pb2.Chunk(head=digest)  # the author's signed digest: the header of a message sent
-        self._served[key] += first.ByteSize()
+        self._served[request.group_id] += first.ByteSize()
         yield first
         for start in range(0, len(blob), PAYLOAD_PART):
             chunk = swarm_pb2.Chunk(payload=blob[start : start + PAYLOAD_PART])
-            self._served[key] += chunk.ByteSize()
+            self._served[request.group_id] += chunk.ByteSize()
             yield chunk
         if request.sender == self._my_id:
             self._delivered[key].add(context.remote_id.to_base58())
+            self._pulled_here.notify()

@@ -102,6 +102,7 @@ class AverageService:
 
     def _hold(self, held: HeldAverage) -> None:
         self._held[held.round] = held
+        self._held_arrived.notify()
         for old in sorted(self._held)[:-KEEP_AVERAGES]:
             del self._held[old]
             self._dropped_up_to = max(self._dropped_up_to, old)
@@ -279,7 +280,8 @@ class AverageService:
             return self._current_round > request.round or self._failed_round.value == request.round or restarted()
 
         while request.round not in self._held and time.monotonic() < deadline and not lacking():
-            await asyncio.sleep(0.2)
+            # woken as the average is held; lacking() reads values other processes set: looked at again every 0.2 s
+            await self._held_arrived.wait(min(0.2, deadline - time.monotonic()))
         held = self._held.get(request.round)
         if held is None and request.round <= self._dropped_up_to:
             # it had that average and moved KEEP_AVERAGES rounds past it: the asker is behind the stage group, not

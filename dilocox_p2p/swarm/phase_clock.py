@@ -11,8 +11,8 @@ applied is in `metrics.jsonl` as `exchange_phases` (README, "Metrics"): the fixe
 exchange, phase by phase, is what a lean exchange has to cut (issue 37).
 Phases: `wait` (the members start the round), `encode`, `matchmaking` (until the group formed),
 `transfer` (the all-reduce or gather of phase 1; the compressed butterfly's parts), `phase2`
-(low-rank's second encode and gather; the compressed butterfly's reduce and the all-gather of
-the reduced parts), `decode`, `mend`, `borrow`, `agree` (phase 5), `other` (what no mark claimed).
+(low-rank's second exchange, its encode left in `encode`; the compressed butterfly's reduce and the
+all-gather of the reduced parts), `decode`, `mend`, `borrow`, `agree` (phase 5), `other` (what no mark claimed).
 """
 
 from __future__ import annotations
