@@ -320,13 +320,44 @@ class RunRecords:
         records = self._get(f"{self.run_id}:round:s{self.stage}:{boundary}", swarm_pb2.RoundRecord, round=boundary)
         return {peer: o.message for peer, (o, _) in records.items() if o.message.boundary == boundary}
 
-    def publish_average(self, record: swarm_pb2.AverageRecord) -> bool:
-        key = f"{self.run_id}:average:s{self.stage}:{record.round}"
-        return self._store(key, record, AVERAGE_RECORD_TTL_S, round=record.round)
+    def _average_key(self, round: int) -> str:
+        return f"{self.run_id}:average:s{self.stage}:{round}"
+
+    def seal_average(self, record: swarm_pb2.AverageRecord) -> bytes:
+        """`record` sealed as `publish_average` stores it: what a push to the group's other voters sends."""
+        return self.signer.seal(record, topic=self._average_key(record.round), round=record.round)
+
+    def publish_average(self, record: swarm_pb2.AverageRecord, sealed: bytes | None = None) -> bool:
+        """Store this worker's AverageRecord (`sealed`: as `seal_average` sealed it, pushed already)."""
+        if sealed is None:
+            return self._store(self._average_key(record.round), record, AVERAGE_RECORD_TTL_S, round=record.round)
+        return self.store_sealed(self._average_key(record.round), sealed, get_dht_time() + AVERAGE_RECORD_TTL_S)
 
     def average_records(self, round: int) -> dict[str, swarm_pb2.AverageRecord]:
-        records = self._get(f"{self.run_id}:average:s{self.stage}:{round}", swarm_pb2.AverageRecord, round=round)
-        return {peer: o.message for peer, (o, _) in records.items() if o.message.round == round}
+        return {peer: o.message for peer, o in self.opened_averages(round).items()}
+
+    def opened_averages(self, round: int) -> dict[str, Opened]:
+        """The AverageRecords of round `round` in the DHT, opened (their envelopes say when each was signed)."""
+        records = self._get(self._average_key(round), swarm_pb2.AverageRecord, round=round)
+        return {peer: o for peer, (o, _) in records.items() if o.message.round == round}
+
+    def open_average(self, sender: str, value: bytes, round: int) -> Opened | None:
+        """An AverageRecord of round `round` that `sender` pushed (member_push.py), checked as one read from the DHT;
+        None if refused (counted as a refused request)."""
+        try:
+            opened = self.gate.open(value, swarm_pb2.AverageRecord, sender=sender, topic=self._average_key(round),
+                                    round=round)  # fmt: skip
+        except WireRejected as e:
+            self.faults.count("requests_refused", "refused an average record %s pushed: %s", sender, e)
+            return None
+        record = opened.message
+        why = malformed_average(record.kind, [(m.start, m.end) for m in record.missing])
+        if why is None and record.round != round:
+            why = f"it is of round {record.round} under round {round}'s key"
+        if why is not None:
+            self.faults.count("requests_refused", "refused an average record %s pushed: %s", sender, why)
+            return None
+        return opened
 
     def publish_config(self, config_hash: str, shared_json: str) -> None:
         record = swarm_pb2.ConfigRecord(config_hash=config_hash, shared_json=shared_json)

@@ -12,7 +12,8 @@ the processes forked after it (the DHT and the averager) add to as well:
                   rpc_download_message)
     matchmaking   join requests and their answers (rpc_join_group, rpc_begun_group)
     dht           DHT requests (rpc_ping, rpc_store, rpc_find): records, heartbeats, phase 5's reads
-    pushes        member records pushed to the other members (rpc_push_member)
+    pushes        member records pushed to the other members, and phase 5's average records to the group's
+                  (rpc_push_member, rpc_push_average)
     held          averages downloaded to mend a part or borrow a round (rpc_download_average)
     state         state downloads (rpc_download_round, hivemind's rpc_download_state)
     hello         the peer handshake (hello.py)
@@ -44,7 +45,7 @@ _BY_METHOD = {
     "rpc_aggregate_part": "exchange", "rpc_download_message": "exchange",
     "rpc_join_group": "matchmaking", "rpc_begun_group": "matchmaking",
     "rpc_ping": "dht", "rpc_store": "dht", "rpc_find": "dht",
-    "rpc_push_member": "pushes",
+    "rpc_push_member": "pushes", "rpc_push_average": "pushes",
     "rpc_download_average": "held",
     "rpc_download_round": "state", "rpc_download_state": "state",
 }  # fmt: skip

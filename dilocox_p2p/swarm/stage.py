@@ -54,6 +54,7 @@ from .faults import FaultCounter
 from .heartbeat import Heartbeat
 from .hello import serve_hello
 from .hivemind_patches import check_version
+from .member_push import PushedAverages
 from .membership import Membership
 from .protocol_bytes import SourceBytes, count_by_source
 from .reconnect import RouteKeeper, join_lead
@@ -164,6 +165,7 @@ class SwarmStage:
         self.membership = Membership(self.records, config_hash=self.config_hash, faults=self.faults)
         # a changed record goes straight to the others too, and theirs come here (member_push.py)
         self.membership.pushed = self.averager.pushed_records
+        self.pushed_averages = PushedAverages(self.averager.pushed_averages, self.records)  # phase 5's (vote.py)
         self.heartbeat.on_change = self._push_member
         self.exchanges = ExchangeQueue(self)
         self.agreement = Agreement(self.records, self.averager, self.membership, self.sw, self.faults, self.deadlines)

@@ -10,6 +10,11 @@ announces the hash of those digests with its copy's, and the digests themselves 
 member reads every AverageRecord of its group, every round, and N digests in each of N records made phase 5
 most of a member's DHT traffic (N=4, `tiny`: 6.3 kB a read, against 1.3 kB for the members' records). Members
 whose digests differ read each other's and convict a reducer that signed two different parts.
+
+A member sends its AverageRecord, sealed as it stores it, to the group's other voters as well (member_push.py):
+a voter waits for those pushes and reads the group's records from the DHT only every AGREE_POLL_S while the
+majority is not settled (first after AGREE_POLL_S), so a clean round's vote ends as the last copy is announced,
+without a read. A borrower, to whom nobody pushes, reads at once.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from .. import injection
 from ..average import Average, AverageKind, applies_nothing, average_hash, intersect_spans, spans_by_tensor
@@ -87,7 +93,7 @@ class GroupVote:
             return average
         mine = average_hash(average.tensors, average.missing)
         if me in voters:
-            self._announce(average, mine)
+            self._announce(average, mine, voters)
         records = self._group_records(average.group_id, voters, mine if me in voters else None, grow=borrowed)
         convicted = self._convict_equivocators(average, records)
         hashes = {p: r.average_hash for p, r in records.items() if p not in convicted}  # a liar votes no more
@@ -112,7 +118,7 @@ class GroupVote:
             100 * average.coverage, len(holders), len(hashes), winner[:12], adopted.kind.value, 100 * adopted.coverage,
         )  # fmt: skip
         if me in voters:  # members still deciding count this worker in the majority now; the digests it got stay
-            self._announce(dataclasses.replace(adopted, digests=average.digests), winner, digests_too=False)
+            self._announce(dataclasses.replace(adopted, digests=average.digests), winner, voters, digests_too=False)
         return adopted
 
     def _tie(self, average: Average, hashes: dict[str, str]) -> Average:
@@ -127,10 +133,10 @@ class GroupVote:
         started = average.window[0] if average.window else self._window_start
         return dataclasses.replace(applies_nothing(AverageKind.STRANDED, note, started), stranded_alike=True)
 
-    def _announce(self, average: Average, average_hash_: str, *, digests_too: bool = True) -> None:
+    def _announce(self, average: Average, average_hash_: str, voters: set[str], *, digests_too: bool = True) -> None:
         """Publish this worker's copy's hash (AverageRecord) with the hash of the reducers' digests of what it was
-        sent; the digests themselves (DigestRecord) in the background: only members whose digests differ read
-        them (`_convict_equivocators`), and wait for them."""
+        sent, pushed to the other `voters` first; the digests themselves (DigestRecord) in the background: only
+        members whose digests differ read them (`_convict_equivocators`), and wait for them."""
         record = swarm_pb2.AverageRecord(
             round=self.round, group_id=average.group_id, average_hash=average_hash_, kind=average.kind.value,
             missing=[swarm_pb2.Span(start=a, end=b) for a, b in average.missing],
@@ -138,12 +144,27 @@ class GroupVote:
         )  # fmt: skip
         if injection.armed("lie_to_borrowers", round=self.round, stage=self.stage.records.stage, quiet=True):
             time.sleep(LIAR_LATE_S)  # a liar also announces its copy late: a borrower that looks early finds nobody
-        self.stage.records.publish_average(record)
+        sealed = self.stage.records.seal_average(record)
+        others = sorted(voters - {self.stage.peer_id})
+        try:
+            self.averager.push_average(sealed, others)
+        except Exception as e:  # the DHT holds it: the others read it there
+            logger.debug("round %d: could not push this worker's average record: %r", self.round, e)
+        digests = None
         if digests_too and average.digests:
             digests = swarm_pb2.DigestRecord(round=self.round, group_id=average.group_id,
                                              reduced_digests=average.digests)  # fmt: skip
-            threading.Thread(target=self.stage.records.publish_digests, args=(digests,), name="digests",
-                             daemon=True).start()  # fmt: skip
+        # stored in the background: the voters have it by push, and the store (a DHT walk, tens of ms) was most of
+        # a clean round's phase 5; borrowers and members whose push was lost read it there a moment later
+        threading.Thread(target=self._store_announcement, args=(record, sealed, digests), name="announce",
+                         daemon=True).start()  # fmt: skip
+
+    def _store_announcement(
+        self, record: swarm_pb2.AverageRecord, sealed: bytes, digests: swarm_pb2.DigestRecord | None
+    ) -> None:  # fmt: skip
+        self.stage.records.publish_average(record, sealed)
+        if digests is not None:
+            self.stage.records.publish_digests(digests)
 
     def _convict_equivocators(self, average: Average, records: dict[str, swarm_pb2.AverageRecord]) -> set[str]:
         """A reducer whose signed digests of one reduced part differ between this worker's copy and another
@@ -207,9 +228,14 @@ class GroupVote:
         records: dict[str, swarm_pb2.AverageRecord] = {}
         unheard = set(admitted)
         probed = False
+        opened: dict[str, Any] = {}  # sender -> its latest AverageRecord, read or pushed (dht.Opened)
+        read_at = started if grow else started + AGREE_POLL_S  # a voter waits for the others' pushes first
         while not self.abandoned():
             try:
-                found = self.stage.records.average_records(self.round)
+                if time.monotonic() >= read_at:
+                    read_at = time.monotonic() + AGREE_POLL_S
+                    _newest(opened, self.stage.records.opened_averages(self.round))
+                found = {p: o.message for p, o in opened.items()}
                 if grow:
                     voters |= {p for p, r in found.items() if p in admitted and r.group_id == group_id}
                     others, unheard = voters - {self.stage.peer_id}, admitted - set(found)
@@ -234,8 +260,16 @@ class GroupVote:
                 logger.info("round %d: %d of %d members' average records in after %.0fs; deciding with them",
                             self.round, len(records), len(voters), self.stage.deadlines.allreduce)  # fmt: skip
                 break
-            time.sleep(AGREE_POLL_S)
+            _newest(opened, self._pushed(max(0.0, min(read_at, deadline) - time.monotonic())))
         return records
+
+    def _pushed(self, timeout: float) -> dict[str, Any]:
+        """The AverageRecords of this round pushed since the last look, waiting up to `timeout` for one."""
+        pushes = getattr(self.stage, "pushed_averages", None)
+        if pushes is None:
+            time.sleep(timeout)
+            return {}
+        return pushes.take(self.round, timeout)
 
     def _awaited(self, silent: set[str], waited: float) -> set[str]:
         """Those of the `silent` voters that may still announce their copy: not the ones whose member record
@@ -284,3 +318,12 @@ class GroupVote:
             window=(average.window[0] if average.window else self._window_start, time.time()),
             note=average.note, mended_from=tuple(got.mended_from),
         )  # fmt: skip
+
+
+def _newest(into: dict[str, Any], records: dict[str, Any]) -> None:
+    """Keep in `into` each sender's latest opened record of `into` and `records` (by the time its envelope was
+    signed: a member that adopted the majority's copy announces again)."""
+    for sender, opened in records.items():
+        if sender not in into or opened.envelope.sent_at >= into[sender].envelope.sent_at:
+            into[sender] = opened
+

@@ -221,3 +221,34 @@ def test_a_view_keeps_a_member_whose_record_expired_until_a_lookup_after_the_exp
     assert a.peer_id in b.membership.voters()
     assert b.membership.refresh()  # a lookup after the expiry: no node holds a record of a any more
     assert b.membership.members() == [] and a.peer_id not in b.membership.voters()
+
+
+def test_an_average_record_pushed_to_a_voter_waits_for_its_rounds_vote_and_a_forged_or_stale_one_never_counts(pair):
+    # phase 5 read the group's AverageRecords from the DHT every 0.2 s until the majority settled; now each voter's
+    # record is pushed to the others as it is stored (vote.py), and a vote takes what was pushed for its round
+    from dilocox_p2p.swarm.member_push import PushedAverages
+
+    a, b = pair
+
+    def record(round: int, average_hash: str) -> swarm_pb2.AverageRecord:
+        return swarm_pb2.AverageRecord(round=round, group_id=b"g", average_hash=average_hash, kind="averaged")
+
+    a.averager.push_average(a.records.seal_average(record(1, "stale")), [b.peer_id])  # a round b has voted in
+    a.averager.push_average(b.records.seal_average(record(3, "forged")), [b.peer_id])  # b's signature, a's push
+    a.averager.push_average(a.records.seal_average(record(3, "first")), [b.peer_id])
+    a.averager.push_average(a.records.seal_average(record(3, "adopted")), [b.peer_id])  # a took the majority's
+    a.averager.push_average(a.records.seal_average(record(4, "next")), [b.peer_id])  # b has not voted in round 4
+    pushes, got, refused = PushedAverages(b.averager.pushed_averages, b.records), {}, []
+
+    def taken() -> bool:
+        got.update(pushes.take(3, 0.5))
+        refused.append(b.faults.take()["requests_refused"])
+        return bool(got) and sum(refused) >= 1
+
+    assert _eventually(taken, 20), (got, refused)
+    time.sleep(1.0)  # every push has come
+    assert taken() and set(got) == {a.peer_id} and got[a.peer_id].message.average_hash == "adopted", got
+    assert sum(refused) == 1  # the forged one, refused as a record read from the DHT would be
+    later = pushes.take(4, 0.5)
+    assert {p: o.message.average_hash for p, o in later.items()} == {a.peer_id: "next"}
+    assert pushes.take(1, 0.5) == {} and pushes.take(3, 0.5) == {}  # the stale one dropped; round 3's taken once
