@@ -79,8 +79,8 @@ class GroupVote:
         more (the majority's missing spans left out again: no download), else downloaded from
         a holder and checked against its hash; if that fails too, the average is marked
         `off_majority` and the worker takes the swarm's state at the boundary, before theta_g is
-        used or recorded (worker.py). A clean round costs one DHT store and a read or
-        two, overlapped with training in every mode but `sync`.
+        used or recorded (worker.py). A clean round costs a push to each voter and one
+        DHT store in the background, overlapped with training in every mode but `sync`.
         """
         voters = set(average.group if voters is None else voters)
         me = self.stage.peer_id
