@@ -155,9 +155,15 @@ class GroupVote:
             digests = swarm_pb2.DigestRecord(round=self.round, group_id=average.group_id,
                                              reduced_digests=average.digests)  # fmt: skip
         # stored in the background: the voters have it by push, and the store (a DHT walk, tens of ms) was most of
-        # a clean round's phase 5; borrowers and members whose push was lost read it there a moment later
-        threading.Thread(target=self._store_announcement, args=(record, sealed, digests), name="announce",
-                         daemon=True).start()  # fmt: skip
+        # a clean round's phase 5; borrowers and members whose push was lost read it there a moment later. One
+        # store at a time, in order: the DHT keeps a subkey's latest expiration, so an announcement after adopting
+        # the majority's copy stored before the first would be overwritten by it
+        earlier = getattr(self, "_announcing", None)
+        if earlier is not None:
+            earlier.join()
+        self._announcing = threading.Thread(target=self._store_announcement, args=(record, sealed, digests),
+                                            name="announce", daemon=True)  # fmt: skip
+        self._announcing.start()
 
     def _store_announcement(
         self, record: swarm_pb2.AverageRecord, sealed: bytes, digests: swarm_pb2.DigestRecord | None
