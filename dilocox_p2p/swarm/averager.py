@@ -30,17 +30,15 @@ import logging
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
-from typing import Any, AsyncIterator  # typing's: hivemind reads rpc handlers' stream hints by their _name
+from typing import Any
 
 import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import achain, as_aiter
 
 from .. import injection
 from ..average import AverageKind, Spans
@@ -62,10 +60,7 @@ from .matchmaking import (
     drop_stale_searches,
     forget_lost_acceptance,
     hold_matchmaking_tasks,
-    joining,
-    lost_acceptance,
     lower_target,
-    outside_every_group,
     screen_join_requests,
     set_target_size,
     track_join_requests,
@@ -83,18 +78,12 @@ logger = logging.getLogger(__name__)
 ROUND_BITS = 24
 ALIVE_CHECK_S = 1.0  # a call into the averager process checks that the process lives this often
 OUTSIDE_GROUPS_KEPT = 16  # the latest groups found counted out, answered at once (_outside_group)
-JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
 LEAD_SHARE = 0.25  # of round_wait: a designated leader waits this long for its followers before it searches too
 
 
 def round_group_bits(round: int) -> str:
     """Group-key bits that spell the round number (groups never mix rounds)."""
     return format(round % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
-
-
-async def _drained(stream: AsyncIterator[Any]) -> None:
-    async for _ in stream:
-        pass
 
 
 async def _keep_group_key(*args: Any, **kwargs: Any) -> None:
@@ -446,49 +435,6 @@ class DilocoxAverager(
         n = self._refusals.count(reason)
         if n is not None:
             logger.warning("refused %s: %s [%d such so far]", what, reason, n)
-
-    async def rpc_aggregate_part(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """As hivemind's, but a part of a group this worker is not in, nor about to join, is answered BAD_GROUP_ID
-        at once (matchmaking.outside_every_group). hivemind waits for some group to register: a leader that
-        counted this worker in after it had given up on the leader waited out its timeouts for it."""
-        request = await anext(stream)
-        if await self._outside_group(request.group_id, context.remote_id):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-            # read the rest of the sender's parts before closing: a stream closed under its writer broke the
-            # sender's pipe, and it took that for a failed reducer, not a member outside the group
-            try:
-                await asyncio.wait_for(_drained(stream), timeout=self.next_chunk_timeout)
-            except Exception as e:
-                logger.debug("the parts of a group this worker is not in did not end: %r", e)
-            return
-        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
-            yield message
-
-    async def _outside_group(self, group_id: bytes, sender: PeerID | None = None) -> bool:
-        """matchmaking.outside_every_group, for a request of a member of group `group_id`, once this worker's
-        requests to leaders in flight have ended (at most the matchmaking's request_timeout and a second): the
-        leader of that group may have taken one and started before its answer came. Asked while this worker
-        looks for a group, it also marks the round counted out (`counted_out`). A group found so once stays so:
-        this worker can never join a group that began without it, and the parts of its other members are answered
-        at once even while this worker looks for a group again (exchange._grouped) and waits for a leader's answer:
-        waiting for that answer, it kept one of them past its sender and chunk timeouts (12-18 s, busy core). A
-        worker whose leader accepted it in this round and whose answer stream then closed asks `sender`, a member
-        of that group, which group began, and joins it late (group_admission.GroupAdmission._join_begun)."""
-        if group_id in self._outside_groups and group_id not in self._running_groups:
-            return True
-        deadline = time.monotonic() + self._matchmaking.request_timeout + 1.0
-        while group_id not in self._running_groups and joining(self._matchmaking) and time.monotonic() < deadline:
-            await asyncio.sleep(JOIN_POLL_S)
-        outside = group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
-        if outside and sender is not None and lost_acceptance(self._matchmaking):
-            outside = not await self._join_begun(group_id, sender)
-        if outside:
-            self._outside_groups.append(group_id)
-            if self._matchmaking.is_looking_for_group:
-                self._counted_out.value = self._current_round
-        return outside
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         self._grouped_at, self._grouped_round = time.time(), self._current_round

@@ -201,7 +201,7 @@ class RoundExchange(CompressedRound, GroupVote):
         outsiders only. In a pair both ended without an average (stranded, seen in a shaped 2-peer swarm in CI);
         looking again, they find each other. The follower learns it at once (the leader's parts reach it), the
         leader only when the follower answers them, which may take the matchmaking's request_timeout and a second
-        (the follower first waits for its own join requests in flight: averager._outside_group). Where the others
+        (the follower first waits for its own join requests in flight: group_admission._outside_group). Where the others
         did average, the worker borrows their average as before. A compressed round (`payload`, `ranks`) looks
         again the same way: without it, a pair split so in its first round stranded both (CI, test_trust)."""
         result, failure = self._all_reduce(expected, payload, ranks, leader=self._leader())

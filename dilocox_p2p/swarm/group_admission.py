@@ -23,17 +23,27 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, as_aiter
 
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
-from .matchmaking import looking_for_group, outside_every_group, pop_while_unsure, refuses_mutual_ask
+from .matchmaking import (
+    joining, looking_for_group, lost_acceptance, outside_every_group, pop_while_unsure, refuses_mutual_ask,
+)
+from .request_limits import peer_limits
 
 __all__ = ["GroupAdmission", "ask_designated_then_admitted"]
 
 logger = logging.getLogger(__name__)
 
+JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
 JOIN_WAIT_POLL_S = 0.05  # a request that came before its leader looks checks this often whether it looks (no network)
 BEGUN_KEPT = 8  # the latest groups this worker ran, answered to a member that lost its leader's BEGIN_ALLREDUCE
+
+
+async def _drained(stream: AsyncIterator[Any]) -> None:
+    async for _ in stream:
+        pass
 
 
 class GroupAdmission:
@@ -52,6 +62,9 @@ class GroupAdmission:
     serializer: Any
     gate: Any
     _refused: Any
+    _outside_groups: Any  # collections.deque of group ids found counted out (averager.py)
+    _counted_out: Any
+    next_chunk_timeout: float
 
     def _sealed_ticket(self, gathered: bytes) -> Any:
         """The signed ticket in a JoinRequest.gather: hivemind's (bandwidth, mode, user data), ours the user data."""
@@ -103,19 +116,25 @@ class GroupAdmission:
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        peer = context.remote_id.to_base58()
-        await self._wait_to_lead(self._ticket_round(request.gather), peer)
-        refusal = self._ticket_refusal(peer, request.gather, joining=True)
+        peer, limits = context.remote_id.to_base58(), peer_limits(self)
+        refusal = limits.refusal("matchmaking", peer)  # before a request is held or its ticket checked
         if refusal:
             self._refused(f"{peer}'s request to join round {self._current_round}'s group", refusal)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        if refuses_mutual_ask(self._matchmaking, peer, request.expiration):  # both waited out request_timeout
-            logger.debug("refused %s's request to lead it: this worker is asking it to lead", peer)
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_A_LEADER)
-            return
-        async for message in super().rpc_join_group(request, context):
-            yield message
+        with limits.held("matchmaking", peer):
+            await self._wait_to_lead(self._ticket_round(request.gather), peer)
+            refusal = self._ticket_refusal(peer, request.gather, joining=True)
+            if refusal:
+                self._refused(f"{peer}'s request to join round {self._current_round}'s group", refusal)
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            if refuses_mutual_ask(self._matchmaking, peer, request.expiration):  # both waited out request_timeout
+                logger.debug("refused %s's request to lead it: this worker is asking it to lead", peer)
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_A_LEADER)
+                return
+            async for message in super().rpc_join_group(request, context):
+                yield message
 
     async def _wait_to_lead(self, round: int | None, peer: str) -> None:
         """A request of `peer` to join round `round`'s group that comes before this worker looks for that group waits until
@@ -148,6 +167,10 @@ class GroupAdmission:
         whose valid ticket of this round (`request.gather`, as in a join request) the group holds: one whose leader
         accepted it and whose answer stream then closed (matchmaking.py). BAD_GROUP_ID to anyone else."""
         peer = context.remote_id
+        reason = peer_limits(self).refusal("matchmaking", peer.to_base58())
+        if reason:
+            self._refused(f"{peer.to_base58()}'s question which group began", reason)
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
         try:
             group = self._begun.get(bytes.fromhex(request.group_key))
         except ValueError:
@@ -198,6 +221,64 @@ class GroupAdmission:
         logger.info("joined group %s late: its leader accepted this worker, and its answer that the group began was "
                     "lost; %s named the group", group_id.hex()[:8], member)  # fmt: skip
         return True
+
+
+    # ----- parts of groups this worker is not in (matchmaking.outside_every_group) ----------------------
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As hivemind's, but a part of a group this worker is not in, nor about to join, is answered BAD_GROUP_ID
+        at once (matchmaking.outside_every_group). hivemind waits for some group to register: a leader that
+        counted this worker in after it had given up on the leader waited out its timeouts for it."""
+        peer, limits = context.remote_id.to_base58(), peer_limits(self)
+        refusal = limits.refusal("parts", peer)  # before a byte of the stream is read (request_limits.py)
+        if refusal:
+            self._refused(f"parts streamed by {peer}", refusal)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        with limits.held("parts", peer):
+            async for message in self._aggregate_part(stream, context):
+                yield message
+
+    async def _aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        request = await anext(stream)
+        if await self._outside_group(request.group_id, context.remote_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            # read the rest of the sender's parts before closing: a stream closed under its writer broke the
+            # sender's pipe, and it took that for a failed reducer, not a member outside the group
+            try:
+                await asyncio.wait_for(_drained(stream), timeout=self.next_chunk_timeout)
+            except Exception as e:
+                logger.debug("the parts of a group this worker is not in did not end: %r", e)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _outside_group(self, group_id: bytes, sender: PeerID | None = None) -> bool:
+        """matchmaking.outside_every_group, for a request of a member of group `group_id`, once this worker's
+        requests to leaders in flight have ended (at most the matchmaking's request_timeout and a second): the
+        leader of that group may have taken one and started before its answer came. Asked while this worker
+        looks for a group, it also marks the round counted out (`counted_out`). A group found so once stays so:
+        this worker can never join a group that began without it, and the parts of its other members are answered
+        at once even while this worker looks for a group again (exchange._grouped) and waits for a leader's answer:
+        waiting for that answer, it kept one of them past its sender and chunk timeouts (12-18 s, busy core). A
+        worker whose leader accepted it in this round and whose answer stream then closed asks `sender`, a member
+        of that group, which group began, and joins it late (group_admission.GroupAdmission._join_begun)."""
+        if group_id in self._outside_groups and group_id not in self._running_groups:
+            return True
+        deadline = time.monotonic() + self._matchmaking.request_timeout + 1.0
+        while group_id not in self._running_groups and joining(self._matchmaking) and time.monotonic() < deadline:
+            await asyncio.sleep(JOIN_POLL_S)
+        outside = group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
+        if outside and sender is not None and lost_acceptance(self._matchmaking):
+            outside = not await self._join_begun(group_id, sender)
+        if outside:
+            self._outside_groups.append(group_id)
+            if self._matchmaking.is_looking_for_group:
+                self._counted_out.value = self._current_round
+        return outside
 
 
 def ask_designated_then_admitted(leaders: Any, averager: Any) -> None:

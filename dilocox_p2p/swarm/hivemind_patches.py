@@ -51,7 +51,9 @@ PATCHES: dict[str, str] = {
     "DecentralizedAverager.rpc_aggregate_part": "a part of a group this worker is not in, nor joining "
     "(Matchmaking.current_leader / assembled_group read, no join request in flight), is answered BAD_GROUP_ID at once; a request for a "
     "compressed message of such a group is answered at once too (gather.py), and while Matchmaking."
-    "is_looking_for_group the round is marked counted out: the stage stops looking and borrows",
+    "is_looking_for_group the round is marked counted out: the stage stops looking and borrows (group_admission.py); "
+    "a peer's part streams and join requests beyond its rate or its share of held requests are refused first "
+    "(request_limits.py)",
     "DecentralizedAverager._outer_pipe": "calls into the averager process (_prepare_round, _collect, _download_round)",
     "DecentralizedAverager._get_current_state_from_host_process": "fetches the state a joiner downloads",
     "DecentralizedAverager._p2p / serializer": "stubs for our RPCs; msgpack for state metadata",

@@ -30,6 +30,7 @@ from hivemind.utils import MPFuture
 
 from ..proto_gen import envelope_pb2
 from ..wire import MAX_RECORD_BYTES, swarm_pb2
+from .request_limits import peer_limits
 
 __all__ = ["MemberPushes", "Pushed", "PushedAverages", "claimed_round", "take_pushed"]
 
@@ -88,21 +89,26 @@ class MemberPushes:
 
     async def rpc_push_member(self, request: swarm_pb2.MemberPush, context: P2PContext) -> swarm_pb2.MemberPush:
         """A member's changed record, for the stage worker to open (Membership); never answered with an error."""
-        if 0 < len(request.record) <= MAX_RECORD_BYTES:
-            try:
-                self.pushed_records.put_nowait((context.remote_id.to_base58(), request.record, request.expiration))
-            except queue.Full:
-                logger.debug("dropped a member record pushed by %s: the stage worker is behind", context.remote_id)
+        self._take_push(request, context, self.pushed_records, "a member record")
         return swarm_pb2.MemberPush()
 
     async def rpc_push_average(self, request: swarm_pb2.MemberPush, context: P2PContext) -> swarm_pb2.MemberPush:
         """A voter's AverageRecord, for the stage worker's phase 5 to open (vote.py); never answered with an error."""
-        if 0 < len(request.record) <= MAX_RECORD_BYTES:
-            try:
-                self.pushed_averages.put_nowait((context.remote_id.to_base58(), request.record, request.expiration))
-            except queue.Full:
-                logger.debug("dropped an average record pushed by %s: the stage worker is behind", context.remote_id)
+        self._take_push(request, context, self.pushed_averages, "an average record")
         return swarm_pb2.MemberPush()
+
+    def _take_push(self, request: swarm_pb2.MemberPush, context: P2PContext, into: Any, what: str) -> None:
+        """Queue a pushed record for the stage worker, unless its sender pushes faster than any honest member
+        (request_limits.py, family "pushes": its pushes would crowd the others' out of the shared queue)."""
+        sender = context.remote_id.to_base58()
+        reason = peer_limits(self).refusal("pushes", sender)
+        if reason:
+            self._refused(f"{what} pushed by {sender}", reason)  # type: ignore[attr-defined]
+        elif 0 < len(request.record) <= MAX_RECORD_BYTES:
+            try:
+                into.put_nowait((sender, request.record, request.expiration))
+            except queue.Full:
+                logger.debug("dropped %s pushed by %s: the stage worker is behind", what, sender)
 
 
 def take_pushed(pushed: Any, timeout: float) -> list[Pushed]:

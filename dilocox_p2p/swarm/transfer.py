@@ -11,7 +11,6 @@ Used by the averages a worker serves (held.py) and the states it serves (state_s
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import hashlib
 import time
@@ -29,85 +28,36 @@ from .. import injection
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from ..wire import swarm_pb2
+from .request_limits import peer_limits
 
 __all__ = [
-    "MAX_HELD_PER_PEER", "MAX_WAIT_S", "REQUEST_BURST", "REQUESTS_PER_S", "Oversized", "Reply", "SignedReplies", "claimed_nonce", "limit_per_peer",
-    "read_stream", "same_shapes",
+    "MAX_WAIT_S", "Oversized", "Reply", "SignedReplies", "claimed_nonce", "limit_per_peer", "read_stream", "same_shapes",
 ]  # fmt: skip
 
 MAX_WAIT_S = 600.0  # the longest a request may ask a donor to wait
-MAX_HELD_PER_PEER = 32
-"""Requests of one peer a worker's download handlers hold at once (each may wait up to its wait_s for what it asks):
-one more is refused at once, "busy". An honest member asks one donor for a handful at a time (a part or reduced
-part per phase, its average, a state; a relay of an all-gather at most a message per other member); 10,000 waiting
-requests of one peer each held a coroutine polling every 50-200 ms (issue 38, point 4)."""
-REQUESTS_PER_S = 20.0
-REQUEST_BURST = 100
-"""Requests of one peer a worker's download handlers take per second on average, and at most at once after a quiet
-spell (a token bucket per peer): one beyond is refused at once, "too many requests", before its envelope is even
-checked. An honest member sends a few dozen in a round at most (its parts' and messages' downloads, retries after a
-cut stream, a state in a few parts); each refused request still costs the flooder a signed round trip."""
 
 
 def limit_per_peer(header_cls: type) -> Callable[[Callable], Callable]:
     """A download handler (rpc_download_*) that takes at most REQUESTS_PER_S requests of one peer a second (bursts of
-    REQUEST_BURST) and holds at most MAX_HELD_PER_PEER at once, and answers one more with a signed `header_cls`
-    refusal at once."""
+    REQUEST_BURST) and holds at most MAX_HELD_PER_PEER at once (request_limits.py, family "downloads"), and answers
+    one more with a signed `header_cls` refusal at once."""
 
     def wrap(handler: Callable) -> Callable:
         @functools.wraps(handler)  # hivemind reads the handler's argument names and (unwrapped) type hints
         async def limited(self: Any, sealed: envelope_pb2.SignedEnvelope, context: P2PContext) -> AsyncIterator[Any]:
-            held = self.__dict__.setdefault("_held_requests", collections.Counter())
-            rate = self.__dict__.setdefault("_request_rate", RequestRate())
-            peer = context.remote_id.to_base58()
-            reason = ""
-            if not rate.take(peer):
-                reason = f"too many requests: {peer} asked more than {REQUESTS_PER_S:.0f} a second here"
-            elif held[peer] >= MAX_HELD_PER_PEER:
-                reason = f"busy: {held[peer]} requests of {peer} are held here already, the most for one peer"
+            limits, peer = peer_limits(self), context.remote_id.to_base58()
+            reason = limits.refusal("downloads", peer)
             if reason:
                 self._refused(f"a request from {peer}", reason)
                 yield self._head(header_cls(status=swarm_pb2.STATE_REFUSED, reason=reason), sealed)
                 return
-            held[peer] += 1
-            try:
+            with limits.held("downloads", peer):
                 async for chunk in handler(self, sealed, context):
                     yield chunk
-            finally:
-                held[peer] -= 1
-                if held[peer] <= 0:
-                    del held[peer]
 
         return limited
 
     return wrap
-
-
-class RequestRate:
-    """A token bucket per peer: REQUEST_BURST tokens, REQUESTS_PER_S back a second. Peers whose bucket is full again
-    are forgotten once MAX_PEERS_TRACKED are tracked (outsiders can bring any number of peer ids)."""
-
-    MAX_PEERS_TRACKED = 4096
-
-    def __init__(self, per_s: float = REQUESTS_PER_S, burst: int = REQUEST_BURST):
-        self.per_s, self.burst = per_s, float(burst)
-        self._buckets: dict[str, tuple[float, float]] = {}  # peer -> (tokens, when last counted)
-
-    def take(self, peer: str) -> bool:
-        """Whether `peer` may make one more request now (it is counted if so)."""
-        now = time.monotonic()
-        tokens = self._tokens(peer, now)
-        if tokens < 1.0:
-            self._buckets[peer] = (tokens, now)
-            return False
-        self._buckets[peer] = (tokens - 1.0, now)
-        if len(self._buckets) > self.MAX_PEERS_TRACKED:
-            self._buckets = {p: b for p, b in self._buckets.items() if self._tokens(p, now) < self.burst}
-        return True
-
-    def _tokens(self, peer: str, now: float) -> float:
-        tokens, then = self._buckets.get(peer, (self.burst, now))
-        return min(self.burst, tokens + (now - then) * self.per_s)
 
 
 class SignedReplies:

@@ -289,7 +289,7 @@ def test_parts_of_another_shape_are_refused_and_their_sender_named_without_stall
 
 def test_a_peer_that_floods_a_member_with_waiting_requests_is_held_to_a_few_and_refused_at_once_beyond(group):
     # 10,000 waiting requests of one peer each held a coroutine polling the round (issue 38, point 4)
-    from dilocox_p2p.swarm.transfer import MAX_HELD_PER_PEER
+    from dilocox_p2p.swarm.request_limits import MAX_HELD_PER_PEER
 
     asker, asked, flood = group.averagers[1], group.ids[0], MAX_HELD_PER_PEER + 4
     wait_s = 6.0  # round 99 is never held: each request held waits all of it
@@ -313,7 +313,7 @@ def test_a_peer_that_floods_a_member_with_waiting_requests_is_held_to_a_few_and_
 def test_a_peer_that_asks_faster_than_any_honest_one_is_refused_beyond_its_rate_and_served_again_after(group):
     # no request rate limit (issue 38, point 4): a peer could ask as fast as its link carried signed requests, each
     # one opened, checked and answered. Now REQUESTS_PER_S a second (REQUEST_BURST at once) are; the rest refused
-    from dilocox_p2p.swarm.transfer import REQUEST_BURST, REQUESTS_PER_S
+    from dilocox_p2p.swarm.request_limits import REQUEST_BURST, REQUESTS_PER_S
 
     asker, asked, flood = group.averagers[1], group.ids[0], 2 * REQUEST_BURST
 

@@ -269,7 +269,7 @@ def test_a_member_whose_matchmaking_fails_after_its_leader_counted_it_in_costs_t
     # netns lab the three others waited out 125 s of deadlines for it. It answers their parts at once, they leave
     # it out (its span stays as it was: partial), and it borrows their average: their exchange of that round runs
     # out none of its deadlines (a sender banned before another started kept them 5 s: allreduce.py; a part that
-    # reached it after another member's had, once it looked for a group again, 12-18 s: averager._outside_group).
+    # reached it after another member's had, once it looked for a group again, 12-18 s: group_admission._outside_group).
     # Compressed, the span it was to reduce is missing on every member alike, and nobody asks the others for copies
     # that cannot fill it (each a whole average: 0.5 s of a 0.3 s exchange in the lab, benchmarks/matchmaking_failure.py)
     faulty = range(1, 3)  # the faulty member follows a leader in these rounds (it declares a later start) and gives up

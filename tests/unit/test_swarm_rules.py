@@ -47,7 +47,7 @@ def test_a_tie_at_the_top_is_split_evenly_and_a_hash_held_by_more_than_any_other
 
 
 def test_a_peers_requests_are_taken_up_to_a_burst_then_at_its_rate_and_each_peer_has_its_own_bucket():
-    from dilocox_p2p.swarm.transfer import RequestRate
+    from dilocox_p2p.swarm.request_limits import RequestRate
 
     rate, started = RequestRate(per_s=20.0, burst=5), time.monotonic()
     taken = sum(rate.take("a") for _ in range(50))
@@ -56,6 +56,21 @@ def test_a_peers_requests_are_taken_up_to_a_burst_then_at_its_rate_and_each_peer
     time.sleep(0.2)  # 4 tokens back
     taken_after = sum(rate.take("a") for _ in range(50))
     assert 3 <= taken_after <= 5
+
+
+def test_each_family_of_requests_has_its_own_bucket_and_its_own_count_of_held_requests():
+    from dilocox_p2p.swarm.request_limits import PeerLimits
+
+    limits = PeerLimits(per_s=1.0, burst=2, max_held=1)
+    assert limits.refusal("pushes", "a") == "" and limits.refusal("pushes", "a") == ""
+    assert "too many requests" in limits.refusal("pushes", "a")
+    assert limits.refusal("matchmaking", "a") == "", "a flood of pushes does not refuse a join request"
+    with limits.held("matchmaking", "a"):
+        assert "busy" in limits.refusal("matchmaking", "a")
+        assert limits.refusal("matchmaking", "b") == "", "another peer's held requests are its own"
+        assert limits.refusal("parts", "a") == "", "nor another family's"
+    time.sleep(1.05)  # a token back, and nothing held any more
+    assert limits.refusal("matchmaking", "a") == ""
 
 
 def test_a_suspected_member_counts_again_once_it_heartbeats_after_its_failure_begins_a_later_round_or_restarts():
