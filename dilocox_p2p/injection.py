@@ -42,10 +42,12 @@ Hostile peers (docs/security.md), which skip this peer's own checks:
   the negated average, signed, with a group list naming only itself (so that the borrower would skip the vote),
   and announce its own copy of round R 2 s late (so that a borrower that votes early finds no other voter).
 - `flip_served_bit:stage=S` flips one bit of every compressed message and average stage S
-  serves to another member (after signing it, as a faulty relay or link would).
+  serves to another member, and of every part and averaged part it sends in the fp32 butterfly
+  (after signing it, as a faulty relay or link would).
 - `equivocate_reduced:stage=S` makes stage S's reducer serve each member that asks for one of its
-  reduced parts of the compressed butterfly other bytes (a bit flipped, another one for each)
-  behind a digest it signs for them, and keep the true part itself (a reducer lying to its group).
+  reduced parts of the compressed butterfly, or that it sends its averaged span in the fp32 butterfly,
+  other bytes (a bit flipped, another one for each) behind a digest it signs for them, and keep the
+  true part itself (a reducer lying to its group).
 - `corrupt_served_piece:stage=S` makes stage S serve every piece of its state (STATE_PIECE) with the lowest bit of
   its first value flipped, signed as it serves it (a donor that lies about the state it holds).
 - `stall_served_piece:stage=S` makes stage S hold every request for a piece of its state (STATE_PIECE) 60 s

@@ -21,13 +21,22 @@ hivemind_patches.py with the versions checked):
 6. Every part a reducer receives and every averaged part a member receives is checked for its shape and
    dtype before it is used: one that does not fit is refused, its sender banned from the all-reduce (a
    reducer: failed) and named in `offenders`.
-7. Fault injection for tests (injection.py): `withhold_average`, `hoard_average`,
-   `kill_peer_in_allreduce`, `send_nan_average`, `send_malformed_parts`.
+7. Every part is bound to a signed digest (issue 38, point 1), carried in hivemind's AveragingData.peer_id, which
+   its runner leaves unused: a sender signs each part it sends a reducer (MessageDigest: group, SENT_PHASE, the
+   reducer's index and the part's, SHA-256 of its bytes), checked before the part is reduced; a reducer signs the
+   whole averaged span it sends a member (AVERAGED_PHASE, its own index, the SHA-256 of all its parts' bytes in
+   order) with the span's last part, checked before the span is used (members apply the average only once the
+   all-reduce ended). A part or span that does not match is refused as any malformed one. Members keep the
+   reducers' digests (`reducer_digests`): phase 5 compares them, so that a reducer that sent members different
+   bytes is proven by its own signatures and banned, as in the compressed butterfly (swarm/equivocation.py).
+8. Fault injection for tests (injection.py): `withhold_average`, `hoard_average`,
+   `kill_peer_in_allreduce`, `send_nan_average`, `send_malformed_parts`, `equivocate_reduced`, `flip_served_bit`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,10 +51,21 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from .. import injection
 from ..average import AGAINST, Spans, against_the_group, bound, norm, ordered_mean
+from ..envelope import Gate, Signer
+from ..errors import WireRejected
+from ..proto_gen import envelope_pb2
 
-__all__ = ["ExactAllReduceRunner"]
+__all__ = ["AVERAGED_PHASE", "SENT_PHASE", "ExactAllReduceRunner"]
 
 logger = logging.getLogger(__name__)
+
+SENT_PHASE = 101  # MessageDigest.phase of a sender's part of the fp32 butterfly (the compressed ones use 1-4)
+AVERAGED_PHASE = 102  # ... of a reducer's averaged span
+PART_BITS = 20  # a sent part's MessageDigest.part: the reducer's index << PART_BITS | the part's index
+
+
+def _sha256(tensor_part: Any) -> bytes:
+    return hashlib.sha256(tensor_part.buffer).digest()
 
 
 class _OrderedMeanReducer(TensorPartReducer):
@@ -143,6 +163,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         max_norm_ratio: float = 10.0,
         clip_ratio: float = 0.0,
         direction_screen: bool = False,
+        signer: Signer,
+        gate: Gate,
+        equivocate: bool = False,
+        flip: bool = False,
         **kwargs: Any,
     ):
         kwargs["weight"] = 1.0  # every member counts once (module docstring, point 2)
@@ -169,6 +193,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         after_me = self.ordered_peer_ids[(me + 1) % len(self.ordered_peer_ids)]
         self.withhold_from = self.sender_peer_ids.index(after_me) if withhold and after_me != self.peer_id else None
         self.hoard = hoard
+        self.signer, self.gate, self.equivocate, self.flip = signer, gate, equivocate, flip
+        self.reducer_digests: dict[int, bytes] = {}  # reducer index -> its signed digest of the span it sent here
         register_failed = container.register_failed_reducer
 
         def on_failed_reducer(peer_index: int) -> None:
@@ -224,19 +250,57 @@ class ExactAllReduceRunner(AllReduceRunner):
         if check_from is not None:
             shapes = [part.shape for part, _ in self.tensor_part_container._input_parts_by_peer[
                 self.ordered_peer_ids.index(check_from)]]  # fmt: skip
-        index = 0
+        index, span, size = 0, hashlib.sha256(), 0
         async for message in stream:
             self.bytes_received += message.ByteSize()
             if check_from is not None and message.code == averaging_pb2.AVERAGED_PART:
                 part = deserialize_torch_tensor(message.tensor_part)
+                span.update(message.tensor_part.buffer)
+                size += len(message.tensor_part.buffer)
                 why = self._misfit(part, shapes, index) or (
                     None if bool(torch.isfinite(part).all()) else "holds NaN or Inf")  # fmt: skip
+                if why is None and index == len(shapes) - 1:
+                    why = self._span_digest_refusal(check_from, message.peer_id, size, span.digest())
                 if why is not None:
                     self.reducer_offenses[check_from] = f"sent an averaged part that {why}"
                     logger.warning("refused an averaged part from %s: it %s", check_from, why)
+                    self.failed_from[self.ordered_peer_ids.index(check_from)] = 0  # none of its span is used
                     raise AllreduceException(f"{check_from} sent an averaged part that {why}")
                 index += 1
             yield message
+
+    def _span_digest_refusal(self, reducer: PeerID, sealed: bytes, size: int, sha256: bytes) -> str | None:
+        """Why `sealed` is not `reducer`'s signed digest of the span whose parts' bytes are `size` long and hash to
+        `sha256` (None: it is; kept for phase 5)."""
+        index = self.ordered_peer_ids.index(reducer)
+        try:
+            digest = self.gate.open(sealed, envelope_pb2.MessageDigest, sender=reducer.to_base58(), even_banned=True).message
+        except WireRejected as e:
+            return f"came without its reducer's signed digest ({e})"
+        if (digest.group_id, digest.phase, digest.part) != (self.group_id, AVERAGED_PHASE, index):
+            return "came behind a digest of another group or span (replayed)"
+        if (digest.size, digest.sha256) != (size, sha256):
+            return "does not match its reducer's signed SHA-256 of the span (altered)"
+        self.reducer_digests[index] = sealed
+        return None
+
+    def _part_digest_refusal(self, sender_index: int, part_index: int, sealed: bytes, size: int, sha256: bytes) -> str | None:
+        """Why `sealed` is not the sender's signed digest of its `part_index`-th part to this reducer (None: it is)."""
+        me = self.ordered_peer_ids.index(self.peer_id)
+        try:
+            digest = self.gate.open(sealed, envelope_pb2.MessageDigest, sender=self.sender_peer_ids[sender_index].to_base58(),
+                                    even_banned=True).message  # fmt: skip
+        except WireRejected as e:
+            return f"came without its sender's signed digest ({e})"
+        if (digest.group_id, digest.phase, digest.part) != (self.group_id, SENT_PHASE, me << PART_BITS | part_index):
+            return "came behind a digest of another group or part (replayed)"
+        if (digest.size, digest.sha256) != (size, sha256):
+            return "does not match its sender's signed SHA-256 (altered)"
+        return None
+
+    def _seal(self, phase: int, part: int, size: int, sha256: bytes) -> bytes:
+        return self.signer.seal(envelope_pb2.MessageDigest(group_id=self.group_id, phase=phase, part=part, size=size,
+                                                           sha256=sha256))  # fmt: skip
 
     @staticmethod
     def _misfit(part: torch.Tensor, shapes: Any, index: int) -> str | None:
@@ -289,11 +353,17 @@ class ExactAllReduceRunner(AllReduceRunner):
         )  # fmt: skip
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        part_index = 0
         async for message in super()._generate_input_for_peer(peer_index):
             if self.malformed_parts:  # fault injection: a hostile sender's parts of another shape
                 part = deserialize_torch_tensor(message.tensor_part)
                 bad = part.norm() if self.malformed_parts == "scalar" else torch.stack([part, part])  # norms pass the screen
                 message.tensor_part.CopyFrom(serialize_torch_tensor(bad))
+            buffer = message.tensor_part.buffer
+            message.peer_id = self._seal(SENT_PHASE, peer_index << PART_BITS | part_index, len(buffer), _sha256(message.tensor_part))
+            if self.flip:  # fault injection: a bit flipped on the way, after signing
+                message.tensor_part.buffer = injection.flip_last_bit(buffer)
+            part_index += 1
             self.bytes_sent += message.ByteSize()
             yield message
 
@@ -313,17 +383,21 @@ class ExactAllReduceRunner(AllReduceRunner):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """As hivemind's, but replies with the averaged part itself."""
-        part_index = 0
+        part_index, span, size = 0, hashlib.sha256(), 0
+        me = self.ordered_peer_ids.index(self.peer_id)
         try:
             loop = asyncio.get_event_loop()
-            async for tensor_part, part_compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression),
+            async for tensor_part, part_compression, sealed, part_size, sha256 in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression, msg.peer_id,
+                             len(msg.tensor_part.buffer), _sha256(msg.tensor_part)),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
-            ):
+            ):  # fmt: skip
                 if self.kill_on_first_part:
                     injection.kill_peer("kill_peer_in_allreduce")
-                if (why := self._misfit(tensor_part, self.tensor_part_reducer.part_shapes, part_index)) is not None:
+                why = self._misfit(tensor_part, self.tensor_part_reducer.part_shapes, part_index) or \
+                    self._part_digest_refusal(sender_index, part_index, sealed, part_size, sha256)  # fmt: skip
+                if why is not None:
                     self.tensor_part_reducer.offenses.setdefault(sender_index, f"its part {part_index} {why}")
                     logger.warning("refused the parts of sender %s: its part %d %s", self.sender_peer_ids[sender_index],
                                    part_index, why)  # fmt: skip
@@ -342,7 +416,15 @@ class ExactAllReduceRunner(AllReduceRunner):
                 serialized = await loop.run_in_executor(
                     None, lambda: serialize_torch_tensor(averaged_part, part_compression)
                 )
+                if self.equivocate:  # fault injection: other bytes for each member, behind digests signed for them
+                    serialized.buffer = injection.flip_middle_bit(serialized.buffer, sender_index)
+                span.update(serialized.buffer)
+                size += len(serialized.buffer)
                 message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                if part_index == self.tensor_part_reducer.num_parts:  # the span's last part: its signed digest
+                    message.peer_id = self._seal(AVERAGED_PHASE, me, size, span.digest())
+                if self.flip:  # fault injection: a bit flipped on the way, after signing
+                    message.tensor_part.buffer = injection.flip_last_bit(serialized.buffer)
                 self.bytes_sent += message.ByteSize()
                 yield message
         except Exception as e:

@@ -1,8 +1,8 @@
-"""Proof that a reducer of the compressed butterfly sent members of its group different bytes.
+"""Proof that a reducer of a butterfly sent members of its group different bytes.
 
 A reducer serves its reduced part of a round behind a MessageDigest it signs (group, phase, part,
-size, SHA-256), and every member keeps the digests of the reduced parts its copy of the average
-was assembled from. In phase 5 each member announces them with its copy's hash (AverageRecord),
+size, SHA-256; in the fp32 butterfly one for its whole averaged span: allreduce.py), and every member
+keeps the digests of the reduced parts its copy of the average was assembled from. In phase 5 each member announces them with its copy's hash (AverageRecord),
 so a member reading the others' records holds every digest of the group: two that one reducer
 signed for the same group, phase and part with different SHA-256 are a proof that it
 equivocated, which nobody but that reducer could have made. Digests that do not open (forged,

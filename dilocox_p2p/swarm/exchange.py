@@ -375,6 +375,7 @@ class RoundExchange(CompressedRound, GroupVote):
             bytes_received=bytes_received,
             window=(self._window_start, time.time()),
             mended_from=tuple(mended_from),
+            digests=tuple(result.digests),  # the fp32 butterfly's reducers' (the compressed one's: its own caller's)
         )
 
     def _borrow(self, failure: str, wait_s: float | None = None) -> Average:

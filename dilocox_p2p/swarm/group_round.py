@@ -65,6 +65,8 @@ class RoundResult:
     """Low-rank: the group's rank of each factored matrix, the one most members' tickets named."""
     clients: list[str] = field(default_factory=list)
     """The group's client members (their signed tickets say so): they reduce no span, the others reduce it all."""
+    digests: list[bytes] = field(default_factory=list)
+    """The fp32 butterfly: the reducers' signed digests of the averaged spans this worker received (phase 5)."""
 
     @property
     def reducers(self) -> list[str]:
@@ -97,6 +99,8 @@ class GroupRound:
     prefix: str
     peer_id: Any
     _p2p: Any
+    signer: Any
+    gate: Any
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
@@ -138,6 +142,10 @@ class GroupRound:
             max_norm_ratio=self.max_norm_ratio,
             clip_ratio=self.clip_ratio,
             direction_screen=self.direction_screen,
+            signer=self.signer,
+            gate=self.gate,
+            equivocate=injection.armed("equivocate_reduced", stage=self.stage),
+            flip=injection.armed("flip_served_bit", stage=self.stage),
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
@@ -165,6 +173,7 @@ class GroupRound:
             offenders=runner.offenders(),
             grouped_at=self._grouped_at,
             clients=sorted(clients),
+            digests=[runner.reducer_digests[i] for i in sorted(runner.reducer_digests)],
         )
         # a member whose every other member was an outsider holds no average of the group: served, a member that
         # had given up on this group borrowed this worker's own half-reduced parts and split from the rest (busy run)

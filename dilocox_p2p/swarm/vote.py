@@ -179,7 +179,7 @@ class GroupVote:
         Only the digests of members whose digests' hash differs from this worker's are read: any two different
         sets among the group's are then at hand (this worker's, or one of those)."""
         mine = digests_hash(average.digests)
-        # a copy without digests (none were signed for it: fp32, or mended whole from another's) publishes none
+        # a copy without digests (mended whole from another's, or alone) publishes none
         differing = {p for p, r in records.items() if r.digests_hash and r.digests_hash != mine}
         if not differing:
             return set()

@@ -141,6 +141,7 @@ class Group:
         first = signed_node("ar")
         nodes = [first] + [signed_node("ar", initial_peers=first[0].get_visible_maddrs()) for _ in range(n - 1)]
         self.dhts = [dht for dht, _, _ in nodes]
+        self.gates = [gate for _, _, gate in nodes]
         # request_timeout as a peer sets it (stage.py): hivemind's follower gives up on a leader's ACCEPTED
         # after it, while the leader already counts it in, so a 2 s timeout on a loaded machine left a member
         # out of the group it was counted in (it found no group, and the others missed its parts)
@@ -254,6 +255,53 @@ def test_a_member_refuses_non_finite_averages_from_a_reducer_and_names_it(group)
         assert set(result.offenders) == others, result.offenders  # every reducer but itself sent NaN
         assert all("NaN" in reason for reason in result.offenders.values())
         assert result.missing and all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def test_each_reducer_signs_the_span_it_sends_and_one_that_sends_members_different_bytes_is_proven_by_its_digests(
+    request,
+):
+    # the fp32 butterfly's averaged parts came unsigned (issue 38, point 1): a reducer could send members different
+    # bytes and nobody could prove it. Each averaged span now comes behind its reducer's signed digest, which the
+    # member keeps for phase 5; two that one reducer signed for one span with different SHA-256 convict it
+    from dilocox_p2p.proto_gen import envelope_pb2
+    from dilocox_p2p.swarm.allreduce import AVERAGED_PHASE
+    from dilocox_p2p.swarm.equivocation import equivocators
+
+    group = Group(3, faults_of={0: "equivocate_reduced:stage=0"})
+    request.addfinalizer(group.close)
+    outcomes = group.all_reduce(4, _inputs(3), weights=[1.0, 1.0, 1.0])
+    liar = group.ids[0]
+    (liars, _), (first, a), (second, b) = outcomes
+    for result in (first, second):
+        assert not result.missing and not result.offenders, result  # the lies are signed: nothing is refused
+        assert len(result.digests) == 2, "one digest per other reducer"
+        for sealed in result.digests:
+            opened = group.gates[1].open(sealed, envelope_pb2.MessageDigest)
+            assert opened.message.phase == AVERAGED_PHASE and opened.message.group_id == result.group_id
+            assert opened.message.part == result.group.index(opened.sender)
+    assert not all(torch.equal(x, y) for x, y in zip(a, b)), "the liar sent both members the same bytes"
+    assert equivocators(group.gates[1], first.group_id, first.digests) == {}, "one member's digests prove nothing"
+    proven = equivocators(group.gates[1], first.group_id, [*first.digests, *second.digests])
+    assert list(proven) == [liar] and "signed two different reduced parts" in proven[liar]
+
+
+def test_parts_and_averaged_spans_that_do_not_match_their_signed_digests_are_refused_and_their_sender_named(request):
+    # issue 38, point 1: every part and averaged span comes behind its author's signed digest; member 2's link flips
+    # a bit of each after signing (as a faulty relay would): its parts are left out by every reducer, its averaged
+    # span by every member (missing: mended after the round), its sender named, and nobody waits for it
+    group = Group(3, faults_of={2: "flip_served_bit:stage=0"})
+    request.addfinalizer(group.close)
+    started = time.monotonic()
+    outcomes = group.all_reduce(3, _inputs(3), weights=[1.0, 1.0, 1.0])
+    assert time.monotonic() - started < 15, "the others waited out a timeout for the refused member"
+    flipped = group.ids[2]
+    for result, _ in outcomes[:2]:
+        assert set(result.offenders) == {flipped}, result.offenders
+        assert "signed SHA-256" in result.offenders[flipped], result.offenders
+        assert result.missing, "the refused span was used"
+        assert len(result.digests) == 1, "only the honest reducer's span was taken"
+    (a, b) = (outcomes[0][1], outcomes[1][1])
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "the honest members hold different averages"
 
 
 @pytest.mark.parametrize("shape", ["scalar", "wide"])
