@@ -46,7 +46,7 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from .. import injection
@@ -55,7 +55,7 @@ from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 
-__all__ = ["AVERAGED_PHASE", "SENT_PHASE", "ExactAllReduceRunner"]
+__all__ = ["AVERAGED_PHASE", "PART_BITS", "SENT_PHASE", "ExactAllReduceRunner", "digest_refusal", "read_part"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,32 @@ PART_BITS = 20  # a sent part's MessageDigest.part: the reducer's index << PART_
 
 def _sha256(tensor_part: Any) -> bytes:
     return hashlib.sha256(tensor_part.buffer).digest()
+
+
+def read_part(message: averaging_pb2.AveragingData) -> tuple[torch.Tensor | None, str]:
+    """The tensor a part or averaged part carries, or why it carries none: bytes that make no tensor, or a compressed
+    tensor (the fp32 butterfly sends raw float32, and a digest binds the raw bytes: another compression field would
+    read them as other values)."""
+    if message.tensor_part.compression != runtime_pb2.CompressionType.NONE:
+        return None, f"is compressed (compression type {int(message.tensor_part.compression)})"
+    try:
+        return deserialize_torch_tensor(message.tensor_part), ""
+    except Exception as e:  # noqa: BLE001 - any malformed bytes: a refusal, never a crash of the stream's reader
+        return None, f"makes no tensor ({type(e).__name__})"
+
+
+def digest_refusal(gate: Gate, sealed: bytes, *, author: str, key: tuple[bytes, int, int], size: int, sha256: bytes) -> str:
+    """Why `sealed` is not `author`'s signed MessageDigest of (group, phase, part) = `key` for bytes of `size` and
+    `sha256` ("" if it is)."""
+    try:
+        digest = gate.open(sealed, envelope_pb2.MessageDigest, sender=author, even_banned=True).message
+    except WireRejected as e:
+        return f"came without its author's signed digest ({e})"
+    if (digest.group_id, digest.phase, digest.part) != key:
+        return "came behind a digest of another group, span or part (replayed)"
+    if (digest.size, digest.sha256) != (size, sha256):
+        return "does not match its author's signed SHA-256 (altered)"
+    return ""
 
 
 class _OrderedMeanReducer(TensorPartReducer):
@@ -254,10 +280,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         async for message in stream:
             self.bytes_received += message.ByteSize()
             if check_from is not None and message.code == averaging_pb2.AVERAGED_PART:
-                part = deserialize_torch_tensor(message.tensor_part)
+                part, why = read_part(message)
                 span.update(message.tensor_part.buffer)
                 size += len(message.tensor_part.buffer)
-                why = self._misfit(part, shapes, index) or (
+                why = why or self._misfit(part, shapes, index) or (
                     None if bool(torch.isfinite(part).all()) else "holds NaN or Inf")  # fmt: skip
                 if why is None and index == len(shapes) - 1:
                     why = self._span_digest_refusal(check_from, message.peer_id, size, span.digest())
@@ -273,30 +299,19 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Why `sealed` is not `reducer`'s signed digest of the span whose parts' bytes are `size` long and hash to
         `sha256` (None: it is; kept for phase 5)."""
         index = self.ordered_peer_ids.index(reducer)
-        try:
-            digest = self.gate.open(sealed, envelope_pb2.MessageDigest, sender=reducer.to_base58(), even_banned=True).message
-        except WireRejected as e:
-            return f"came without its reducer's signed digest ({e})"
-        if (digest.group_id, digest.phase, digest.part) != (self.group_id, AVERAGED_PHASE, index):
-            return "came behind a digest of another group or span (replayed)"
-        if (digest.size, digest.sha256) != (size, sha256):
-            return "does not match its reducer's signed SHA-256 of the span (altered)"
+        why = digest_refusal(self.gate, sealed, author=reducer.to_base58(), key=(self.group_id, AVERAGED_PHASE, index),
+                             size=size, sha256=sha256)  # fmt: skip
+        if why:
+            return why
         self.reducer_digests[index] = sealed
         return None
 
     def _part_digest_refusal(self, sender_index: int, part_index: int, sealed: bytes, size: int, sha256: bytes) -> str | None:
         """Why `sealed` is not the sender's signed digest of its `part_index`-th part to this reducer (None: it is)."""
         me = self.ordered_peer_ids.index(self.peer_id)
-        try:
-            digest = self.gate.open(sealed, envelope_pb2.MessageDigest, sender=self.sender_peer_ids[sender_index].to_base58(),
-                                    even_banned=True).message  # fmt: skip
-        except WireRejected as e:
-            return f"came without its sender's signed digest ({e})"
-        if (digest.group_id, digest.phase, digest.part) != (self.group_id, SENT_PHASE, me << PART_BITS | part_index):
-            return "came behind a digest of another group or part (replayed)"
-        if (digest.size, digest.sha256) != (size, sha256):
-            return "does not match its sender's signed SHA-256 (altered)"
-        return None
+        return digest_refusal(self.gate, sealed, author=self.sender_peer_ids[sender_index].to_base58(),
+                              key=(self.group_id, SENT_PHASE, me << PART_BITS | part_index), size=size,
+                              sha256=sha256) or None  # fmt: skip
 
     def _seal(self, phase: int, part: int, size: int, sha256: bytes) -> bytes:
         return self.signer.seal(envelope_pb2.MessageDigest(group_id=self.group_id, phase=phase, part=part, size=size,
@@ -387,15 +402,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         me = self.ordered_peer_ids.index(self.peer_id)
         try:
             loop = asyncio.get_event_loop()
-            async for tensor_part, part_compression, sealed, part_size, sha256 in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression, msg.peer_id,
-                             len(msg.tensor_part.buffer), _sha256(msg.tensor_part)),
+            async for (tensor_part, unread), part_compression, sealed, part_size, sha256 in amap_in_executor(
+                lambda msg: (read_part(msg), msg.tensor_part.compression, msg.peer_id, len(msg.tensor_part.buffer),
+                             _sha256(msg.tensor_part)),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):  # fmt: skip
                 if self.kill_on_first_part:
                     injection.kill_peer("kill_peer_in_allreduce")
-                why = self._misfit(tensor_part, self.tensor_part_reducer.part_shapes, part_index) or \
+                why = unread or self._misfit(tensor_part, self.tensor_part_reducer.part_shapes, part_index) or \
                     self._part_digest_refusal(sender_index, part_index, sealed, part_size, sha256)  # fmt: skip
                 if why is not None:
                     self.tensor_part_reducer.offenses.setdefault(sender_index, f"its part {part_index} {why}")
