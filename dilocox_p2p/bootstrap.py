@@ -45,7 +45,7 @@ from .logs import set_log_context
 from .swarm.dht import node_id_of, reachable_maddrs
 from .swarm.dht_join import ping_missing
 from .swarm.hello import serve_hello
-from .swarm.hivemind_patches import cap_stream_frames, guard_unary_replies
+from .swarm.hivemind_patches import cap_stream_frames, guard_unary_replies, limit_dht_requests
 
 __all__ = ["BootstrapNode", "BootstrapOptions", "load_node_identity"]
 
@@ -323,6 +323,7 @@ def _start_dht(opts: BootstrapOptions, peer_id: str) -> hivemind.DHT:
         kwargs.update(use_relay=True, force_reachability="public")
     guard_unary_replies()  # swarm.hivemind_patches: before the DHT process forks
     cap_stream_frames()
+    limit_dht_requests()
     try:
         return _NodeProcess(**kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, ValueError...

@@ -26,8 +26,9 @@ from typing import Any
 from uuid import UUID
 
 __all__ = [
-    "CHECKED_VERSIONS", "MAX_FRAME_BYTES", "PATCHES", "FrameTooLarge", "cap_stream_frames", "check_version",
-    "defer_scipy_optimize", "guard_unary_replies", "own_process_locks",
+    "CHECKED_VERSIONS", "DHT_REQUESTS_PER_S", "DHT_REQUEST_BURST", "MAX_FRAME_BYTES", "PATCHES", "FrameTooLarge",
+    "cap_stream_frames", "check_version", "defer_scipy_optimize", "guard_unary_replies", "limit_dht_requests",
+    "own_process_locks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,9 @@ PATCHES: dict[str, str] = {
     "DHTProtocol.call_ping": "pings an initial or lost peer; its answer puts each in the other's routing table",
     "DHTProtocol.IS_REGULAR_VALUE": "read (record_rules.EnvelopeValidator): the subkey bytes of a plain value, refused "
     "under every key (it would replace every record under its key)",
+    "DHTProtocol.rpc_store / rpc_find": "wrapped (limit_dht_requests below): a peer's stores and finds beyond "
+    "DHT_REQUESTS_PER_S a second (bursts of DHT_REQUEST_BURST) are answered at once, nothing stored or found, before a "
+    "record is validated (request_limits.py)",
     "P2P.receive_raw_data / HEADER_LEN / BYTEORDER": "replaced (cap_stream_frames below): a frame's declared length "
     "above MAX_FRAME_BYTES is refused before its bytes are read (hivemind buffered any length a peer declared)",
     # p2p/p2p_daemon_bindings/control.py: the persistent connection to the p2p daemon (unary calls, both ways)
@@ -300,6 +304,58 @@ def cap_stream_frames() -> None:
     from hivemind.p2p import P2P
 
     P2P.receive_raw_data = staticmethod(_receive_raw_data)
+
+
+DHT_REQUESTS_PER_S = 50.0
+DHT_REQUEST_BURST = 500
+"""A peer's DHT stores (and, apart, its finds) one DHT node takes a second, and at once after a quiet spell. An honest
+member's node asks another a few times a round (its records, a round's and average records, walks 5 nodes wide),
+more while it joins and fills its routing table: far below. A flood of valid-looking records cost one signature
+check each before."""
+
+
+def limit_dht_requests() -> None:
+    """Wrap DHTProtocol.rpc_store and rpc_find, in this process and those it forks after (the DHT process), so that a
+    peer beyond its rate is answered at once with nothing stored (store_ok false) or found (NOT_FOUND), counted and
+    logged at its 1st, 10th, 100th... time. Idempotent."""
+    import functools
+
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.proto import dht_pb2
+
+    from .request_limits import RequestRate
+
+    if getattr(DHTProtocol, "_dilocox_limited", False):
+        return
+    rates = {"store": RequestRate(DHT_REQUESTS_PER_S, DHT_REQUEST_BURST), "find": RequestRate(DHT_REQUESTS_PER_S, DHT_REQUEST_BURST)}
+    refused = {"store": 0, "find": 0}
+
+    def refuses(what: str, context: Any) -> bool:
+        if rates[what].take(context.remote_id.to_base58()):
+            return False
+        refused[what] += 1
+        if str(refused[what]).strip("0") == "1":  # the 1st, 10th, 100th...
+            logger.warning("refused a DHT %s of %s: more than %.0f a second [%d such so far]", what, context.remote_id,
+                           DHT_REQUESTS_PER_S, refused[what])  # fmt: skip
+        return True
+
+    store, find = DHTProtocol.rpc_store, DHTProtocol.rpc_find
+
+    @functools.wraps(store)
+    async def rpc_store(self: Any, request: Any, context: Any) -> Any:
+        if refuses("store", context):
+            return dht_pb2.StoreResponse(store_ok=[False] * len(request.keys), peer=self.node_info)
+        return await store(self, request, context)
+
+    @functools.wraps(find)
+    async def rpc_find(self: Any, request: Any, context: Any) -> Any:
+        if refuses("find", context):
+            results = [dht_pb2.FindResult(type=dht_pb2.NOT_FOUND) for _ in request.keys]
+            return dht_pb2.FindResponse(results=results, peer=self.node_info)
+        return await find(self, request, context)
+
+    DHTProtocol.rpc_store, DHTProtocol.rpc_find = rpc_store, rpc_find
+    DHTProtocol._dilocox_limited = True
 
 
 def check_version() -> None:

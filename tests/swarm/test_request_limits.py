@@ -13,13 +13,20 @@ from __future__ import annotations
 import asyncio
 import time
 
+import hivemind
+
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MSGPackSerializer
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.p2p.servicer import ServicerBase
+from hivemind.proto import dht_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from dilocox_p2p.swarm.averager import DilocoxAverager
+from dilocox_p2p.swarm.hivemind_patches import DHT_REQUEST_BURST, DHT_REQUESTS_PER_S, limit_dht_requests
 from dilocox_p2p.swarm.member_push import QUEUED, take_pushed
 from dilocox_p2p.swarm.request_limits import MAX_HELD_PER_PEER, REQUEST_BURST, REQUESTS_PER_S
 from tests.helpers.signed import signed_node
@@ -119,3 +126,36 @@ def test_join_requests_of_one_peer_beyond_the_most_it_may_have_held_are_refused_
     held = [(s, code) for s, code in answers if s >= REQUEST_TIMEOUT_S / 2]
     assert len(at_once) == flood - MAX_HELD_PER_PEER and len(held) == MAX_HELD_PER_PEER, answers
     assert all(code == averaging_pb2.PROTOCOL_VIOLATION for _, code in answers), answers  # the held: not admitted
+
+
+async def _find(maddrs, node: PeerID, key: bytes, asks: int) -> list[int]:
+    """`asks` finds of `key` at once from a P2P of this process: each answer's result type."""
+    caller = await P2P.create(initial_peers=maddrs)
+    try:
+        stub = ServicerBase.get_stub.__func__(DHTProtocol, caller, node)
+        request = dht_pb2.FindRequest(keys=[key])
+        answers = await asyncio.gather(*(stub.rpc_find(request) for _ in range(asks)))
+        return [answer.results[0].type for answer in answers]
+    finally:
+        await caller.shutdown()
+
+
+def test_a_peer_that_asks_a_dht_node_faster_than_any_honest_one_is_answered_nothing_beyond_its_rate():
+    # the DHT nodes had no per-peer rate (issue 38, point 4): each find or store was served, a store's records each
+    # validated. Now a peer's finds beyond its rate are answered NOT_FOUND at once, and another peer is served
+    limit_dht_requests()  # as every worker's and bootstrap node's DHT process (dht_process.HelperDHT)
+    node = hivemind.DHT(start=True)
+    try:
+        assert node.store("limits-key", b"value", get_dht_time() + 60)
+        maddrs, peer = node.get_visible_maddrs(), node.peer_id
+        key = DHTID.generate(source="limits-key").to_bytes()
+        flood = 2 * DHT_REQUEST_BURST
+        started = time.monotonic()
+        types = asyncio.run(_find(maddrs, peer, key, flood))
+        elapsed = time.monotonic() - started
+        found = types.count(dht_pb2.FOUND_REGULAR)
+        assert found + types.count(dht_pb2.NOT_FOUND) == flood, types
+        assert DHT_REQUEST_BURST <= found <= DHT_REQUEST_BURST + DHT_REQUESTS_PER_S * elapsed + 1, (found, elapsed)
+        assert asyncio.run(_find(maddrs, peer, key, 1)) == [dht_pb2.FOUND_REGULAR], "another peer was refused"
+    finally:
+        node.shutdown()
