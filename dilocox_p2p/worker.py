@@ -141,6 +141,10 @@ class StageWorker:
         (swarm/wire_meter.py); None without a swarm or where they cannot be read."""
         return None
 
+    def take_relayed_bytes(self) -> tuple[int, int] | None:
+        """Of the bytes the last `take_wire_bytes` returned, those on connections to relay nodes (wire_meter.py)."""
+        return None
+
     def deadlines(self) -> dict[str, float] | None:
         """This stage's swarm deadlines now (swarm/deadlines.py: learned from its exchanges); None without a swarm."""
         return None
@@ -401,6 +405,7 @@ class StageWorker:
             "compute_window": compute_window,
             "faults": self.take_fault_counts(),
             "wire": self.take_wire_bytes(),
+            "relayed": self.take_relayed_bytes(),  # of the same reading as "wire"
             "sources": self.take_source_bytes(),
             "state_donors": self.take_state_donors(),
             "deadlines": self.deadlines(),
@@ -452,6 +457,9 @@ class StageWorker:
             # matchmaking, dht, pushes, held, state, hello, other; own_stages, not on the wire): the wire's bytes less
             # the others' sum are libp2p's own (encryption, multiplexing, negotiation, pings): swarm/protocol_bytes.py
             "wire_by_source": [s["sources"] for s in stages],
+            # per stage, [sent, received] of those bytes on connections to nodes that relay a connection of this stage
+            # (circuit relay, behind NAT): what was relayed, and those nodes' own traffic with it (swarm/wire_meter.py)
+            "wire_via_relays": [list(s["relayed"]) if s["relayed"] is not None else None for s in stages],
             "fp32_bytes": [s["fp32_bytes"] for s in stages],  # each stage's pseudo-gradient averaged this round
             "params": self.n_params_peer,
             "stage_hashes": [s["hash"] for s in stages],

@@ -58,11 +58,13 @@ from .member_push import PushedAverages
 from .membership import Membership
 from .protocol_bytes import SourceBytes, count_by_source
 from .reconnect import RouteKeeper, join_lead
-from .wire_meter import WireMeter, daemons_below
+from .wire_meter import WireMeter, daemons_below, relayed_connections, relayed_endpoints
 
 __all__ = ["SwarmStage"]
 
 logger = logging.getLogger(__name__)
+
+RELAYS_READ_S = 5.0  # the daemon's connections are listed this often at most (relayed ones: wire_meter.py)
 
 
 class SwarmStage:
@@ -176,7 +178,10 @@ class SwarmStage:
         self.membership.prober = self.routes.gone
         self._daemon: int | None = None
         # every byte the stage moves through the swarm, for the metrics; the peer's stages fork from one process
-        self.wire = WireMeter(self._daemon_pid, own=lambda: daemons_below(os.getppid()))
+        self._relays_seen: set[str] = set()
+        self._relays_pending: Any = None
+        self._relays_next = 0.0
+        self.wire = WireMeter(self._daemon_pid, own=lambda: daemons_below(os.getppid()), relays=self._relays)
         self._closed = False
         if self.sw.reachability == "auto" and self.sw.initial_peers and not loopback_only(self.sw.host_maddrs):
             # behind NAT? asked in the background (each stage listens on a port of its own), said once
@@ -236,6 +241,22 @@ class SwarmStage:
         if self._daemon is None and self.dht.pid is not None:
             self._daemon = min(daemons_below(self.dht.pid), default=None)
         return self._daemon
+
+    def _relays(self) -> set[str]:
+        """The relay nodes this worker's relayed connections go through (wire_meter.relayed_endpoints), as the
+        daemon last listed them; asked again in the background every RELAYS_READ_S (the meter is read as an
+        exchange ends, which must not wait for the DHT process)."""
+        pending = self._relays_pending
+        if pending is not None and pending.done():
+            self._relays_pending = None
+            try:
+                self._relays_seen = relayed_endpoints(pending.result())
+            except Exception as e:  # noqa: BLE001 - the DHT process stopping: no new list, the old one holds
+                logger.debug("could not list this worker's connections: %r", e)
+        if self._relays_pending is None and time.monotonic() >= self._relays_next and self.dht.is_alive():
+            self._relays_pending = self.dht.run_coroutine(relayed_connections, return_future=True)
+            self._relays_next = time.monotonic() + RELAYS_READ_S
+        return self._relays_seen
 
     def _push_member(self, value: bytes, expiration: float) -> None:
         """Send this worker's changed member record (sealed, as stored) to the stage's other members."""

@@ -16,6 +16,13 @@ after that are not counted, so the stage reads the counters when each exchange e
 (exchange.ExchangeQueue), not only at its round record: peers that leave after the last exchange close
 their connections before the record (the last record of a 3-peer run in CI counted nothing at first).
 Where netlink or /proc cannot be read, the meter reads nothing, and the metrics say `null`.
+
+Bytes through relays (issue 39) are counted apart: a connection relayed through another node (libp2p's circuit
+relay, for peers behind NAT: `--auto-relay`, `dilocox-bootstrap --relay`) rides this daemon's own TCP connection
+to that relay node, whose socket the kernel counts like any other. The daemon's list of connections names the
+relayed ones by their `/p2p-circuit` address (`relayed_endpoints`); every byte on a socket to a node that relays
+any of them is counted as "via relays" from then on, the relay node's own traffic with this one (its DHT, when
+it is a bootstrap node) included: an upper bound of what was relayed, `wire_via_relays` in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Socket", "WireMeter", "daemons_below", "fd_inodes", "read_sockets"]
+__all__ = ["Socket", "WireMeter", "daemons_below", "fd_inodes", "read_sockets", "relayed_connections", "relayed_endpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +153,48 @@ def daemons_below(root: int) -> set[int]:
     return found
 
 
+def relayed_endpoints(connections: Iterable[tuple[str, Sequence[str]]]) -> set[str]:
+    """"host:port" of the relay nodes that this daemon's relayed connections go through, as `Socket.remote` names
+    them. `connections`: (peer id, multiaddrs) of each connected peer, as the daemon lists them; a relayed one's
+    address is its relay's followed by /p2p-circuit, with the relay's own address or only its peer id (then its
+    direct connection's address is the relay's)."""
+    connections = list(connections)
+    direct = {peer: [a for a in addrs if "/p2p-circuit" not in a] for peer, addrs in connections}
+    found = set()
+    for _, addrs in connections:
+        for addr in addrs:
+            if "/p2p-circuit" not in addr:
+                continue
+            relay = addr.split("/p2p-circuit")[0]
+            endpoint = _endpoint(relay)
+            if endpoint is None and "/p2p/" in relay:  # only the relay's peer id: where this daemon reaches it
+                relay_id = relay.rsplit("/p2p/", 1)[1].split("/")[0]
+                endpoint = next((e for a in direct.get(relay_id, ()) if (e := _endpoint(a)) is not None), None)
+            if endpoint is not None:
+                found.add(endpoint)
+    return found
+
+
+def _endpoint(maddr: str) -> str | None:
+    """"host:port" of a multiaddr's /ip4|ip6/HOST/tcp/PORT part (None: it has none)."""
+    parts = maddr.split("/")
+    for i in range(1, len(parts) - 3):
+        if parts[i] in ("ip4", "ip6") and parts[i + 2] == "tcp":
+            return f"{parts[i + 1]}:{parts[i + 3]}"
+    return None
+
+
+async def relayed_connections(_dht: Any, node: Any) -> list[tuple[str, list[str]]]:
+    """(peer id, multiaddrs) of each peer the DHT node's daemon is connected to (DHT.run_coroutine)."""
+    return [(info.peer_id.to_base58(), [str(a) for a in info.addrs]) for info in await node.p2p.list_peers()]
+
+
 class WireMeter:
     """Bytes sent and received by one p2p daemon's TCP sockets since the meter started, read on demand.
 
     `daemon`: that daemon's pid (None: not known yet); `own`: the daemons of this peer (all its stages': their
-    connections to each other are not counted)."""
+    connections to each other are not counted); `relays`: "host:port" of the relay nodes its relayed connections go
+    through now (relayed_endpoints; a failure reads as none)."""
 
     def __init__(
         self,
@@ -158,12 +203,15 @@ class WireMeter:
         read: Callable[[], list[Socket] | None] = read_sockets,
         holds: Callable[[int], set[int]] = fd_inodes,
         parent: Callable[[int], int | None] = _parent,
+        relays: Callable[[], set[str]] = set,
     ):
         self._daemon, self._own, self._read, self._holds, self._parent_of = daemon, own, read, holds, parent
+        self._relays = relays
         self._lock = threading.Lock()  # read at a round's record and at an exchange's end, in two threads
         self._open: dict[int, tuple[int, int]] = {}
-        self._closed = (0, 0)  # what sockets that closed had moved at the last reading that saw them
-        self._taken = (0, 0)
+        self._relayed: set[int] = set()  # sockets to a node that relayed a connection of this daemon (kept so)
+        self._closed = (0, 0, 0, 0)  # what sockets that closed had moved at the last reading that saw them
+        self._taken = (0, 0, 0, 0)
 
     def _counted(self) -> dict[int, tuple[int, int]] | None:
         pid = self._daemon()
@@ -174,30 +222,49 @@ class WireMeter:
         mine = self._holds(pid) - (self._holds(parent) if parent is not None else set())
         others = set().union(*(self._holds(d) for d in self._own() - {pid}))
         inside = {s.local for s in sockets if s.inode in others}  # endpoints of this peer's other daemons
-        return {s.inode: (s.sent, s.received) for s in sockets if s.inode in mine and s.remote not in inside}
+        counted = {s.inode: (s.sent, s.received) for s in sockets if s.inode in mine and s.remote not in inside}
+        try:
+            relays = self._relays()
+        except Exception as e:  # noqa: BLE001 - the daemon's list is a nicety: its bytes still count as bytes
+            logger.debug("could not list the relayed connections: %r", e)
+            relays = set()
+        self._relayed |= {s.inode for s in sockets if s.inode in counted and s.remote in relays}
+        return counted
 
     def totals(self) -> tuple[int, int] | None:
         """(sent, received) bytes so far, or None if the counters cannot be read."""
         with self._lock:
-            return self._totals()
+            totals = self._totals()
+            return None if totals is None else totals[:2]
 
-    def _totals(self) -> tuple[int, int] | None:
+    def _totals(self) -> tuple[int, int, int, int] | None:
+        """(sent, received, sent via relays, received via relays) so far."""
         now = self._counted()
         if now is None:
             return None
-        sent, received = self._closed
+        closed = list(self._closed)
         for inode, (s, r) in self._open.items():
             if inode not in now:  # closed since: what it had moved at the last reading stays counted
-                sent, received = sent + s, received + r
-        self._closed, self._open = (sent, received), now
-        return sent + sum(s for s, _ in now.values()), received + sum(r for _, r in now.values())
+                closed[0], closed[1] = closed[0] + s, closed[1] + r
+                if inode in self._relayed:
+                    closed[2], closed[3] = closed[2] + s, closed[3] + r
+        self._relayed &= set(now)
+        self._closed, self._open = tuple(closed), now  # type: ignore[assignment]
+        relayed = [now[i] for i in self._relayed]
+        return (closed[0] + sum(s for s, _ in now.values()), closed[1] + sum(r for _, r in now.values()),
+                closed[2] + sum(s for s, _ in relayed), closed[3] + sum(r for _, r in relayed))  # fmt: skip
 
     def take(self) -> tuple[int, int] | None:
         """(sent, received) bytes since the last call (the first: since the daemon's sockets opened)."""
+        taken = self.take_split()
+        return None if taken is None else taken[0]
+
+    def take_split(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """((sent, received), (sent, received) via relays) since the last call, both from one reading."""
         with self._lock:
             totals = self._totals()
             if totals is None:
                 return None
-            delta = (totals[0] - self._taken[0], totals[1] - self._taken[1])
+            delta = tuple(t - k for t, k in zip(totals, self._taken))
             self._taken = totals
-            return delta
+            return (delta[0], delta[1]), (delta[2], delta[3])

@@ -79,3 +79,44 @@ def test_a_protocol_names_its_source_by_the_servicer_method_whatever_its_namespa
     assert source_of("dilocox.v1.Hello") == "hello"
     assert source_of("/ipfs/ping/1.0.0") == "other"
     assert set(map(source_of, ["x.rpc_download_average", "y.rpc_download_message"])) <= set(SOURCES)
+
+
+def test_the_relay_nodes_are_found_by_the_circuit_addresses_of_relayed_connections_with_or_without_their_ip():
+    from dilocox_p2p.swarm.wire_meter import relayed_endpoints
+
+    connections = [
+        ("QmRelay", ["/ip4/10.0.0.1/tcp/4001"]),  # the relay node itself, connected directly
+        ("QmNated", ["/ip4/10.0.0.1/tcp/4001/p2p/QmRelay/p2p-circuit"]),  # a peer reached through it
+        ("QmOther", ["/p2p/QmRelay2/p2p-circuit"]),  # through a relay named by its peer id alone
+        ("QmRelay2", ["/ip6/fd00::2/tcp/4002"]),
+        ("QmPublic", ["/ip4/10.0.0.3/tcp/4003"]),  # direct: no relay
+    ]
+    assert relayed_endpoints(connections) == {"10.0.0.1:4001", "fd00::2:4002"}
+    assert relayed_endpoints([("QmPublic", ["/ip4/10.0.0.3/tcp/4003"])]) == set()
+    assert relayed_endpoints([("QmLost", ["/p2p/QmGone/p2p-circuit"])]) == set()  # a relay it has no address of
+
+
+def test_bytes_on_a_socket_to_a_relay_count_as_relayed_from_the_reading_that_finds_it_and_after_it_closes():
+    readings = iter([
+        [Socket(1, "10.0.0.5:1", "10.0.0.1:4001", 100, 10), Socket(2, "10.0.0.5:2", "10.0.0.3:4003", 7, 7)],
+        [Socket(1, "10.0.0.5:1", "10.0.0.1:4001", 300, 30), Socket(2, "10.0.0.5:2", "10.0.0.3:4003", 9, 9)],
+        [Socket(2, "10.0.0.5:2", "10.0.0.3:4003", 10, 10)],  # the relayed connection's socket closed
+        [Socket(2, "10.0.0.5:2", "10.0.0.3:4003", 10, 10)],
+    ])
+    relays = iter([set(), {"10.0.0.1:4001"}, set(), set()])  # the daemon listed the circuit at the second reading
+    meter = WireMeter(lambda: 42, own=set, read=lambda: next(readings), holds=lambda p: {1, 2} if p == 42 else set(),
+                      parent=lambda p: None, relays=lambda: next(relays))  # fmt: skip
+    assert meter.take_split() == ((107, 17), (0, 0))
+    assert meter.take_split() == ((202, 22), (300, 30))  # all of its bytes: the socket carried the relayed connection
+    assert meter.take_split() == ((1, 1), (0, 0))  # closed: what it moved stays counted, relayed as before
+    assert meter.totals() == (310, 40)
+
+
+def test_a_relay_list_that_fails_counts_every_byte_as_direct():
+    def fails() -> set[str]:
+        raise TimeoutError("the DHT process is busy")
+
+    sockets = [Socket(1, "10.0.0.5:1", "10.0.0.1:4001", 5, 6)]
+    meter = WireMeter(lambda: 1, own=set, read=lambda: sockets, holds=lambda p: {1} if p == 1 else set(),
+                      parent=lambda p: None, relays=fails)  # fmt: skip
+    assert meter.take_split() == ((5, 6), (0, 0))
