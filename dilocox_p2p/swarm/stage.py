@@ -58,7 +58,7 @@ from .member_push import PushedAverages
 from .membership import Membership
 from .protocol_bytes import SourceBytes, count_by_source
 from .reconnect import RouteKeeper, join_lead
-from .wire_meter import WireMeter, daemons_below, relayed_connections, relayed_endpoints
+from .wire_meter import WireMeter, daemons_below, relay_endpoints, relayed_connections, relayed_endpoints
 
 __all__ = ["SwarmStage"]
 
@@ -178,7 +178,7 @@ class SwarmStage:
         self.membership.prober = self.routes.gone
         self._daemon: int | None = None
         # every byte the stage moves through the swarm, for the metrics; the peer's stages fork from one process
-        self._relays_seen: set[str] = set()
+        self._relays_seen: set[str] = relay_endpoints(self.sw.initial_peers) if self.sw.auto_relay else set()
         self._relays_pending: Any = None
         self._relays_next = 0.0
         self.wire = WireMeter(self._daemon_pid, own=lambda: daemons_below(os.getppid()), relays=self._relays)
@@ -243,14 +243,15 @@ class SwarmStage:
         return self._daemon
 
     def _relays(self) -> set[str]:
-        """The relay nodes this worker's relayed connections go through (wire_meter.relayed_endpoints), as the
-        daemon last listed them; asked again in the background every RELAYS_READ_S (the meter is read as an
-        exchange ends, which must not wait for the DHT process)."""
+        """The relay nodes this worker reserved its slots on (--auto-relay: its initial peers) and those any of its
+        relayed connections went through (wire_meter.relayed_endpoints), as the daemon listed them; asked again in
+        the background every RELAYS_READ_S (the meter is read as an exchange ends, which must not wait for the DHT
+        process)."""
         pending = self._relays_pending
         if pending is not None and pending.done():
             self._relays_pending = None
             try:
-                self._relays_seen = relayed_endpoints(pending.result())
+                self._relays_seen |= relayed_endpoints(pending.result())
             except Exception as e:  # noqa: BLE001 - the DHT process stopping: no new list, the old one holds
                 logger.debug("could not list this worker's connections: %r", e)
         if self._relays_pending is None and time.monotonic() >= self._relays_next and self.dht.is_alive():

@@ -19,10 +19,11 @@ Where netlink or /proc cannot be read, the meter reads nothing, and the metrics 
 
 Bytes through relays (issue 39) are counted apart: a connection relayed through another node (libp2p's circuit
 relay, for peers behind NAT: `--auto-relay`, `dilocox-bootstrap --relay`) rides this daemon's own TCP connection
-to that relay node, whose socket the kernel counts like any other. The daemon's list of connections names the
-relayed ones by their `/p2p-circuit` address (`relayed_endpoints`); every byte on a socket to a node that relays
-any of them is counted as "via relays" from then on, the relay node's own traffic with this one (its DHT, when
-it is a bootstrap node) included: an upper bound of what was relayed, `wire_via_relays` in metrics.jsonl.
+to that relay node, whose socket the kernel counts like any other. The relay nodes are the ones a peer started with
+`--auto-relay` reserves its slots on (its initial peers: `relay_endpoints`), and any node the daemon's list of
+connections names in a relayed connection's `/p2p-circuit` address (`relayed_endpoints`); every byte on a socket to
+one of them is counted as "via relays" from then on, the relay node's own traffic with this one (its DHT, when it
+is a bootstrap node) included: an upper bound of what was relayed, `wire_via_relays` in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Socket", "WireMeter", "daemons_below", "fd_inodes", "read_sockets", "relayed_connections", "relayed_endpoints"]
+__all__ = ["Socket", "WireMeter", "daemons_below", "fd_inodes", "read_sockets", "relay_endpoints", "relayed_connections", "relayed_endpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,12 @@ def relayed_endpoints(connections: Iterable[tuple[str, Sequence[str]]]) -> set[s
             if endpoint is not None:
                 found.add(endpoint)
     return found
+
+
+def relay_endpoints(maddrs: Iterable[str]) -> set[str]:
+    """"host:port" of the relay nodes a peer started with --auto-relay reserves its slots on (its initial peers, whose
+    multiaddrs name an IP: a DNS name is not matched to a socket)."""
+    return {e for m in maddrs if (e := _endpoint(str(m))) is not None}
 
 
 def _endpoint(maddr: str) -> str | None:

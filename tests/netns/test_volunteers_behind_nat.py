@@ -59,3 +59,36 @@ def test_two_volunteers_behind_nat_average_as_client_members_and_agree_with_the_
         # its own contribution is in the average it applied (no borrowing, no mending) in at least 80% of its rounds
         kinds = [r["kinds"][0] for r in records[h].values() if r["applied_round"] is not None]
         assert kinds.count("averaged") >= 0.8 * len(kinds), kinds
+
+
+RELAY_ROUNDS = 4
+
+
+def test_volunteers_behind_nat_with_auto_relay_count_their_bytes_to_the_relay_apart(tmp_path):
+    # issue 39: bytes through relays are counted. The bootstrap node relays (--relay) and each NATed peer reserves a
+    # slot on it (--auto-relay). Each NATed peer counts its bytes on its connection to the relay apart
+    # (wire_via_relays, swarm/wire_meter.py: an upper bound of what was relayed, the relay node's own DHT traffic
+    # with it included): some, and never more than all it moved. The public peer reserves nothing; it counts a relay
+    # only where it reached a NATed peer through one
+    def join(host: int) -> list[str]:
+        argv = _join(host, boot, tmp_path / f"peer{host}")
+        argv[argv.index("--rounds") + 1] = str(RELAY_ROUNDS)
+        return [*argv, *(["--auto-relay"] if host in NATED else [])]
+
+    hosts = (*PUBLIC, *NATED)
+    with NetLab(n_hosts=4, rate_mbit=100.0, behind_nat=NATED) as lab:
+        boot = lab.start_bootstrap(0, tmp_path / "boot", relay=True)
+        peers = {h: lab.popen(h, join(h), stdout=open(tmp_path / f"peer{h}.out", "w"), stderr=subprocess.STDOUT)
+                 for h in hosts}  # fmt: skip
+        codes = {h: p.wait(timeout=300) for h, p in peers.items()}
+    outputs = {h: (tmp_path / f"peer{h}.out").read_text() for h in hosts}
+    assert all(code == 0 for code in codes.values()), {h: outputs[h][-3000:] for h, c in codes.items() if c}
+    records = {h: read_metrics(tmp_path / f"peer{h}" / "metrics.jsonl") for h in hosts}
+    for h in hosts:
+        counted = [r for r in records[h] if r["wire_via_relays"][0] is not None]
+        relayed, wire = [r["wire_via_relays"][0] for r in counted], [r["wire_bytes"][0] for r in counted]
+        assert counted and all(0 <= a[i] <= b[i] for a, b in zip(relayed, wire) for i in (0, 1)), (h, relayed, wire)
+        if h in NATED:
+            assert sum(map(sum, relayed)) > 0, (h, relayed)
+    last = [records[h][-1] for h in hosts]
+    assert len({(r["round"], tuple(r["stage_hashes"])) for r in last}) == 1, "the peers disagree at their last round"

@@ -96,6 +96,13 @@ def test_the_relay_nodes_are_found_by_the_circuit_addresses_of_relayed_connectio
     assert relayed_endpoints([("QmLost", ["/p2p/QmGone/p2p-circuit"])]) == set()  # a relay it has no address of
 
 
+def test_the_relays_an_auto_relay_peer_reserves_on_are_its_initial_peers_that_name_an_ip():
+    from dilocox_p2p.swarm.wire_meter import relay_endpoints
+
+    assert relay_endpoints(["/ip4/203.0.113.7/tcp/31337/p2p/QmBoot", "/dns4/boot.example/tcp/31337/p2p/QmB2"]) == {
+        "203.0.113.7:31337"}
+
+
 def test_bytes_on_a_socket_to_a_relay_count_as_relayed_from_the_reading_that_finds_it_and_after_it_closes():
     readings = iter([
         [Socket(1, "10.0.0.5:1", "10.0.0.1:4001", 100, 10), Socket(2, "10.0.0.5:2", "10.0.0.3:4003", 7, 7)],
