@@ -1,6 +1,6 @@
-"""One peer cannot ask a worker's averager more than any honest member does: its pushes, join requests and part
-streams beyond its rate or its share of held requests are refused at once, and the other members' go on
-(request_limits.py; issue 38, point 4).
+"""One peer cannot ask a worker's averager or DHT node more than any honest member does: its pushes, join requests,
+part streams and DHT finds beyond its rate or its share of held requests are refused at once, and the other members'
+go on (request_limits.py, hivemind_patches.limit_dht_requests; issue 38, point 4).
 
     pytest tests/swarm/test_request_limits.py -q
 
@@ -16,7 +16,6 @@ import time
 import hivemind
 
 import pytest
-import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.dht.protocol import DHTProtocol
@@ -29,39 +28,16 @@ from dilocox_p2p.swarm.averager import DilocoxAverager
 from dilocox_p2p.swarm.hivemind_patches import DHT_REQUEST_BURST, DHT_REQUESTS_PER_S, limit_dht_requests
 from dilocox_p2p.swarm.member_push import QUEUED, take_pushed
 from dilocox_p2p.swarm.request_limits import MAX_HELD_PER_PEER, REQUEST_BURST, REQUESTS_PER_S
-from tests.helpers.signed import signed_node
+from tests.swarm.test_allreduce import Group
 
 pytestmark = pytest.mark.swarm
 
-RUN, PREFIX = "limits", "limits_s0"
 REQUEST_TIMEOUT_S = 5.0  # a join request naming a round ahead is held up to this less a second (_wait_to_lead)
-
-
-class _Members:
-    def __init__(self, n: int):
-        first = signed_node(RUN)
-        nodes = [first] + [signed_node(RUN, initial_peers=first[0].get_visible_maddrs()) for _ in range(n - 1)]
-        self.dhts = [dht for dht, _, _ in nodes]
-        self.ids = [dht.peer_id.to_base58() for dht in self.dhts]
-        self.averagers = [
-            DilocoxAverager(
-                [torch.zeros(8)], dht, run_id=RUN, config_hash="0" * 64, stage=0, prefix=PREFIX, start=True,
-                min_group_size=2, min_matchmaking_time=5.0, request_timeout=REQUEST_TIMEOUT_S, allreduce_timeout=10.0,
-                next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
-            )
-            for dht, signer, gate in nodes
-        ]  # fmt: skip
-
-    def close(self) -> None:
-        for averager in self.averagers:
-            averager.shutdown()
-        for dht in self.dhts:
-            dht.shutdown()
 
 
 @pytest.fixture
 def members(request):
-    members = _Members(3)
+    members = Group(3, request_timeout=REQUEST_TIMEOUT_S)  # three averager processes, each with its DHT node
     request.addfinalizer(members.close)
     return members
 
@@ -94,12 +70,12 @@ def test_a_peer_that_pushes_faster_than_any_honest_one_crowds_nobody_out_of_the_
     assert _taken(members.averagers[0].pushed_records, within=3.0) == [members.ids[1]]
 
 
-async def _ask_to_join(leader: PeerID, maddrs, ticket: bytes, flood: int) -> list[tuple[float, int]]:
+async def _ask_to_join(leader: PeerID, maddrs, prefix: str, ticket: bytes, flood: int) -> list[tuple[float, int]]:
     """`flood` join requests at once from a P2P of this process, each carrying `ticket`: (seconds until the
     first answer, its code) for each."""
     caller = await P2P.create(initial_peers=maddrs)
     try:
-        stub = DilocoxAverager.get_stub(caller, leader, namespace=PREFIX)
+        stub = DilocoxAverager.get_stub(caller, leader, namespace=prefix)
         request = averaging_pb2.JoinRequest(schema_hash=b"", expiration=time.time() + 30, gather=ticket)
 
         async def one() -> tuple[float, int]:
@@ -121,7 +97,7 @@ def test_join_requests_of_one_peer_beyond_the_most_it_may_have_held_are_refused_
     ticket = members.averagers[1].prepare_round(7, 2, admitted=members.ids)  # of a round the leader is not at
     ahead = MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(ticket)])  # as hivemind's step wraps it
     flood = MAX_HELD_PER_PEER + 8
-    answers = asyncio.run(_ask_to_join(leader, maddrs, ahead, flood))
+    answers = asyncio.run(_ask_to_join(leader, maddrs, members.averagers[0].prefix, ahead, flood))
     at_once = [(s, code) for s, code in answers if s < REQUEST_TIMEOUT_S / 2]
     held = [(s, code) for s, code in answers if s >= REQUEST_TIMEOUT_S / 2]
     assert len(at_once) == flood - MAX_HELD_PER_PEER and len(held) == MAX_HELD_PER_PEER, answers
