@@ -30,6 +30,7 @@ from ..proto_gen import envelope_pb2
 from .matchmaking import (
     joining, looking_for_group, lost_acceptance, outside_every_group, pop_while_unsure, refuses_mutual_ask,
 )
+from .member_push import claimed_round
 from .request_limits import peer_limits
 
 __all__ = ["GroupAdmission", "ask_designated_then_admitted"]
@@ -75,9 +76,8 @@ class GroupAdmission:
         """The round a JoinRequest.gather's ticket names, unverified (None: not a ticket of ours; the group's
         checks refuse it)."""
         try:
-            signed = envelope_pb2.SignedEnvelope.FromString(self._sealed_ticket(gathered))
-            return envelope_pb2.Envelope.FromString(signed.body).round
-        except Exception:  # noqa: BLE001
+            return claimed_round(self._sealed_ticket(gathered))
+        except Exception:  # noqa: BLE001 - not hivemind's (bandwidth, mode, user data)
             return None
 
     def _ticket_refusal(self, peer: str, gathered: bytes, *, joining: bool) -> str:

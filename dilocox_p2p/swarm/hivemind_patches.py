@@ -317,26 +317,26 @@ check each before."""
 def limit_dht_requests() -> None:
     """Wrap DHTProtocol.rpc_store and rpc_find, in this process and those it forks after (the DHT process), so that a
     peer beyond its rate is answered at once with nothing stored (store_ok false) or found (NOT_FOUND), counted and
-    logged at its 1st, 10th, 100th... time. Idempotent."""
+    logged as faults.RefusalLog says (its 1st, 10th, 100th... time). Idempotent."""
     import functools
 
     from hivemind.dht.protocol import DHTProtocol
     from hivemind.proto import dht_pb2
 
+    from .faults import RefusalLog
     from .request_limits import RequestRate
 
     if getattr(DHTProtocol, "_dilocox_limited", False):
         return
     rates = {"store": RequestRate(DHT_REQUESTS_PER_S, DHT_REQUEST_BURST), "find": RequestRate(DHT_REQUESTS_PER_S, DHT_REQUEST_BURST)}
-    refused = {"store": 0, "find": 0}
+    refusals = RefusalLog()
 
     def refuses(what: str, context: Any) -> bool:
         if rates[what].take(context.remote_id.to_base58()):
             return False
-        refused[what] += 1
-        if str(refused[what]).strip("0") == "1":  # the 1st, 10th, 100th...
+        if (n := refusals.count(f"DHT {what}")) is not None:
             logger.warning("refused a DHT %s of %s: more than %.0f a second [%d such so far]", what, context.remote_id,
-                           DHT_REQUESTS_PER_S, refused[what])  # fmt: skip
+                           DHT_REQUESTS_PER_S, n)  # fmt: skip
         return True
 
     store, find = DHTProtocol.rpc_store, DHTProtocol.rpc_find
