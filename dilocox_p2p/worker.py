@@ -136,13 +136,10 @@ class StageWorker:
         """This stage's compression state for the metrics record (low-rank: ranks and captured energy)."""
         return {}
 
-    def take_wire_bytes(self) -> tuple[int, int] | None:
-        """(sent, received) bytes this stage moved through the swarm since the last call, every kind of traffic
-        (swarm/wire_meter.py); None without a swarm or where they cannot be read."""
-        return None
-
-    def take_relayed_bytes(self) -> tuple[int, int] | None:
-        """Of the bytes the last `take_wire_bytes` returned, those on connections to relay nodes (wire_meter.py)."""
+    def take_wire_bytes(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """(sent, received) bytes this stage moved through the swarm since the last call, every kind of traffic, and
+        (sent, received) of those on connections to relay nodes, from one reading (swarm/wire_meter.py); None without
+        a swarm or where they cannot be read."""
         return None
 
     def deadlines(self) -> dict[str, float] | None:
@@ -393,6 +390,7 @@ class StageWorker:
         self.outer.load_into_model()
         with self.outer.theta_g_in_model():  # the shared model's loss, in every mode
             val_loss = self.trainer.evaluate(self.val)
+        wire = self.take_wire_bytes()
         facts = {
             "hash": state_hash,
             "fragment_hashes": self.outer.fragment_hashes() if self.syncs > 1 else None,
@@ -404,8 +402,8 @@ class StageWorker:
             "seconds_round": seconds_round,
             "compute_window": compute_window,
             "faults": self.take_fault_counts(),
-            "wire": self.take_wire_bytes(),
-            "relayed": self.take_relayed_bytes(),  # of the same reading as "wire"
+            "wire": wire[0] if wire is not None else None,
+            "relayed": wire[1] if wire is not None else None,
             "sources": self.take_source_bytes(),
             "state_donors": self.take_state_donors(),
             "deadlines": self.deadlines(),

@@ -261,13 +261,9 @@ class WireMeter:
         return (closed[0] + sum(s for s, _ in now.values()), closed[1] + sum(r for _, r in now.values()),
                 closed[2] + sum(s for s, _ in relayed), closed[3] + sum(r for _, r in relayed))  # fmt: skip
 
-    def take(self) -> tuple[int, int] | None:
-        """(sent, received) bytes since the last call (the first: since the daemon's sockets opened)."""
-        taken = self.take_split()
-        return None if taken is None else taken[0]
-
-    def take_split(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
-        """((sent, received), (sent, received) via relays) since the last call, both from one reading."""
+    def take(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """((sent, received), (sent, received) of those via relays) since the last call (the first: since the daemon's
+        sockets opened), both from one reading."""
         with self._lock:
             totals = self._totals()
             if totals is None:

@@ -131,14 +131,8 @@ class SwarmStageWorker(StateTaking, StageWorker):
     def deadlines(self) -> dict[str, float] | None:
         return self.swarm.deadlines.snapshot()
 
-    def take_wire_bytes(self) -> tuple[int, int] | None:
-        taken = self.swarm.wire.take_split()
-        self._relayed = None if taken is None else taken[1]
-        return None if taken is None else taken[0]
-
-    def take_relayed_bytes(self) -> tuple[int, int] | None:
-        relayed, self._relayed = self.__dict__.get("_relayed"), None  # take_wire_bytes's reading
-        return relayed
+    def take_wire_bytes(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        return self.swarm.wire.take()
 
     def take_source_bytes(self) -> dict[str, list[int]] | None:
         return self.swarm.sources.take()

@@ -48,10 +48,10 @@ def test_a_daemon_counts_its_own_sockets_but_not_inherited_ones_nor_those_to_its
     holds = {7: {1, 2, 3}, 6: {2}, 8: {4}}.get
     meter = WireMeter(lambda: 7, own=lambda: {7, 8}, read=lambda: sockets, holds=lambda p: holds(p, set()),
                       parent=lambda p: 6)  # fmt: skip
-    assert meter.take() == (100, 10)
+    assert meter.take() == ((100, 10), (0, 0))
     other_peer = WireMeter(lambda: 7, own=lambda: {7}, read=lambda: sockets, holds=lambda p: holds(p, set()),
                            parent=lambda p: 6)  # daemon 8 is another peer's: the loopback connection counts
-    assert other_peer.take() == (150, 60)
+    assert other_peer.take() == ((150, 60), (0, 0))
 
 
 def test_a_socket_that_closed_keeps_what_it_had_moved_and_nothing_is_made_up_when_the_kernel_cannot_say():
@@ -61,9 +61,9 @@ def test_a_socket_that_closed_keeps_what_it_had_moved_and_nothing_is_made_up_whe
     readings = iter([sockets((1, 100, 10)), sockets((1, 150, 20), (2, 5, 5)), sockets((2, 7, 9)), None])
     meter = WireMeter(lambda: 42, own=set, read=lambda: next(readings), holds=lambda p: {1, 2} if p == 42 else set(),
                       parent=lambda p: None)  # fmt: skip
-    assert meter.take() == (100, 10)
-    assert meter.take() == (55, 15)  # 1 grew, 2 opened
-    assert meter.take() == (2, 4)  # 1 closed: its 150 / 20 stay counted
+    assert meter.take() == ((100, 10), (0, 0))
+    assert meter.take() == ((55, 15), (0, 0))  # 1 grew, 2 opened
+    assert meter.take() == ((2, 4), (0, 0))  # 1 closed: its 150 / 20 stay counted
     assert meter.take() is None  # unreadable
     assert WireMeter(lambda: None, own=set).take() is None  # no daemon found
 
@@ -113,9 +113,9 @@ def test_bytes_on_a_socket_to_a_relay_count_as_relayed_from_the_reading_that_fin
     relays = iter([set(), {"10.0.0.1:4001"}, set(), set()])  # the daemon listed the circuit at the second reading
     meter = WireMeter(lambda: 42, own=set, read=lambda: next(readings), holds=lambda p: {1, 2} if p == 42 else set(),
                       parent=lambda p: None, relays=lambda: next(relays))  # fmt: skip
-    assert meter.take_split() == ((107, 17), (0, 0))
-    assert meter.take_split() == ((202, 22), (300, 30))  # all of its bytes: the socket carried the relayed connection
-    assert meter.take_split() == ((1, 1), (0, 0))  # closed: what it moved stays counted, relayed as before
+    assert meter.take() == ((107, 17), (0, 0))
+    assert meter.take() == ((202, 22), (300, 30))  # all of its bytes: the socket carried the relayed connection
+    assert meter.take() == ((1, 1), (0, 0))  # closed: what it moved stays counted, relayed as before
     assert meter.totals() == (310, 40)
 
 
@@ -126,4 +126,4 @@ def test_a_relay_list_that_fails_counts_every_byte_as_direct():
     sockets = [Socket(1, "10.0.0.5:1", "10.0.0.1:4001", 5, 6)]
     meter = WireMeter(lambda: 1, own=set, read=lambda: sockets, holds=lambda p: {1} if p == 1 else set(),
                       parent=lambda p: None, relays=fails)  # fmt: skip
-    assert meter.take_split() == ((5, 6), (0, 0))
+    assert meter.take() == ((5, 6), (0, 0))
