@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Literal
@@ -18,11 +19,18 @@ def fail(key: str, value: Any, why: str) -> typing.NoReturn:
 
 def check_choices(section: Any, name: str) -> None:
     """Reject values outside a field's Literal choices (also for sections built in code)."""
-    for f in dataclasses.fields(section):
-        hint = typing.get_type_hints(type(section))[f.name]
-        if typing.get_origin(hint) is Literal and getattr(section, f.name) not in typing.get_args(hint):
-            choices = ", ".join(map(str, typing.get_args(hint)))
-            fail(f"{name}.{f.name}", getattr(section, f.name), f"must be one of: {choices}")
+    for field, choices in _choices(type(section)):
+        if getattr(section, field) not in choices:
+            fail(f"{name}.{field}", getattr(section, field), f"must be one of: {', '.join(map(str, choices))}")
+
+
+@functools.cache
+def _choices(cls: type) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """The Literal fields of a config section and their choices, read once per class (resolving the type hints
+    costs about 1 ms a field, and sections are also built in hot paths, e.g. a reducer's encoding config)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, typing.get_args(hints[f.name])) for f in dataclasses.fields(cls)
+                 if typing.get_origin(hints[f.name]) is Literal)  # fmt: skip
 
 
 def check_maddr(key: str, text: str, *, need_peer_id: bool) -> None:

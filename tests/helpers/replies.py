@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 from collections.abc import Callable
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hypothesis import strategies as st
 
 from dilocox_p2p.envelope import Gate, Policy, Signer
 from dilocox_p2p.identity import certify_worker, peer_id_of, public_raw
 from dilocox_p2p.swarm.held import AverageService
 from dilocox_p2p.swarm.transfer import SignedReplies
 from dilocox_p2p.wire import swarm_pb2
+from tests.helpers.seeded import position
 
-__all__ = ["LOOP", "RUN", "SHAPES", "Worker", "edited", "ops", "parsed", "stream", "sweep_bit_flips"]
+__all__ = ["LOOP", "RUN", "SHAPES", "Worker", "chunk_edits", "edited", "parsed", "stream", "sweep_bit_flips"]
 
 RUN = "fuzz-replies"
 SHAPES = [torch.Size((5, 4)), torch.Size((7,)), torch.Size((3, 3))]
@@ -112,5 +113,7 @@ def edit(chunks: list[bytes], op: tuple) -> list[bytes]:
     return out
 
 
-ops = st.lists(st.tuples(st.sampled_from(["drop", "duplicate", "swap", "byte", "cut"]), st.floats(0, 0.999),
-                         st.floats(0, 0.999), st.integers(0, 255)), min_size=1, max_size=3)  # fmt: skip
+def chunk_edits(rng: random.Random) -> list[tuple]:
+    """1 to 3 alterations of a reply for `edited`, drawn from `rng` (tests/helpers/seeded.py)."""
+    return [(rng.choice(("drop", "duplicate", "swap", "byte", "cut")), position(rng), position(rng), rng.randrange(256))
+            for _ in range(rng.randint(1, 3))]  # fmt: skip

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 
 from dilocox_p2p.average import AverageKind
 from dilocox_p2p.errors import WireRejected
@@ -22,7 +21,8 @@ from dilocox_p2p.swarm.state_pieces import checked_piece
 from dilocox_p2p.swarm.state_service import StateDownload, StateService
 from dilocox_p2p.swarm.transfer import Oversized, claimed_nonce, read_stream
 from dilocox_p2p.wire import swarm_pb2
-from tests.helpers.replies import LOOP, RUN, SHAPES, Worker, edited, ops, parsed, stream, sweep_bit_flips
+from tests.helpers.seeded import check_each
+from tests.helpers.replies import LOOP, RUN, SHAPES, Worker, chunk_edits, edited, parsed, stream, sweep_bit_flips
 
 pytestmark = pytest.mark.unit
 
@@ -139,15 +139,17 @@ def test_every_single_bit_flip_of_a_served_state_or_piece_is_refused_or_changes_
         assert cases == 2 * sum(map(len, served)) and refused > 0.9 * cases, (cases, refused)
 
 
-@settings(max_examples=800, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(edits=ops)
-def test_an_altered_whole_state_reply_is_taken_exactly_as_signed_or_refused_with_a_reason(edits):
-    taken, reason = _whole_verdict(edited(SERVED_WHOLE, edits))
-    assert taken or reason, "refused without a reason"
+def test_an_altered_whole_state_reply_is_taken_exactly_as_signed_or_refused_with_a_reason():
+    def check(edits: list[tuple]) -> None:
+        taken, reason = _whole_verdict(edited(SERVED_WHOLE, edits))
+        assert taken or reason, "refused without a reason"
+
+    check_each(800, chunk_edits, check, seed=231)
 
 
-@settings(max_examples=800, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(edits=ops)
-def test_an_altered_state_piece_is_kept_exactly_as_signed_or_refused_with_a_reason(edits):
-    taken, reason = _piece_verdict(edited(SERVED_PIECE, edits))
-    assert taken or reason, "refused without a reason"
+def test_an_altered_state_piece_is_kept_exactly_as_signed_or_refused_with_a_reason():
+    def check(edits: list[tuple]) -> None:
+        taken, reason = _piece_verdict(edited(SERVED_PIECE, edits))
+        assert taken or reason, "refused without a reason"
+
+    check_each(800, chunk_edits, check, seed=232)
