@@ -8,6 +8,8 @@ Armed through the environment of the peer's processes, several separated by `;`:
   process group, as a power cut would) when stage S's averager receives the first tensor
   part of round R's all-reduce, or, where none reaches it (its group went on without it, or
   formed after it had given up), when its step of that round ends, before any average is taken.
+- `kill_peer_mid_round:round=R:step=K:stage=S` kills every process of the peer the same way right after stage S's
+  inner step K of round R (R counts records: syncs, in streaming), at a point of the round no timing decides.
 - `withhold_average:round=R:stage=S` makes stage S's reducer keep the averaged parts of round
   R from the member after it in the group's order (it still counts that member's data):
   that member sees this reducer fail, the others do not, an asymmetric failure.
@@ -73,7 +75,7 @@ __all__ = ["FOLLOWER_FAULTS", "KNOWN", "armed", "first_armed", "flip_last_bit", 
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
-    "kill_peer_in_allreduce", "withhold_average", "hoard_average", "skip_mending",
+    "kill_peer_in_allreduce", "kill_peer_mid_round", "withhold_average", "hoard_average", "skip_mending",
     "abandon_accepted", "lose_begin", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_flipped_pseudo_gradient", "send_nan_average", "send_malformed_parts",
     "lie_to_borrowers", "flip_served_bit", "cut_served_message", "corrupt_served_piece",

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import startup
+from . import injection, startup
 from .checkpoint import latest_common_round, load_checkpoint, save_checkpoint
 from .config import Config, config_hash
 from .data import BatchSampler, load_corpus, val_batches
@@ -356,6 +356,8 @@ class StageWorker:
                 raise StopRequested
             if result.loss is not None:
                 losses.append(result.loss)
+            if injection.armed("kill_peer_mid_round", quiet=True, round=t, step=i + 1, stage=self.stage):
+                injection.kill_peer(f"round {t}, after inner step {i + 1}")
             self.outer.after_inner_step(i + 1)
             if self.replicas is not None and i + 1 == merge_after:
                 self.replicas.send_weights()

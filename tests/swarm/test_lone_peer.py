@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import resource
+import signal
 
 import pytest
 
@@ -68,16 +69,15 @@ def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupt
     # checks a pipeline of 2 stages, streaming one stage (what it checks does not depend on the stages); replicas:
     # 2 copies of the pipeline, whose second copy (no checkpoint of its own) takes the resumed state,
     # AdamW's moments and the data's position from the first (replicas.py); of one stage (DP x PP: test_replicas.py)
-    # rounds long enough (40 inner steps: 20 per streaming sync) that the kill, as soon as round 2 is recorded,
-    # lands inside round 3
-    args = ["--rounds", "4", "--inner-steps", "40", "--seed", "3", "--data-seed", "5", *mode]
+    # the power cut comes after inner step 3 of round 3 (of its second sync, streaming), decided by no timing
+    args = ["--rounds", "4", "--inner-steps", "10", "--seed", "3", "--data-seed", "5", *mode]
     syncs = 2 if "streaming" in mode else 1
     auto = ["--resume", "auto"] if "streaming" in mode else []  # streaming also checks `--resume auto`: starts afresh, then resumes
     reference = Peer(tmp_path / "reference", [*args, *auto])
-    crashed = Peer(tmp_path / "crashed", args)
-    crashed.wait_for_round(2, timeout=180)
-    crashed.kill()
-    assert not any(r["round"] >= 3 for r in crashed.metrics()), "the kill came too late to be mid-round"
+    crashed = Peer(tmp_path / "crashed", args, env={"DILOCOX_FAULTS": "kill_peer_mid_round:round=3:step=3:stage=0"})
+    assert crashed.wait(timeout=180) == -signal.SIGKILL, crashed.output()
+    assert "fault injection: killing the peer (round 3, after inner step 3)" in crashed.output() + crashed.stage_log(0)
+    assert [r["round"] for r in crashed.metrics()] == [0, 1, 2], "not killed in round 3"
 
     resumed = Peer(tmp_path / "crashed", [*args, *(auto or ["--resume"])])
     assert resumed.wait(timeout=180) == 0, resumed.output()
