@@ -95,8 +95,6 @@ edits = st.lists(_edit, min_size=1, max_size=4)
 whose input is only a mutation); a position is a share of the length, so it lands anywhere in it."""
 
 
-
-
 # ----- wire.decode -----------------------------------------------------------------------------
 MESSAGE_CLASSES = [
     getattr(module, name)
