@@ -34,6 +34,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pytest
 import torch
@@ -64,6 +65,8 @@ from tests.helpers.seeded import byte_edits, check_each, mutate
 
 pytestmark = pytest.mark.unit
 
+T = TypeVar("T")
+
 
 def fuzz(n: int, **kwargs):
     """Deterministic hypothesis settings: `n` examples, the same ones on every run."""
@@ -72,27 +75,18 @@ def fuzz(n: int, **kwargs):
 
 
 # ----- strategies ------------------------------------------------------------------------------
-def _seeded(draw: Callable[[random.Random], bytes]) -> st.SearchStrategy[bytes]:
-    """`draw`'s bytes as a hypothesis strategy: it draws a seed, and `draw` the rest (tests/helpers/seeded.py),
-    which costs a fraction of drawing the bytes' structure through hypothesis."""
+def _seeded(draw: Callable[[random.Random], T]) -> st.SearchStrategy[T]:
+    """`draw`'s values as a hypothesis strategy: it draws a seed, and `draw` the rest (tests/helpers/seeded.py),
+    which costs a fraction of drawing their structure through hypothesis."""
     return st.integers(0, 2**64 - 1).map(lambda seed: draw(random.Random(seed)))
 
 
 protobuf_like = _seeded(seeded.protobuf_like)
 """Bytes shaped like protobuf messages (nested ones too), with the odd lie in them."""
 peer_bytes = _seeded(seeded.peer_bytes)
-
-
-_edit = st.one_of(
-    st.tuples(st.just("flip"), st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
-    st.tuples(st.just("truncate"), st.floats(0, 1, exclude_max=True)),
-    st.tuples(st.just("insert"), st.floats(0, 1), st.binary(min_size=1, max_size=12)),
-    st.tuples(st.just("delete"), st.floats(0, 1, exclude_max=True), st.integers(1, 12)),
-    st.tuples(st.just("set"), st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
-)
-edits = st.lists(_edit, min_size=1, max_size=4)
-"""Mutations of a valid message inside a searched structure (tests/helpers/seeded.py draws them for the tests
-whose input is only a mutation); a position is a share of the length, so it lands anywhere in it."""
+edits = _seeded(byte_edits)
+"""Mutations of a valid message inside a searched structure, for `mutate` (the tests whose input is only a
+mutation draw `byte_edits` directly); a position is a share of the length, so it lands anywhere in it."""
 
 
 # ----- wire.decode -----------------------------------------------------------------------------
