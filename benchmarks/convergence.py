@@ -129,6 +129,11 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
                           [(4.0, 0.0)]),
     "sync topk x1 1/32": ({**TOPK_X3, "compression.topk_reduced_multiple": 1, "compression.topk_density": 1 / 32},
                           [(4.0, 0.0)]),
+    # issue 40, item 2: a Muon inner optimizer (MuLoCo, arXiv 2505.23725, reports 2-bit compression at almost no
+    # loss with it): Muon on the blocks' matrices, AdamW on the rest, the same inner lr (Muon's update scaled to
+    # AdamW's RMS); each compression at its best outer lr and momentum with AdamW
+    "sync fp32 muon": ({"outer.mode": "sync", "inner.optimizer": "muon"}, [(1.0, 0.7)]),
+    "sync topk x3 muon": ({**TOPK_X3, "inner.optimizer": "muon"}, [(4.0, 0.0)]),
     # bounded influence (issue 38): each contribution clipped to clip_ratio times its group's lower median norm, with
     # honest peers only: what it costs them at sync fp32's and int8's settings
     "sync fp32 clip 1.5": ({"outer.mode": "sync", "swarm.clip_ratio": 1.5}, [(1.0, 0.7)]),

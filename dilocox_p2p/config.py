@@ -181,8 +181,15 @@ class InnerConfig:
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule of a peer of several stages (pipeline_schedule.py): 1f1b holds fewer micro-batches'
     activations at once, gpipe runs every forward before any backward; local."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """The inner optimizer (inner_optimizer.py): AdamW, or Muon on the transformer blocks' weight matrices with
+    AdamW on the rest (embeddings, the output head, biases and norms; MuLoCo, arXiv 2505.23725). Muon's step is
+    scaled to AdamW's update size, so both take the same lr and weight decay. Part of the run's recipe, as inner.lr:
+    every peer of a run uses the same (theta_g would agree either way: it never sees the inner optimizer)."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum; inner.optimizer = muon only."""
     lr: float = 1e-3
-    """Peak AdamW learning rate."""
+    """Peak learning rate (both optimizers)."""
     warmup_steps: int = 50
     """Linear warm-up steps, counted over the whole run."""
     min_lr_ratio: float = 0.1
@@ -226,6 +233,8 @@ class InnerConfig:
             fail("inner.grad_clip", self.grad_clip, "must be >= 0")
         if self.threads < 0:
             fail("inner.threads", self.threads, "must be >= 0")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            fail("inner.muon_momentum", self.muon_momentum, "must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

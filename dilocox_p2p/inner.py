@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from .config import Config
 from .errors import StageOutOfMemory
-from .inner_optimizer import InnerAdamW
-from .model import StageModule, build_stage, lm_loss
+from .inner_optimizer import InnerAdamW, InnerMuon
+from .model import StageModule, build_stage, lm_loss, muon_matrices
 from .pipeline_schedule import PipelineSchedule, bubble_fraction
 
 __all__ = ["InnerTrainer", "StepResult", "compile_unavailable", "lr_at", "resolve_compile", "resolve_precision"]
@@ -109,16 +109,24 @@ class InnerTrainer:
         self.compiled = resolve_compile(cfg.inner.compile, device) and self._compile()
         self._first_step_s: float | None = None
         self.schedule = self._pipeline_schedule(group) if n_stages > 1 else None
-        decay = [p for p in self.module.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.module.parameters() if p.dim() < 2]
-        self.optimizer = InnerAdamW(
-            [{"params": decay, "weight_decay": cfg.inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.inner.lr,
-            betas=(cfg.inner.beta1, cfg.inner.beta2),
-            fused=device.type == "cuda",
-        )
+        self.optimizer = self._optimizer(cfg, device)
         self.total_steps = cfg.run.rounds * cfg.inner.steps
         logger.info("inner: %s on %s, %s", self.precision, device, "compiled" if self.compiled else "eager")
+
+    def _optimizer(self, cfg: Config, device: torch.device) -> InnerAdamW | InnerMuon:
+        """AdamW over the stage (weight decay on its matrices), or Muon on its blocks' matrices and AdamW on the
+        rest (inner.optimizer)."""
+        inner = cfg.inner
+        kwargs: dict = {"lr": inner.lr, "betas": (inner.beta1, inner.beta2), "fused": device.type == "cuda"}
+        no_decay = [p for p in self.module.parameters() if p.dim() < 2]
+        matrices = [p for p in self.module.parameters() if p.dim() >= 2]
+        if inner.optimizer == "adamw":
+            groups = [{"params": matrices, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            return InnerAdamW(groups, **kwargs)
+        blocks = muon_matrices(self.module)  # every stage holds a block (model.partition_units)
+        others = [p for p in matrices if all(p is not b for b in blocks)]
+        groups = [{"params": others, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return InnerMuon(blocks, groups, weight_decay=inner.weight_decay, momentum=inner.muon_momentum, **kwargs)
 
     def _pipeline_schedule(self, group: dist.ProcessGroup | None) -> PipelineSchedule:
         """This stage's part of the configured pipeline schedule (a peer of one stage needs none)."""

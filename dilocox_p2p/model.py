@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelShape
 
-__all__ = ["GPT", "StageModule", "VOCAB", "build_stage", "partition_units", "stage_layout", "unit_param_counts"]
+__all__ = ["GPT", "StageModule", "VOCAB", "build_stage", "muon_matrices", "partition_units", "stage_layout",
+           "unit_param_counts"]
 
 VOCAB = 256
 
@@ -196,6 +197,13 @@ class StageModule(nn.Module):
 def build_stage(shape: ModelShape, n_stages: int, stage: int, seed: int) -> StageModule:
     """Build only this stage's layers, initialized exactly as in the whole model."""
     return StageModule(shape, stage_layout(shape, n_stages)[stage], seed)
+
+
+def muon_matrices(module: nn.Module) -> list[nn.Parameter]:
+    """The weight matrices of the transformer blocks in `module` (a stage or the whole model): what Muon trains
+    (inner.optimizer = muon); the embeddings and the output head are not among them."""
+    return [layer.weight for block in module.modules() if isinstance(block, Block)
+            for layer in (block.qkv, block.proj, block.fc, block.out)]  # fmt: skip
 
 
 class GPT(nn.Module):

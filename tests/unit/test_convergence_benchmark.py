@@ -49,7 +49,7 @@ def _dies_after_recording(round_: int):
     return Dying
 
 
-@pytest.mark.parametrize("label", ["sync topk", "delayed lowrank", "streaming P2 fp4"])
+@pytest.mark.parametrize("label", ["sync topk", "delayed lowrank", "streaming P2 fp4", "sync topk x3 muon"])
 def test_a_run_killed_between_checkpoints_resumes_to_the_same_bits_as_one_run_straight_through(
     label, tmp_path, monkeypatch, gloo_group
 ):
