@@ -61,14 +61,17 @@ def test_a_step_too_big_for_the_memory_stops_the_peer_with_the_settings_that_shr
 
 
 @pytest.mark.parametrize(
-    "mode", [(), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--stages", "1"), ("--replicas", "2", "--stages", "1")],
-    ids=["delayed", "streaming", "replicas"],
+    "mode",
+    [(), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--stages", "1"), ("--replicas", "2", "--stages", "1"),
+     ("--replicas", "2", "--stages", "1", "--set", "inner.optimizer=muon")],
+    ids=["delayed", "streaming", "replicas", "replicas-muon"],
 )
 def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tmp_path, mode):
     # streaming: the checkpoint also keeps the weights this peer trains from (they differ from theta_g); delayed
     # checks a pipeline of 2 stages, streaming one stage (what it checks does not depend on the stages); replicas:
     # 2 copies of the pipeline, whose second copy (no checkpoint of its own) takes the resumed state,
-    # AdamW's moments and the data's position from the first (replicas.py); of one stage (DP x PP: test_replicas.py)
+    # AdamW's moments and the data's position from the first (replicas.py); of one stage (DP x PP: test_replicas.py);
+    # replicas-muon: the same with inner.optimizer = muon, whose matrices' momentum the second copy takes instead
     # the power cut comes after inner step 3 of round 3 (of its second sync, streaming), decided by no timing
     args = ["--rounds", "4", "--inner-steps", "10", "--seed", "3", "--data-seed", "5", *mode]
     syncs = 2 if "streaming" in mode else 1
