@@ -124,7 +124,8 @@ class InnerTrainer:
             groups = [{"params": matrices, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
             return InnerAdamW(groups, **kwargs)
         blocks = muon_matrices(self.module)  # every stage holds a block (model.partition_units)
-        others = [p for p in matrices if all(p is not b for b in blocks)]
+        in_blocks = {id(p) for p in blocks}
+        others = [p for p in matrices if id(p) not in in_blocks]
         groups = [{"params": others, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return InnerMuon(blocks, groups, weight_decay=inner.weight_decay, momentum=inner.muon_momentum, **kwargs)
 

@@ -54,14 +54,7 @@ class InnerAdamW:
         return {"step": step, **{key: torch.zeros_like(p, memory_format=torch.preserve_format) for key in _MOMENTS}}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        _zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -141,6 +134,16 @@ class InnerAdamW:
             self.state[p] = {"step": step, **moments}
 
 
+def _zero_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.detach_().zero_()
+
+
 _OTHER_OPTIMIZER = (
     "the saved inner optimizer state is inner.optimizer = {saved}'s, this stage runs {this}: resume with "
     "--set inner.optimizer={saved}, or start the stage's inner state afresh in a new run directory"
@@ -188,9 +191,7 @@ class InnerMuon:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.adamw.zero_grad(set_to_none)
-        for p in self.matrices:
-            if p.grad is not None:
-                p.grad = None if set_to_none else p.grad.detach_().zero_()
+        _zero_grads(self.matrices, set_to_none)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -200,9 +201,8 @@ class InnerMuon:
         for p in self.matrices:
             if p.grad is None:
                 continue
-            buffer = self.buffers.get(p)
-            if buffer is None:
-                buffer = self.buffers.setdefault(p, torch.zeros_like(p, memory_format=torch.preserve_format))
+            if (buffer := self.buffers.get(p)) is None:
+                buffer = self.buffers[p] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buffer.lerp_(p.grad, 1 - momentum)
             update = orthogonalized(p.grad.lerp(buffer, momentum))  # Nesterov
             p.mul_(1 - lr * decay)
