@@ -42,6 +42,9 @@ PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the m
     # 4 sequences in 2 micro-batches per step: 2.5x less CPU per step than tiny's 16 in 4, the same loss after
     # 60 steps (measured); what the swarm tests check does not depend on the batch
     "--set", "inner.batch_size=4", "--set", "inner.microbatches=2",
+    # one validation batch, not join's 4: the forward passes of the val loss were a third of the training's CPU
+    # (9% of a swarm test's Python, py-spy); what the tests check of the val loss (it falls, two runs compare) holds
+    "--set", "data.val_batches=1",
 ]
 
 
