@@ -134,6 +134,13 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     # AdamW's RMS); each compression at its best outer lr and momentum with AdamW
     "sync fp32 muon": ({"outer.mode": "sync", "inner.optimizer": "muon"}, [(1.0, 0.7)]),
     "sync topk x3 muon": ({**TOPK_X3, "inner.optimizer": "muon"}, [(4.0, 0.0)]),
+    # ...and whether AdamW gains as much from a larger inner step (the inner lr was never swept: 1e-3, join's default)
+    "sync fp32 inner lr 2e-3": ({"outer.mode": "sync", "inner.lr": 2e-3}, [(1.0, 0.7)]),
+    "sync fp32 inner lr 4e-3": ({"outer.mode": "sync", "inner.lr": 4e-3}, [(1.0, 0.7)]),
+    # issue 40, item 3: join's defaults (streaming, int8, tau 5 of H=20: "streaming P1 int8" above) on the long horizon,
+    # and fp4 in their place, at the same outer lr and momentum (join's for streaming)
+    "streaming P1 fp4": ({"outer.mode": "streaming", "outer.overlap_steps": 5, "compression.kind": "fp4"},
+                         [(0.7, 0.9)]),
     # bounded influence (issue 38): each contribution clipped to clip_ratio times its group's lower median norm, with
     # honest peers only: what it costs them at sync fp32's and int8's settings
     "sync fp32 clip 1.5": ({"outer.mode": "sync", "swarm.clip_ratio": 1.5}, [(1.0, 0.7)]),
@@ -154,6 +161,28 @@ def shape_of(args: argparse.Namespace) -> dict:
     """What every run of one store shares (quality_store.RunStore refuses a store of another)."""
     return {"preset": args.preset, "peers": args.peers, "rounds": args.rounds, "inner_steps": args.inner_steps,
             "batch_size": args.batch_size, "warmup": args.warmup, "val_batches": args.val_batches}  # fmt: skip
+
+
+def baseline_from(path: Path, args: argparse.Namespace, baseline: str = "sync fp32") -> dict:
+    """`baseline`'s result from an earlier invocation of the same shape (the lab is deterministic: sync fp32 gives
+    the same bits on other machines and days), for a run that compares against it without running it again.
+    Files written before the shape was recorded hold five of its fields; the others are taken as this script's
+    defaults."""
+    import json
+
+    payload = json.loads(path.read_text())
+    found = payload.get("results", {}).get(baseline)
+    if found is None:
+        raise SystemExit(f"--baseline-from {path}: it holds no {baseline!r} result; name a result that ran it")
+    defaults = {"warmup": 50, "val_batches": 8}
+    stored = payload.get("shape") or {**defaults, **{k: payload[k] for k in ("preset", "peers", "rounds", "inner_steps",
+                                                                             "batch_size")}}  # fmt: skip
+    differ = {k: (v, stored.get(k)) for k, v in shape_of(args).items() if stored.get(k) != v}
+    if differ:
+        what = ", ".join(f"{k} {mine} here, {theirs} there" for k, (mine, theirs) in differ.items())
+        raise SystemExit(f"--baseline-from {path}: another shape ({what}); its {baseline} cannot be compared with "
+                         "these runs")  # fmt: skip
+    return {**found, "from": str(path)}
 
 
 def outer_shape(settings: dict, args: argparse.Namespace) -> dict:
@@ -397,6 +426,9 @@ def main() -> int:
     parser.add_argument("--best-from", type=Path, nargs="*", default=[],
                         help="earlier results of this benchmark: each configuration runs at the best outer lr and "
                         "momentum the first of them that measured it found (its whole grid where none did)")
+    parser.add_argument("--baseline-from", type=Path, default=None,
+                        help="an earlier result of the same shape whose sync fp32 the gaps are taken to, when "
+                        "--configs leaves sync fp32 out (the lab gives the same bits again: no need to rerun it)")
     parser.add_argument("--lr-factors", type=float, nargs="+", default=[1.0],
                         help="with --best-from: the lr found times each of these (e.g. 0.7 1 1.4: a narrow sweep)")
     parser.add_argument("--gpu-link", type=float, default=100.0,
@@ -409,6 +441,11 @@ def main() -> int:
     for path in args.best_from:
         if not path.is_file():
             parser.error(f"--best-from {path}: no such result file (benchmarks/results/*.json of this benchmark)")
+    if args.baseline_from is not None and not args.baseline_from.is_file():
+        parser.error(f"--baseline-from {args.baseline_from}: no such result file")
+    if args.baseline_from is not None and "sync fp32" in args.configs:
+        parser.error("--baseline-from supplies sync fp32 to a run that leaves it out; this one runs it: drop one")
+    baseline = baseline_from(args.baseline_from, args) if args.baseline_from else None
     args.store = args.store or REPO / "runs" / "quality" / args.name
     RunStore(args.store, shape_of(args))  # a store of another shape is refused before any run starts
 
@@ -422,6 +459,8 @@ def main() -> int:
         results[label] = {"settings": settings, "runs": runs, "best": best}
         print(f"{label}: best outer lr {best['outer_lr']} momentum {best['outer_momentum']}, final val {best['final_val']:.4f}, "
               f"{best['ratio_vs_fp32_ring']:.1f}x fewer bytes than an fp32 ring", flush=True)
+    if baseline is not None:
+        results = {"sync fp32": baseline, **results}
     setting = GpuSetting(link_mbit=args.gpu_link, peers=args.peers)
     outer = {label: outer_shape(CONFIGS[label][0], args) for label in results}
     summary = summarize(results, outer, setting=setting, target_gap=args.target_gap)
@@ -431,7 +470,8 @@ def main() -> int:
     frontier_plot(summary, frontier, title=f"{args.preset}, {args.peers} peers, {args.rounds} rounds x H={args.inner_steps}")
     payload = {
         "peers": args.peers, "preset": args.preset, "rounds": args.rounds, "inner_steps": args.inner_steps,
-        "batch_size": args.batch_size,
+        "batch_size": args.batch_size, "shape": shape_of(args),
+        "baseline_from": None if baseline is None else str(args.baseline_from),
         "tokens_per_peer": args.rounds * args.inner_steps * args.batch_size * PRESETS[args.preset].seq_len,
         "jobs": args.jobs, "threads_per_run": args.threads, "seconds": time.perf_counter() - started,
         "store": str(args.store), "gpu_setting": setting.describe(), "target_gap": args.target_gap,

@@ -100,6 +100,27 @@ def test_a_store_of_another_shape_is_refused_and_says_what_differs(tmp_path):
         RunStore(tmp_path, convergence.shape_of(other))
 
 
+def test_a_baseline_from_an_earlier_result_of_the_same_shape_is_taken_and_one_of_another_shape_refused(tmp_path):
+    found = {"best": {"final_val": 2.0, "val_curve": [3.0, 2.0]}, "runs": []}
+    result = tmp_path / "earlier.json"
+    result.write_text(json.dumps({"shape": convergence.shape_of(_args()), "results": {"sync fp32": found}}))
+    assert convergence.baseline_from(result, _args()) == {**found, "from": str(result)}
+
+    longer = _args()
+    longer.rounds = 300
+    with pytest.raises(SystemExit, match="another shape \\(rounds 300 here, 4 there\\)"):
+        convergence.baseline_from(result, longer)
+    # a result written before the shape was recorded: five fields, the others this script's defaults
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"preset": "tiny", "peers": 2, "rounds": 4, "inner_steps": 2, "batch_size": 2,
+                               "results": {"sync fp32": found}}))  # fmt: skip
+    with pytest.raises(SystemExit, match="warmup 1 here, 50 there, val_batches 1 here, 8 there"):
+        convergence.baseline_from(old, _args())
+    result.write_text(json.dumps({"shape": convergence.shape_of(_args()), "results": {}}))
+    with pytest.raises(SystemExit, match="holds no 'sync fp32' result"):
+        convergence.baseline_from(result, _args())
+
+
 def test_a_record_line_cut_by_a_kill_is_left_out(tmp_path):
     store = RunStore(tmp_path, {"preset": "tiny"})
     key = RunKey("sync fp32", 0.7, 0.7)
