@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.helpers.containers import docker
+from tests.helpers.peers import LIGHT_BATCH
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(2400)]
 
@@ -27,7 +28,7 @@ def _peer_args(initial: str, index: int) -> list[str]:
         "--initial-peers", initial, "--run-id", "docker", "--preset", "tiny", "--stages", "2", "--inner-steps", "10",
         "--rounds", "1000", "--device", "cpu", "--progress", "lines", "--round-wait", "10", "--min-peers", "3",
         "--data-seed", str(index), "--set", "swarm.chunk_timeout=5.0", "--set", "swarm.allreduce_timeout=30.0",
-        "--set", "inner.threads=1",
+        "--set", "inner.threads=1", *LIGHT_BATCH,
     ]  # fmt: skip
 
 

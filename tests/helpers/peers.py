@@ -22,6 +22,11 @@ from dilocox_p2p.launch import wait_for_multiaddrs
 from tests.helpers.ports import free_port
 from tests.helpers.zygote import Forked, zygote
 
+# 4 sequences in 2 micro-batches per step, validated on one batch: 2.5x less CPU per step than tiny's 16 in 4 (the same
+# loss after 60 steps, measured), and a third less again for the val loss (join evaluates 4 batches: a third of the
+# training's CPU under py-spy). What the tests check depends on neither; the netns and docker tiers use it too.
+LIGHT_BATCH = ("--set", "inner.batch_size=4", "--set", "inner.microbatches=2", "--set", "data.val_batches=1")
+
 PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the machinery in delayed mode
     "--mode", "delayed",
     # and fp32 through hivemind's exact butterfly (join's default is int8 since 2026-11-29): tests name their
@@ -39,12 +44,7 @@ PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the m
     "--set", "swarm.chunk_timeout=5.0",
     "--set", "swarm.allreduce_timeout=30.0",
     "--set", "inner.threads=1",
-    # 4 sequences in 2 micro-batches per step: 2.5x less CPU per step than tiny's 16 in 4, the same loss after
-    # 60 steps (measured); what the swarm tests check does not depend on the batch
-    "--set", "inner.batch_size=4", "--set", "inner.microbatches=2",
-    # one validation batch, not join's 4: the forward passes of the val loss were a third of the training's CPU
-    # (9% of a swarm test's Python, py-spy); what the tests check of the val loss (it falls, two runs compare) holds
-    "--set", "data.val_batches=1",
+    *LIGHT_BATCH,
 ]
 
 

@@ -19,6 +19,7 @@ import pytest
 from benchmarks.netlab import NetLab
 from dilocox_p2p.launch import wait_for_multiaddrs
 from dilocox_p2p.swarm.protocol_bytes import NETWORK_SOURCES
+from tests.helpers.peers import LIGHT_BATCH
 
 pytestmark = pytest.mark.netns
 
@@ -40,7 +41,7 @@ def test_two_peers_in_separate_namespaces_average_over_a_shaped_link(tmp_path):
     common = [
         sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "netns", "--preset", "tiny", "--stages", "2",
         "--rounds", "4", "--inner-steps", "10", "--mode", "delayed", "--min-peers", "2", "--round-wait", "20",
-        "--progress", "lines", "--device", "cpu", "--set", "inner.threads=1",
+        "--progress", "lines", "--device", "cpu", "--set", "inner.threads=1", *LIGHT_BATCH,
     ]
     with NetLab(n_hosts=2, rate_mbit=20) as lab:
         logs = [open(tmp_path / f"peer{i}.out", "w") for i in range(2)]

@@ -20,6 +20,7 @@ import pytest
 
 from benchmarks.netlab import NetLab
 from dilocox_p2p.metrics import read_metrics
+from tests.helpers.peers import LIGHT_BATCH
 
 pytestmark = pytest.mark.netns
 
@@ -30,8 +31,8 @@ PUBLIC, NATED = (1,), (2, 3)
 def _join(host: int, boot: str, run_dir) -> list[str]:
     return [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "nat", "--preset", "tiny", "--stages", "1",
             "--rounds", str(ROUNDS), "--inner-steps", "5", "--mode", "sync", "--min-peers", "3", "--device", "cpu",
-            "--progress", "lines", "--set", "inner.threads=1", "--data-seed", str(host), "--initial-peers", boot,
-            "--run-dir", str(run_dir)]  # fmt: skip
+            "--progress", "lines", "--set", "inner.threads=1", *LIGHT_BATCH, "--data-seed", str(host),
+            "--initial-peers", boot, "--run-dir", str(run_dir)]  # fmt: skip
 
 
 def test_two_volunteers_behind_nat_average_as_client_members_and_agree_with_the_public_peer(tmp_path):
