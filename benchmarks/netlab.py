@@ -13,7 +13,9 @@ the router's public side, no port forwarding, and inbound connections dropped (o
 what the host opened pass), as a home router does. Its link is shaped on the home side.
 
 Needs root and iproute2 (and iptables for NAT). Everything it creates is named `dlx<id>...` and
-removed on exit, processes started in the namespaces included (their whole process group is killed).
+removed on exit, processes started in the namespaces included (their whole process group is killed). A SIGTERM to
+the process (a stopped benchmark, a CI timeout) unwinds it through the `with` block, so that is an exit too; only a
+SIGKILL leaves the lab behind.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,19 @@ def _run(*cmd: str) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise NetLabError(f"{' '.join(cmd)}: {result.stderr.strip() or result.stdout.strip()}")
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)  # SystemExit unwinds the `with NetLab` blocks: each closes its lab
+
+
+def _unwind_on_sigterm() -> Any:
+    """Make SIGTERM raise SystemExit in this process while a lab is open; the handler it replaced, or None where the
+    process set its own (it decides how to stop) or this is not the main thread (only it may set handlers)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    return signal.SIG_DFL
 
 
 def check_available(*, nat: bool = False) -> None:
@@ -61,6 +78,7 @@ class NetLab:
         self.procs: list[subprocess.Popen] = []
         self._created_ns: list[str] = []
         self._forwarding = False
+        self._sigterm_before: Any = None
 
     def ns(self, host: int) -> str:
         return f"dlx{self.id}h{host}"
@@ -77,6 +95,7 @@ class NetLab:
         return f"dlx{self.id}r{host}"
 
     def __enter__(self) -> NetLab:
+        self._sigterm_before = _unwind_on_sigterm()
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             self._allow_forwarding()
@@ -201,6 +220,9 @@ class NetLab:
             for rule in self._forward_rules():
                 subprocess.run(["iptables", "-D", "FORWARD", *rule], capture_output=True)
             self._forwarding = False
+        if self._sigterm_before is not None:
+            signal.signal(signal.SIGTERM, self._sigterm_before)
+            self._sigterm_before = None
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
