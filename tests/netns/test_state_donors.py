@@ -25,7 +25,6 @@ import pytest
 from benchmarks.netlab import NetLab
 from benchmarks.soak import worker_peer_id
 from dilocox_p2p.metrics import read_metrics
-from tests.helpers.peers import LIGHT_BATCH
 
 pytestmark = pytest.mark.netns
 
@@ -37,8 +36,8 @@ TOOK = re.compile(r"took the state of round \d+ from (\d+) donor")
 def _join(host: int, boot: str, run_dir, *extra: str) -> list[str]:
     return [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "donors", "--preset", "tiny", "--stages", "1",
             "--rounds", "500", "--inner-steps", "5", "--mode", "delayed", "--device", "cpu", "--progress", "lines",
-            "--set", "inner.threads=1", *LIGHT_BATCH, "--data-seed", str(host), "--initial-peers", boot,
-            "--run-dir", str(run_dir), *extra]  # fmt: skip
+            "--set", "inner.threads=1", "--data-seed", str(host), "--initial-peers", boot, "--run-dir", str(run_dir),
+            *extra]  # fmt: skip
 
 
 def _records(run_dir) -> list[dict]:
