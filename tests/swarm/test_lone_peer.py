@@ -32,13 +32,14 @@ def test_a_lone_peer_with_two_stages_lowers_val_loss_by_30_percent(tmp_path):
 def test_a_peer_trained_in_bf16_ends_within_one_percent_of_fp32_at_equal_tokens(tmp_path):
     # bf16 autocast touches the inner forward and backward only (fp32 weights, AdamW state and outer step), and
     # the two stages hand each other bf16 activations; both runs side by side, on the same data
-    args = ["--rounds", "10", "--inner-steps", "10", "--data-seed", "0", "--no-swarm"]
+    # 7 rounds: fp32 is at 0.70 of its initial loss, and bf16 within 0.02% of it at every round (10 rounds: 0.60)
+    args = ["--rounds", "7", "--inner-steps", "10", "--data-seed", "0", "--no-swarm"]
     peers = {p: Peer(tmp_path / p, [*args, "--set", f"inner.precision={p}"]) for p in ("fp32", "bf16")}
     for peer in peers.values():
         assert peer.wait(timeout=240) == 0, peer.output()
     assert "inner: bf16 on cpu" in peers["bf16"].stage_log(0)
     fp32, bf16 = (peers[p].metrics() for p in ("fp32", "bf16"))
-    assert [r["tokens"] for r in bf16] == [r["tokens"] for r in fp32] and len(fp32) == 10
+    assert [r["tokens"] for r in bf16] == [r["tokens"] for r in fp32] and len(fp32) == 7
     initial = json.loads((peers["fp32"].run_dir / "run.json").read_text())["initial_val_loss"]
     assert fp32[-1]["val_loss"] < 0.8 * initial, "fp32 did not learn: nothing to compare"
     gap = bf16[-1]["val_loss"] / fp32[-1]["val_loss"] - 1
@@ -62,16 +63,17 @@ def test_a_step_too_big_for_the_memory_stops_the_peer_with_the_settings_that_shr
 
 @pytest.mark.parametrize(
     "mode",
-    [(), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--stages", "1"), ("--replicas", "2", "--stages", "1"),
+    [(), ("--mode", "streaming", "--fragments", "2", "--overlap-steps", "2", "--stages", "1"),
      ("--replicas", "2", "--stages", "1", "--set", "inner.optimizer=muon")],
-    ids=["delayed", "streaming", "replicas", "replicas-muon"],
+    ids=["delayed", "streaming", "replicas-muon"],
 )
 def test_a_run_killed_mid_round_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tmp_path, mode):
     # streaming: the checkpoint also keeps the weights this peer trains from (they differ from theta_g); delayed
-    # checks a pipeline of 2 stages, streaming one stage (what it checks does not depend on the stages); replicas:
-    # 2 copies of the pipeline, whose second copy (no checkpoint of its own) takes the resumed state,
-    # AdamW's moments and the data's position from the first (replicas.py); of one stage (DP x PP: test_replicas.py);
-    # replicas-muon: the same with inner.optimizer = muon, whose matrices' momentum the second copy takes instead
+    # checks a pipeline of 2 stages, streaming one stage (what it checks does not depend on the stages);
+    # replicas-muon: 2 copies of the pipeline, whose second copy (no checkpoint of its own) takes the resumed state,
+    # the data's position and the inner optimizer's state from the first (replicas.py); of one stage (DP x PP:
+    # test_replicas.py). inner.optimizer = muon: Muon's momentum for the blocks' matrices and AdamW's moments for the
+    # rest, so one run covers both optimizers' state (AdamW alone, as a separate replicas case, added 13 s and no path)
     # the power cut comes after inner step 3 of round 3 (of its second sync, streaming), decided by no timing
     args = ["--rounds", "4", "--inner-steps", "10", "--seed", "3", "--data-seed", "5", *mode]
     syncs = 2 if "streaming" in mode else 1
