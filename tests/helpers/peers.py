@@ -24,8 +24,13 @@ from tests.helpers.zygote import Forked, zygote
 
 # 4 sequences in 2 micro-batches per step, validated on one batch: 2.5x less CPU per step than tiny's 16 in 4 (the same
 # loss after 60 steps, measured), and a third less again for the val loss (join evaluates 4 batches: a third of the
-# training's CPU under py-spy). What the tests check depends on neither; the netns and docker tiers use it too.
-LIGHT_BATCH = ("--set", "inner.batch_size=4", "--set", "inner.microbatches=2", "--set", "data.val_batches=1")
+# training's CPU under py-spy). Sequences of 64 tokens, not tiny's 128: a lone peer's round of 5 steps took 0.26
+# CPU-s instead of 0.42 (a swarm peer's round about 1 CPU-s in all). What the tests check depends on none of these;
+# the netns and docker tiers use them too.
+LIGHT_BATCH = (
+    "--set", "inner.batch_size=4", "--set", "inner.microbatches=2", "--set", "data.val_batches=1",
+    "--set", "model.seq_len=64",
+)  # fmt: skip
 
 PEER_ARGS = [  # tests name their mode where it matters; the rest exercise the machinery in delayed mode
     "--mode", "delayed",
