@@ -391,8 +391,19 @@ class ExactAllReduceRunner(AllReduceRunner):
         if context.remote_id in self.sender_peer_ids:
             self.active_senders.add(context.remote_id)
             self._check_senders_started()
-        async for message in super().rpc_aggregate_part(self._count_received(stream), context):
-            yield message
+        answered = 0
+        try:
+            async for message in super().rpc_aggregate_part(self._count_received(stream), context):
+                answered += message.code == averaging_pb2.AVERAGED_PART
+                yield message
+        except asyncio.CancelledError:
+            # hivemind's handler re-raises a cancellation without a reply, and hivemind's stream handler cancels it
+            # once its connection closed: the member sees a clean stream that ends short ("sent 27 parts, but we
+            # expected 28", a netns run of test_learned_deadlines, CI run 201). Say how far it got, here
+            if context.remote_id in self.sender_peer_ids:
+                logger.info("the part stream of %s was cancelled after %d of its %d averaged parts", context.remote_id,
+                            answered, self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)])  # fmt: skip
+            raise
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
