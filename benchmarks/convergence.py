@@ -86,8 +86,8 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
     # merged tau of the H inner steps after it began (a slow link needs a wide window; issue 37's defaults)
     "streaming P1 int8": ({"outer.mode": "streaming", "outer.overlap_steps": 5, "compression.kind": "int8"},
                           [(0.7, 0.9)]),
-    # the defaults at outer momentum 0.7: streaming fp32 and int8 at 0.7 / 0.9 stay within 0.1% of each other for
-    # 48 rounds while both fall 6.8% behind sync fp32 (quality_diag_300): the gap is the mode's, and 0.7 helped every
+    # the defaults at outer momentum 0.7: streaming fp32 and int8 at 0.7 / 0.9 stay within 0.003% of each other for
+    # 47 rounds while both fall 6.5% behind sync fp32 (quality_diag_300): the gap is the mode's, and 0.7 helped every
     # fp32 mode of the first sweep (shared/notes/outer-loop-variants.md)
     "streaming P1 int8 m0.7": ({"outer.mode": "streaming", "outer.overlap_steps": 5, "compression.kind": "int8"},
                                [(0.7, 0.7), (1.0, 0.7)]),

@@ -402,7 +402,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             # expected 28", a netns run of test_learned_deadlines, CI run 201). Say how far it got, here
             if context.remote_id in self.sender_peer_ids:
                 logger.info("the part stream of %s was cancelled after %d of its %d averaged parts", context.remote_id,
-                            answered, self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)])  # fmt: skip
+                            answered, self.tensor_part_reducer.num_parts)
             raise
 
     async def _accumulate_parts_streaming(

@@ -177,8 +177,7 @@ def test_a_reducer_that_sends_members_different_bytes_is_proven_by_its_own_diges
     # member announces the digests its copy was assembled from), two digests it signed for one part prove it.
     # int8, join's default. The fp32 butterfly signed nothing before (issue 38, point 1): its digests are proven in
     # test_allreduce (three real averagers), and phase 5 and the ban that follow are the same code as here
-    compression = "int8"
-    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "6", "--min-peers", "3", "--compression", compression)
+    args = (*ONE_STAGE, "--mode", "sync", "--rounds", "6", "--min-peers", "3", "--compression", "int8")
     honest = [swarm.start_peer(*args), swarm.start_peer(*args)]
     liar = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "equivocate_reduced:stage=0"})
     for peer in honest:
