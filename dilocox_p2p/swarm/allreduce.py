@@ -391,19 +391,23 @@ class ExactAllReduceRunner(AllReduceRunner):
         if context.remote_id in self.sender_peer_ids:
             self.active_senders.add(context.remote_id)
             self._check_senders_started()
-        answered = 0
+        answered, ended = 0, "closed"
         try:
             async for message in super().rpc_aggregate_part(self._count_received(stream), context):
                 answered += message.code == averaging_pb2.AVERAGED_PART
                 yield message
+            ended = "ended"
         except asyncio.CancelledError:
-            # hivemind's handler re-raises a cancellation without a reply, and hivemind's stream handler cancels it
-            # once its connection closed: the member sees a clean stream that ends short ("sent 27 parts, but we
-            # expected 28", a netns run of test_learned_deadlines, CI run 201). Say how far it got, here
-            if context.remote_id in self.sender_peer_ids:
-                logger.info("the part stream of %s was cancelled after %d of its %d averaged parts", context.remote_id,
-                            answered, self.tensor_part_reducer.num_parts)
+            ended = "cancelled"
             raise
+        finally:
+            # a member whose stream ends short sees only "sent 27 parts, but we expected 28" (a netns run of
+            # test_learned_deadlines, CI run 201; a busy-core run of test_agreement): say here how far it got and how
+            # it ended: the parts ran out ("ended"), hivemind's stream handler cancelled it once its connection
+            # closed ("cancelled"), or the stream was dropped while it waited at a reply ("closed")
+            if context.remote_id in self.sender_peer_ids and 0 < answered < self.tensor_part_reducer.num_parts:
+                logger.info("the part stream of %s %s after %d of its %d averaged parts", context.remote_id, ended,
+                            answered, self.tensor_part_reducer.num_parts)  # fmt: skip
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
