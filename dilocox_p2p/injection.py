@@ -25,6 +25,8 @@ Armed through the environment of the peer's processes, several separated by `;`:
 - `lose_begin:round=R:stage=S` makes stage S drop its leader's BEGIN_ALLREDUCE of round R after that
   leader's ACCEPTED, as a follower whose answer stream closes there does: it knows it was accepted,
   and joins the group late when a part of it arrives. Armed, it declares a later start too.
+- `read_averages_late:round=R:stage=S` makes stage S wait READ_LATE_S before it reads the averaged parts that
+  reach it in round R's fp32 butterfly, as a member on a loaded machine does: they pile up in its p2p daemon.
 - `corrupt_state:round=R:stage=S` flips the lowest bit of theta_g's first value on stage S
   right after round R's outer step, as a memory error or a buggy peer would.
 - `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,
@@ -75,7 +77,7 @@ __all__ = ["FOLLOWER_FAULTS", "KNOWN", "armed", "first_armed", "flip_last_bit", 
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
-    "kill_peer_in_allreduce", "kill_peer_mid_round", "withhold_average", "hoard_average", "skip_mending",
+    "kill_peer_in_allreduce", "kill_peer_mid_round", "withhold_average", "hoard_average", "read_averages_late", "skip_mending",
     "abandon_accepted", "lose_begin", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_flipped_pseudo_gradient", "send_nan_average", "send_malformed_parts",
     "lie_to_borrowers", "flip_served_bit", "cut_served_message", "corrupt_served_piece",

@@ -136,6 +136,7 @@ class GroupRound:
             kill_on_first_part=injection.armed("kill_peer_in_allreduce", round=round, stage=self.stage),
             withhold=injection.armed("withhold_average", round=round, stage=self.stage),
             hoard=injection.armed("hoard_average", round=round, stage=self.stage),
+            read_late=injection.armed("read_averages_late", round=round, stage=self.stage),
             nan_average=injection.armed("send_nan_average", round=round, stage=self.stage),
             malformed_parts=next((shape for shape in ("scalar", "wide") if injection.armed(
                 "send_malformed_parts", round=round, stage=self.stage, shape=shape)), ""),  # fmt: skip

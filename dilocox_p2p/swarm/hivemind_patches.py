@@ -105,7 +105,10 @@ PATCHES: dict[str, str] = {
     "AllReduceRunner._communicate_with_peer": "own parts: averaged part registered as is; failures reported",
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference; checks each part against its sender's signed digest before it is reduced, and signs the averaged span with its last part",
     "AllReduceRunner._generate_input_for_peer / rpc_aggregate_part": "count bytes sent and received; each part sent carries its sender's signed digest in AveragingData.peer_id, which hivemind's runner leaves unused (allreduce.py, point 7)",
-    "AllReduceRunner._get_peer_stub": "wrapped to count bytes received and check each reducer's signed digest of its span",
+    "AllReduceRunner._get_peer_stub": "wrapped to count bytes received and check each reducer's signed digest of its span, "
+    "and to close the reducer's stream (aclose of the generator hivemind's P2P returns) once the whole span came; "
+    "the reducer's rpc_aggregate_part then waits for that close (allreduce.PART_STREAM_LINGER_S: the p2p daemon "
+    "could reset a stream its handler closed first, and drop the span's tail)",
     "AllReduceRunner._handle_missing_senders": "extended to say at info whom it banned (a sender "
     "banned silently ended a reducer's stream to it short: a member mended a span, test_elastic's late join)",
     "AllReduceRunner._ban_sender": "called as hivemind does when a sender's stream ends early, and for a member "

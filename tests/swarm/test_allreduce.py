@@ -201,6 +201,37 @@ def test_every_member_gets_the_unweighted_mean_summed_in_group_order_bit_for_bit
     assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r, _ in outcomes)
 
 
+def test_a_member_that_reads_its_averaged_parts_late_gets_every_span_and_closes_each_reducers_stream_itself(tmp_path):
+    # member 1 leaves its averaged parts unread for 2 s (a loaded machine), so that they wait in its p2p daemon
+    # when the reducers have sent their spans. A reducer that closed the stream then could have it reset on the
+    # way and the member's daemon drop that tail (allreduce.PART_STREAM_LINGER_S: a race of the daemon's own,
+    # which no test can make happen at will); the reducers leave the close to the member, which closes each
+    # stream once it holds the span: each says so (at DEBUG, in every averager process's log)
+    logger, handler = logging.getLogger("dilocox_p2p.swarm.allreduce"), logging.FileHandler(tmp_path / "allreduce.log")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)  # the averager processes fork with the level and the handler
+    logger.addHandler(handler)
+    try:
+        group = Group(3, faults_of={1: "read_averages_late:round=2:stage=0"})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+    try:
+        inputs = _inputs(3)
+        outcomes = group.all_reduce(2, inputs, weights=[1.0, 1.0, 1.0])
+    finally:
+        group.close()
+    order = [group.ids.index(p) for p in outcomes[0][0].group]
+    expected = [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+    for result, tensors in outcomes:
+        assert not result.missing and not result.failed_reducers, (result.missing, result.failed_reducers)
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    log = (tmp_path / "allreduce.log").read_text()
+    for sender in group.ids:  # every member closed the streams of both other reducers
+        assert log.count(f"{sender} closed its part stream after the span's") == 2, log[-4000:]
+
+
 @pytest.mark.faults("withhold_average:round=3:stage=0")
 def test_members_missing_different_reducers_parts_fill_them_from_each_other(group):
     inputs = _inputs(3)
