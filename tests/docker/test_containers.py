@@ -47,7 +47,7 @@ def wait_for(name: str, what: str, ok, timeout: float = 300) -> dict:
             return last
         state = docker("inspect", "-f", "{{.State.Running}} exit {{.State.ExitCode}} {{.State.Error}}", name).strip()
         assert state.startswith("true"), f"{name} stopped ({state}) before {what}:\n{logs_of(name)}"
-        time.sleep(1.0)
+        time.sleep(2.0)  # a poll (`docker exec` of the CLI, `docker inspect`) costs 0.34 CPU-s; a round takes 2-3 s
     raise AssertionError(f"{name}: not {what} within {timeout}s (last status {last}):\n{logs_of(name)}")
 
 
