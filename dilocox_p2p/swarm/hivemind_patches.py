@@ -103,6 +103,9 @@ PATCHES: dict[str, str] = {
     "of a member the target was counted for; a refusal is said at info with hivemind's code",
     # averaging/allreduce.py: AllReduceRunner (our swarm/allreduce.py: ExactAllReduceRunner)
     "AllReduceRunner._communicate_with_peer": "own parts: averaged part registered as is; failures reported",
+    "AllReduceRunner.finalize / _future": "finalize overridden: a CancelledError (a step its deadline cut) cancels the "
+    "runner instead of failing it (hivemind's exception was never retrieved: asyncio logged it at ERROR); _future read: "
+    "once it is done, a reducer whose span stops coming is not blamed (finalize emptied the parts still to send)",
     "AllReduceRunner._accumulate_parts_streaming": "replies with the averaged part, not the difference; checks each part against its sender's signed digest before it is reduced, and signs the averaged span with its last part",
     "AllReduceRunner._generate_input_for_peer / rpc_aggregate_part": "count bytes sent and received; each part sent carries its sender's signed digest in AveragingData.peer_id, which hivemind's runner leaves unused (allreduce.py, point 7)",
     "AllReduceRunner._get_peer_stub": "wrapped to count bytes received and check each reducer's signed digest of its span, "
