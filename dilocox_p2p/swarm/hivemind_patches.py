@@ -127,7 +127,8 @@ PATCHES: dict[str, str] = {
     "TensorPartContainer._outputs_registered_by_peer": "read when a reducer fails: its first undelivered part",
     "TensorPartContainer.register_failed_reducer": "wrapped (per instance) to record failed reducers",
     "TensorPartReducer.reset_accumulators / accumulate_part / check_current_part_finished":
-        "fixed-order float64 mean; two races fixed (a banned sender's counted part; a part finished twice)",
+        "overridden (swarm/ordered_reducer.py): fixed-order float64 mean; two races fixed (a banned sender's counted "
+        "part; a part finished twice)",
     "TensorPartReducer.sender_failed_after / num_parts_received / contributions": "read and kept as hivemind does",
     # p2p/p2p_daemon.py (our doctor.py): P2P has no public call to dial one given address of a peer
     "P2P._client.connect": "doctor dials each initial peer's own multiaddr to tell a dead address from a live node "

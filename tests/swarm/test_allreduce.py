@@ -41,6 +41,12 @@ def _inputs(n: int) -> list[list[torch.Tensor]]:
     return [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(n)]
 
 
+def _group_mean(inputs: list[list[torch.Tensor]], ids: list, members) -> list[torch.Tensor]:
+    """What every member must hold: each tensor's ordered mean over `members`, summed in their order in the group."""
+    order = [ids.index(p) for p in members]
+    return [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+
+
 @pytest.fixture(autouse=True)
 def _averager_logs():
     """The averager processes fork with these loggers, so that a failing test's captured stderr says how its
@@ -193,8 +199,7 @@ def test_every_member_gets_the_unweighted_mean_summed_in_group_order_bit_for_bit
     outcomes = group.all_reduce(0, inputs, weights=[1.0, 5.0, 0.25])  # weights are ignored: every member counts once
     result = outcomes[0][0]
     assert sorted(result.group) == sorted(group.ids) and not result.missing
-    order = [group.ids.index(p) for p in result.group]
-    expected = [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+    expected = _group_mean(inputs, group.ids, result.group)
     for got_result, tensors in outcomes:
         assert got_result.group == result.group
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected)), "not the exact mean in group order"
@@ -222,8 +227,7 @@ def test_a_member_that_reads_its_averaged_parts_late_gets_every_span_and_closes_
         outcomes = group.all_reduce(2, inputs, weights=[1.0, 1.0, 1.0])
     finally:
         group.close()
-    order = [group.ids.index(p) for p in outcomes[0][0].group]
-    expected = [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+    expected = _group_mean(inputs, group.ids, outcomes[0][0].group)
     for result, tensors in outcomes:
         assert not result.missing and not result.failed_reducers, (result.missing, result.failed_reducers)
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
@@ -247,8 +251,7 @@ def test_members_missing_different_reducers_parts_fill_them_from_each_other(grou
         assert collected.average is not None and collected.average.kind is AverageKind.MENDED
         assert collected.average.missing == ()
         mended.append(collected.average.tensors)
-    order = [group.ids.index(p) for p in outcomes[0][0].group]
-    expected = [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+    expected = _group_mean(inputs, group.ids, outcomes[0][0].group)
     for tensors in mended:
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
 
@@ -270,8 +273,7 @@ def test_a_reducer_leaves_out_an_outsized_contribution_and_names_its_sender(grou
     inputs = _inputs(3)
     inputs[2] = [t * 1000 for t in inputs[2]]
     outcomes = group.all_reduce(4, inputs, weights=[1.0, 1.0, 1.0])
-    order = [group.ids.index(p) for p in outcomes[0][0].group if p != group.ids[2]]
-    expected = [ordered_mean([inputs[i][k] for i in order], inputs[0][k].shape) for k in range(len(SHAPES))]
+    expected = _group_mean(inputs, group.ids, [p for p in outcomes[0][0].group if p != group.ids[2]])
     for result, tensors in outcomes:
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected)), "the outsized contribution was averaged"
         assert "x the group's median" in result.offenders.get(group.ids[2], ""), result.offenders
