@@ -57,10 +57,11 @@ __all__ = [
 ]
 
 
-OUTER_LR_BY_MODE = {"sync": 0.7, "delayed": 0.1, "eager": 0.2, "own": 0.35, "streaming": 0.7}
+OUTER_LR_BY_MODE = {"sync": 1.0, "delayed": 0.1, "eager": 0.2, "own": 0.35, "streaming": 0.7}
 """Outer lr defaults per mode: lr 0.7 + Nesterov 0.9 diverges with the one-step delay
-(measured in shared/notes/outer-loop-variants.md), so `delayed` uses 0.1."""
-OUTER_MOMENTUM_BY_MODE = {"own": 0.7}  # notes/outer-loop-variants.md: own at 0.35 / 0.7 is its best; others 0.9
+(measured in shared/notes/outer-loop-variants.md), so `delayed` uses 0.1; `sync` at 1.0 / 0.7 was the best of
+benchmarks/convergence.py's sweeps (DiLoCo's 0.7 / 0.9 did worse there and in the notes, on a 25M model too)."""
+OUTER_MOMENTUM_BY_MODE = {"sync": 0.7, "own": 0.7}  # their best in the sweeps (notes/outer-loop-variants.md); others 0.9
 TOPK_OUTER_LR_BY_MODE = {"sync": 4.0, "delayed": 2.0, "eager": 2.0, "own": 2.0, "streaming": 4.0}
 """With topk the outer step has no momentum (error feedback stands in for it), so it needs a larger lr:
 the best of benchmarks/convergence.py's sweep (3 peers, tiny, 50 rounds x H=20; lr 5 and above did
@@ -239,20 +240,21 @@ class InnerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OuterConfig:
-    mode: Literal["sync", "delayed", "eager", "own", "streaming"] = "streaming"
+    mode: Literal["sync", "delayed", "eager", "own", "streaming"] = "sync"
     """When round t's average is applied: sync = at once (DiLoCo); delayed = end of round t+1 (DiLoCoX);
     eager and own apply it like delayed but start each round from theta_g plus this peer's own correction:
     eager swaps its stale contribution in the last average for its fresh one (Kale et al. 2025), own keeps
     the round's own progress (notes/outer-loop-variants.md: +5.9% over sync where naive delayed is +17%);
     streaming (Streaming DiLoCo, arXiv 2501.18512) syncs `fragments` strided layer groups one after another,
     each every H inner steps, and merges each average into the trained weights `overlap_steps` inner steps
-    after its all-reduce started (README: Outer loop). The default, streaming, had the best time to loss in
-    benchmarks/modes.py and ended closest to sync at equal tokens of the overlapped modes."""
+    after its all-reduce started (README: Outer loop). The default, sync, is the only mode that stays within 2%
+    of sync fp32 at equal tokens on the quality lab's long horizon (streaming ended 300 rounds 6.5% behind, and
+    its hidden exchange did not make up for it on the 100 Mbit/s GPU setting: docs/benchmarks.md, section 7)."""
     lr: float = 0.0
-    """Outer Nesterov learning rate; 0 means the mode's default (sync 0.7, delayed 0.1, eager 0.2, own 0.35,
+    """Outer Nesterov learning rate; 0 means the mode's default (sync 1.0, delayed 0.1, eager 0.2, own 0.35,
     streaming 0.7; with compression topk, which has no outer momentum: sync 4.0, others 2.0)."""
     momentum: float = -1.0
-    """Outer Nesterov momentum; -1 means the default: 0.9 (own: 0.7), or 0 with compression.kind = topk, whose
+    """Outer Nesterov momentum; -1 means the default: 0.9 (sync and own: 0.7), or 0 with compression.kind = topk, whose
     error feedback stands in for momentum (SparseLoCo; notes: keeping 0.9 on top costs 11 points)."""
     fragments: int = 1
     """streaming: P, the strided layer groups of each stage that sync in turn (fragment p holds the stage's
@@ -302,7 +304,8 @@ class CompressionConfig:
     (E3M0 with blockwise scales, Streaming DiLoCo's outer-gradient format), lowrank (PowerSGD, quantized factors,
     adaptive rank) and topk (SparseLoCo) travel as compressed messages through the compressed butterfly
     (compression/butterfly.py; topk as topk_transport says), and every member applies the same bits. The default,
-    int8, sends 3.9x fewer bytes than fp32 at the same loss (docs/benchmarks.md, section 1: join's defaults)."""
+    int8, sends 3.9x fewer bytes than fp32 and stayed within 1.4% of it in every round of 300 in sync mode, where fp4
+    (7.5x) reached the same target loss 0.2 h later on the 100 Mbit/s GPU setting (docs/benchmarks.md, section 7)."""
     block: int = 64
     """Values per quantization block (int8, fp4, low-rank factors, low-rank's other tensors), one bf16 scale each."""
     factor_bits: Literal[4, 8] = 4

@@ -69,7 +69,7 @@ class Variant:
     """streaming: tau as this share of a sync round (None: join's default at the GPU setting's H)."""
 
 
-_DEFAULTS = "not in the quality sweeps: join's default mode (streaming P=1) at its defaults"
+_STREAMING = "not in the quality sweeps: streaming P=1 (join's default mode until 2026-12-02) at its defaults"
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("nocomm", "nocomm", why="the same peers alone (`join --no-swarm`): the upper bound; calibrates the links"),
     Variant("ddp-gloo", "ddp", why="DDP-style: gloo all_reduce of the gradients every inner step (no backward overlap)"),
@@ -77,8 +77,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             why="OpenDiLoCo-style: hivemind DecentralizedAverager, fp16, blocking, every H steps; outer Nesterov"),
     Variant("sync-fp32", "ours", ("--mode", "sync", "--compression", "none"), "modes_quality.json", "sync fp32",
             "classic DiLoCo through our swarm"),
-    Variant("fp16", "ours", ("--compression", "fp16"), why=_DEFAULTS),
-    Variant("int8", "ours", ("--compression", "int8"), why=_DEFAULTS),
+    Variant("fp16", "ours", ("--mode", "streaming", "--compression", "fp16"), why=_STREAMING),
+    Variant("int8", "ours", ("--mode", "streaming", "--compression", "int8"),
+            why="join's defaults from 2026-11-29 to 2026-12-02: streaming P=1, tau 5, int8"),
     Variant("fp4", "ours", ("--mode", "streaming", "--fragments", "2", "--compression", "fp4"),
             "modes_quality.json", "streaming P2 fp4",
             "fp4's best measured: streaming P=2 (modes_quality.json; modes.json: fastest to the loss at 2 Mbit/s)"),
@@ -86,13 +87,14 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             "the only low-rank configuration measured (convergence.json)"),
     Variant("topk", "ours", ("--mode", "sync", "--compression", "topk"), "convergence.json", "sync topk",
             "top-k's best measured: sync (convergence.json: 2.212, delayed 2.514)"),
-    Variant("int8-tau-half", "ours", ("--compression", "int8"), why="int8 with tau half a sync round (H/2)",
-            overlap_share=0.5),
-    Variant("int8-tau-3q", "ours", ("--compression", "int8"), why="int8 with tau three quarters of a sync round",
-            overlap_share=0.75),
-    Variant("default-fp32", "ours", ("--compression", "none"),
+    Variant("int8-tau-half", "ours", ("--mode", "streaming", "--compression", "int8"),
+            why="streaming int8 with tau half a sync round (H/2)", overlap_share=0.5),
+    Variant("int8-tau-3q", "ours", ("--mode", "streaming", "--compression", "int8"),
+            why="streaming int8 with tau three quarters of a sync round", overlap_share=0.75),
+    Variant("default-fp32", "ours", ("--mode", "streaming", "--compression", "none"),
             why="join's defaults before 2026-11-29: streaming P=1, tau 5, fp32"),
-    Variant("default", "ours", why="join's defaults, no mode or compression flag: streaming P=1, tau 5, int8"),
+    Variant("default", "ours", why="join's defaults, no mode or compression flag: sync, int8, outer lr 1.0 / momentum 0.7 "
+            "(the only mode within 2% of sync fp32 on the quality lab's long horizon: docs/benchmarks.md, section 7)"),
 )}  # fmt: skip
 
 

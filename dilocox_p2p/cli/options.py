@@ -82,11 +82,11 @@ def add_config_flags(parser: argparse.ArgumentParser, *, swarm: bool = True) -> 
     g.add_argument("--microbatches", type=int, help="pipeline micro-batches per inner step")
     g.add_argument("--inner-lr", type=float, help="peak AdamW learning rate")
     g.add_argument(
-        "--mode", choices=["sync", "delayed", "eager", "own", "streaming"], help="outer mode (default streaming; README: Outer loop)"
+        "--mode", choices=["sync", "delayed", "eager", "own", "streaming"], help="outer mode (default sync; README: Outer loop)"
     )
     g.add_argument(
         "--outer-lr", type=float,
-        help="outer Nesterov lr (default: sync 0.7, delayed 0.1, eager 0.2, own 0.35, streaming 0.7)",
+        help="outer Nesterov lr (default: sync 1.0, delayed 0.1, eager 0.2, own 0.35, streaming 0.7)",
     )  # fmt: skip
     g.add_argument("--fragments", type=int, metavar="P", help="streaming: layer-group fragments that sync in turn (default 1)")
     g.add_argument(

@@ -133,8 +133,9 @@ def test_peers_that_start_from_their_own_correction_still_hold_identical_theta_g
 
 
 # fp32 streaming is averaged in test_elastic's overlapped swarm and in test_lone_peer's resume; here a quantizer, fp4.
-# join's default, streaming int8, is what the docker tier's containers run (and test_elastic and test_trust put int8
-# through the butterfly's faults): a second run of this test with int8 took 28 s of the tier and covered nothing more
+# int8 is join's default compression, which the docker tier's containers run (in join's default mode, sync; test_elastic
+# and test_trust put int8 through the butterfly's faults): a second run of this test with int8 took 28 s of the tier
+# and covered nothing more
 def test_streaming_peers_sync_one_fragment_at_a_time_and_hold_identical_theta_g_after_every_sync(swarm):
     # 2 fragments of the stage's 6 layer groups, each synced every 10 inner steps, offset by 5; the average
     # merges into the trained weights 2 steps after its all-reduce starts; theta_g moves one sync round late

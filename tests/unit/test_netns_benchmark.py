@@ -82,7 +82,8 @@ def test_streaming_variants_run_with_the_scaled_tau_and_others_without_one(tmp_p
         return peer_cmd(shape, variant, outer, host=1, ip="10.0.0.2", leader_ip="10.0.0.1", run_dir=tmp_path)
 
     assert cmd("fp4")[cmd("fp4").index("--overlap-steps") + 1] == "1"
-    assert cmd("default")[cmd("default").index("--overlap-steps") + 1] == "1"  # join's default mode is streaming
+    assert cmd("int8")[cmd("int8").index("--overlap-steps") + 1] == "1"
+    assert "--overlap-steps" not in cmd("default")  # join's default mode is sync
     assert cmd("int8-tau-half")[cmd("int8-tau-half").index("--overlap-steps") + 1] == "10"
     assert "--overlap-steps" not in cmd("sync-fp32")
     assert "--no-swarm" in cmd("nocomm")

@@ -263,7 +263,7 @@ def test_load_into_model_copies_theta_g_into_the_params():
 def test_the_default_outer_lr_follows_the_mode():
     sync = OuterLoop([torch.zeros(1)], OuterConfig(mode="sync"), RecordingAverager())
     delayed = OuterLoop([torch.zeros(1)], OuterConfig(mode="delayed"), RecordingAverager())
-    assert sync.optimizer.lr == 0.7
+    assert sync.optimizer.lr == 1.0
     assert delayed.optimizer.lr == 0.1
 
 
