@@ -89,7 +89,9 @@ PATCHES: dict[str, str] = {
     "the search's end, and missed a member that declared a moment later)",
     "DecentralizedAverager.rpc_join_group": "overridden: the signed ticket is checked, and a request that comes before "
     "this worker looks for its round's group waits for that (group_admission._wait_to_lead); one from a member this "
-    "worker is asking to lead it is refused (NOT_A_LEADER) without waiting for the join lock",
+    "worker is asking to lead it is refused (NOT_A_LEADER) without waiting for the join lock; after its last answer "
+    "the stream stays open until the follower closes it (hivemind's request_join_group does, in its finally; "
+    "group_admission.JOIN_STREAM_LINGER_S: a leader that closed first could lose that answer on the way)",
     "Matchmaking.is_looking_for_group / potential_leaders.declared_group_key / group_key_manager.current_key / "
     "min_matchmaking_time": "read: whether the search of the current round runs and has declared (looking_for_group); "
     "how long a designated leader waits alone",

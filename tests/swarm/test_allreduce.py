@@ -206,21 +206,26 @@ def test_every_member_gets_the_unweighted_mean_summed_in_group_order_bit_for_bit
     assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r, _ in outcomes)
 
 
-def test_a_member_that_reads_its_averaged_parts_late_gets_every_span_and_closes_each_reducers_stream_itself(tmp_path):
+def test_members_close_their_leaders_join_stream_and_each_reducers_part_stream_themselves_even_reading_late(tmp_path):
     # member 1 leaves its averaged parts unread for 2 s (a loaded machine), so that they wait in its p2p daemon
     # when the reducers have sent their spans. A reducer that closed the stream then could have it reset on the
     # way and the member's daemon drop that tail (allreduce.PART_STREAM_LINGER_S: a race of the daemon's own,
     # which no test can make happen at will); the reducers leave the close to the member, which closes each
-    # stream once it holds the span: each says so (at DEBUG, in every averager process's log)
-    logger, handler = logging.getLogger("dilocox_p2p.swarm.allreduce"), logging.FileHandler(tmp_path / "allreduce.log")
-    level = logger.level
-    logger.setLevel(logging.DEBUG)  # the averager processes fork with the level and the handler
-    logger.addHandler(handler)
+    # stream once it holds the span, and the leader leaves the close of each join stream to its follower once
+    # the follower has its answer (group_admission.JOIN_STREAM_LINGER_S): each says so (at DEBUG, in every
+    # averager process's log)
+    handler = logging.FileHandler(tmp_path / "streams.log")
+    loggers = [logging.getLogger(f"dilocox_p2p.swarm.{name}") for name in ("allreduce", "group_admission")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:  # the averager processes fork with the levels and the handler
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(handler)
     try:
         group = Group(3, faults_of={1: "read_averages_late:round=2:stage=0"})
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
         handler.close()
     try:
         inputs = _inputs(3)
@@ -231,9 +236,12 @@ def test_a_member_that_reads_its_averaged_parts_late_gets_every_span_and_closes_
     for result, tensors in outcomes:
         assert not result.missing and not result.failed_reducers, (result.missing, result.failed_reducers)
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
-    log = (tmp_path / "allreduce.log").read_text()
+    log = (tmp_path / "streams.log").read_text()
     for sender in group.ids:  # every member closed the streams of both other reducers
         assert log.count(f"{sender} closed its part stream after the span's") == 2, log[-4000:]
+    followers = [p for p in group.ids if f"{p} closed its join stream after this leader's answer" in log]
+    assert len(followers) >= 2, log[-4000:]  # both followers closed theirs (and any member refused on the way)
+    assert "kept its join stream open" not in log and "kept its part stream open" not in log, log[-4000:]
 
 
 @pytest.mark.faults("withhold_average:round=3:stage=0")
