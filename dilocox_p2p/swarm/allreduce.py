@@ -30,8 +30,8 @@ hivemind_patches.py with the versions checked):
    reducers' digests (`reducer_digests`): phase 5 compares them, so that a reducer that sent members different
    bytes is proven by its own signatures and banned, as in the compressed butterfly (swarm/equivocation.py).
 8. A member closes a reducer's stream itself once it holds the reducer's whole span, and the reducer keeps the
-   stream open until then (up to PART_STREAM_LINGER_S): a reducer that closed first lost its last averaged parts
-   now and then under load (see PART_STREAM_LINGER_S).
+   stream open until then (stream_close.py): a reducer that closed first lost its last averaged parts now and
+   then under load.
 9. Fault injection for tests (injection.py): `withhold_average`, `hoard_average`, `read_averages_late`,
    `kill_peer_in_allreduce`, `send_nan_average`, `send_malformed_parts`, `equivocate_reduced`, `flip_served_bit`.
 """
@@ -58,6 +58,7 @@ from ..envelope import Gate, Signer
 from ..errors import WireRejected
 from ..proto_gen import envelope_pb2
 from .ordered_reducer import OrderedMeanReducer
+from .stream_close import leave_close_to_caller
 
 __all__ = ["AVERAGED_PHASE", "PART_BITS", "SENT_PHASE", "ExactAllReduceRunner", "digest_refusal", "read_part"]
 
@@ -66,17 +67,6 @@ logger = logging.getLogger(__name__)
 SENT_PHASE = 101  # MessageDigest.phase of a sender's part of the fp32 butterfly (the compressed ones use 1-4)
 AVERAGED_PHASE = 102  # ... of a reducer's averaged span
 PART_BITS = 20  # a sent part's MessageDigest.part: the reducer's index << PART_BITS | the part's index
-PART_STREAM_LINGER_S = 10.0
-"""How long a reducer keeps a member's part stream open after the span's last averaged part, for the member to
-close it first (`_count_received` does, once it holds the whole span). The p2p daemon (go-libp2p-daemon's
-doStreamPipe) answers the close of a handler's socket with Close() of the libp2p stream, CloseRead then
-CloseWrite; CloseRead wakes the daemon's other goroutine, whose read then fails, and which calls Reset(). When it
-does so before CloseWrite, the stream is reset instead of closed, and the member's daemon drops the parts it had
-received but not yet handed to the member (yamux's Read on a reset stream). A race of two goroutines, lost under
-load: a member saw a clean end after 21 (or 22, 27, 18) of the span's parts while the reducer had sent all of
-them, mended the rest, and the round was recorded `mended`, not `averaged` (CI run 201; 2 of 5 runs of 3 x 30
-rounds of two peers beside a busy core). A member that closes first has all it asked for, whatever its daemon
-does then."""
 READ_LATE_S = 2.0  # fault injection `read_averages_late`: how long a member leaves its averaged parts unread
 
 
@@ -244,7 +234,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 index += 1
             yield message
             if shapes and index == len(shapes):
-                # the whole span is here: close the stream now, before the reducer does (PART_STREAM_LINGER_S)
+                # the whole span is here: close the stream now, before the reducer does (stream_close.py)
                 aclose = getattr(stream, "aclose", None)
                 if aclose is not None:
                     await aclose()
@@ -368,23 +358,19 @@ class ExactAllReduceRunner(AllReduceRunner):
                 yield message
             ended = "ended"
             if answered == self.tensor_part_reducer.num_parts:
-                # the member closes the stream once it holds the span, and hivemind's stream handler then cancels
-                # this wait: closed here first, the span's last parts could be lost on the way (PART_STREAM_LINGER_S)
+                # the member closes the stream once it holds the span: closed here first, the span's last parts
+                # could be lost on the way (stream_close.py)
                 ended = "left to the member"
-                await asyncio.sleep(PART_STREAM_LINGER_S)
-                logger.info("%s kept its part stream open %.0f s after the span's last part: closed here",
-                            context.remote_id, PART_STREAM_LINGER_S)  # fmt: skip
+                await leave_close_to_caller(logger, context.remote_id, "part stream", f"the span's {answered} parts")
         except asyncio.CancelledError:
-            if ended == "left to the member":
-                logger.debug("%s closed its part stream after the span's %d parts", context.remote_id, answered)
-            else:
+            if ended != "left to the member":
                 ended = "cancelled"
             raise
         finally:
             # a member whose stream ends short sees only "sent 27 parts, but we expected 28": say here how far this
             # side got and how it ended: the parts ran out ("ended"), hivemind's stream handler cancelled it once its
             # connection closed ("cancelled"), or it was dropped at a reply ("closed"). (The short streams of CI run
-            # 201 were none of these: every part was sent, and the daemon dropped the tail: PART_STREAM_LINGER_S.)
+            # 201 were none of these: every part was sent, and the daemon dropped the tail: stream_close.py.)
             if context.remote_id in self.sender_peer_ids and 0 < answered < self.tensor_part_reducer.num_parts:
                 logger.info("the part stream of %s %s after %d of its %d averaged parts", context.remote_id, ended,
                             answered, self.tensor_part_reducer.num_parts)  # fmt: skip

@@ -9,8 +9,8 @@ round's group waits for that (`_wait_to_lead`), and one from a member this worke
 is refused at once where that member is to lead (matchmaking.py: a mutual ask). A member whose leader accepted
 it and whose answer stream then closed asks a member of the group whose part reaches it which group began
 (`rpc_begun_group`) and joins it late (`_join_begun`). A leader leaves the close of a join stream to its
-follower, once the follower has read the last answer (JOIN_STREAM_LINGER_S): a leader that closed first could
-lose that answer on the way.
+follower, once the follower has read the last answer (stream_close.py): a leader that closed first could lose
+that answer on the way.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .matchmaking import (
 )
 from .member_push import claimed_round
 from .request_limits import peer_limits
+from .stream_close import leave_close_to_caller
 
 __all__ = ["GroupAdmission", "ask_designated_then_admitted"]
 
@@ -42,14 +43,6 @@ logger = logging.getLogger(__name__)
 JOIN_POLL_S = 0.05  # a part that came before its leader's answer looks this often whether the answer came (_outside_group)
 JOIN_WAIT_POLL_S = 0.05  # a request that came before its leader looks checks this often whether it looks (no network)
 BEGUN_KEPT = 8  # the latest groups this worker ran, answered to a member that lost its leader's BEGIN_ALLREDUCE
-JOIN_STREAM_LINGER_S = 10.0
-"""How long a leader keeps a join stream open after its last answer (BEGIN_ALLREDUCE, or a refusal), for the
-follower to close it first: hivemind's request_join_group does, in its `finally`, as soon as it has read the answer.
-A leader whose handler ended first had its p2p daemon close the stream, which the daemon can turn into a reset
-(allreduce.PART_STREAM_LINGER_S: the same race of two goroutines), and then the follower's daemon dropped the answer
-it had not handed over yet: the follower saw its stream end with no answer at all ("no group after 0.02 s ...
-StopAsyncIteration"), found no group, and borrowed a round the others had averaged it into (CI run 204,
-test_agreement). A follower that closes first has read the answer, whatever its daemon does then."""
 
 
 async def _drained(stream: AsyncIterator[Any]) -> None:
@@ -126,20 +119,11 @@ class GroupAdmission:
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """Answer a join request (`_answer_join`), then leave the close of the stream to the follower
-        (JOIN_STREAM_LINGER_S); hivemind's stream handler cancels the wait when the follower closes."""
-        peer, lingering = context.remote_id, False
-        try:
-            async for message in self._answer_join(request, context):
-                yield message
-            lingering = True
-            await asyncio.sleep(JOIN_STREAM_LINGER_S)
-            logger.info("%s kept its join stream open %.0f s after this leader's answer: closed here", peer,
-                        JOIN_STREAM_LINGER_S)  # fmt: skip
-        except asyncio.CancelledError:
-            if lingering:
-                logger.debug("%s closed its join stream after this leader's answer", peer)
-            raise
+        """Answer a join request (`_answer_join`), then leave the close of the stream to the follower: hivemind's
+        request_join_group closes it, in its `finally`, as soon as it has read the last answer (stream_close.py)."""
+        async for message in self._answer_join(request, context):
+            yield message
+        await leave_close_to_caller(logger, context.remote_id, "join stream", "this leader's answer")
 
     async def _answer_join(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

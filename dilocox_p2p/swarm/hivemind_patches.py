@@ -91,7 +91,7 @@ PATCHES: dict[str, str] = {
     "this worker looks for its round's group waits for that (group_admission._wait_to_lead); one from a member this "
     "worker is asking to lead it is refused (NOT_A_LEADER) without waiting for the join lock; after its last answer "
     "the stream stays open until the follower closes it (hivemind's request_join_group does, in its finally; "
-    "group_admission.JOIN_STREAM_LINGER_S: a leader that closed first could lose that answer on the way)",
+    "stream_close.py: a leader that closed first could lose that answer on the way)",
     "Matchmaking.is_looking_for_group / potential_leaders.declared_group_key / group_key_manager.current_key / "
     "min_matchmaking_time": "read: whether the search of the current round runs and has declared (looking_for_group); "
     "how long a designated leader waits alone",
@@ -112,7 +112,7 @@ PATCHES: dict[str, str] = {
     "AllReduceRunner._generate_input_for_peer / rpc_aggregate_part": "count bytes sent and received; each part sent carries its sender's signed digest in AveragingData.peer_id, which hivemind's runner leaves unused (allreduce.py, point 7)",
     "AllReduceRunner._get_peer_stub": "wrapped to count bytes received and check each reducer's signed digest of its span, "
     "and to close the reducer's stream (aclose of the generator hivemind's P2P returns) once the whole span came; "
-    "the reducer's rpc_aggregate_part then waits for that close (allreduce.PART_STREAM_LINGER_S: the p2p daemon "
+    "the reducer's rpc_aggregate_part then waits for that close (stream_close.py: the p2p daemon "
     "could reset a stream its handler closed first, and drop the span's tail)",
     "AllReduceRunner._handle_missing_senders": "extended to say at info whom it banned (a sender "
     "banned silently ended a reducer's stream to it short: a member mended a span, test_elastic's late join)",

@@ -209,10 +209,10 @@ def test_every_member_gets_the_unweighted_mean_summed_in_group_order_bit_for_bit
 def test_members_close_their_leaders_join_stream_and_each_reducers_part_stream_themselves_even_reading_late(tmp_path):
     # member 1 leaves its averaged parts unread for 2 s (a loaded machine), so that they wait in its p2p daemon
     # when the reducers have sent their spans. A reducer that closed the stream then could have it reset on the
-    # way and the member's daemon drop that tail (allreduce.PART_STREAM_LINGER_S: a race of the daemon's own,
+    # way and the member's daemon drop that tail (swarm/stream_close.py: a race of the daemon's own,
     # which no test can make happen at will); the reducers leave the close to the member, which closes each
     # stream once it holds the span, and the leader leaves the close of each join stream to its follower once
-    # the follower has its answer (group_admission.JOIN_STREAM_LINGER_S): each says so (at DEBUG, in every
+    # the follower has its answer (the same): each says so (at DEBUG, in every
     # averager process's log)
     handler = logging.FileHandler(tmp_path / "streams.log")
     loggers = [logging.getLogger(f"dilocox_p2p.swarm.{name}") for name in ("allreduce", "group_admission")]
