@@ -39,6 +39,7 @@ def test_defaults_load_without_a_file_and_equal_the_dataclass_defaults():
     # sync at 1.0 / 0.7: the only mode within 2% of sync fp32 on the quality lab's long horizon (docs/benchmarks.md,
     # section 7: join's defaults on the long horizon)
     assert cfg.outer.mode == "sync" and cfg.outer.effective_lr == 1.0 and cfg.outer.effective_momentum == 0.7
+    assert cfg.outer.fragments == 1 and cfg.outer.overlap_steps == 5  # streaming's, resolved in every mode
     # int8: the same loss as fp32 at 3.9x fewer bytes (docs/benchmarks.md, section 1: join's defaults)
     assert cfg.compression.kind == "int8"
     assert cfg.model.shape == PRESETS["tiny"]
