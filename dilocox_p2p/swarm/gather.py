@@ -64,6 +64,7 @@ DELIVERY_WAIT_S = 3.0  # how long a member waits for the others to pull its mess
 RELAY_WAIT_S = 2.0  # how long a holder is asked to wait for a message it may still be pulling itself
 CUT_SHORT = "cut short"  # a pull whose stream ended before the whole message came: asked again, never a strike
 OUTSIDE = "in no such group"  # the answer of a member a leader counted in after it had given up on the leader
+OUTSIDE_RECHECK_S = 0.25  # how often a request waiting for a message asks again whether this worker is in its group
 
 
 class Arrivals:
@@ -160,6 +161,10 @@ class MessageGather:
     async def _outside_group(self, group_id: bytes, sender: PeerID | None = None) -> bool:
         """Whether this worker is in no group `group_id` and about to join none (the averager knows; `sender`, a
         member of that group, may name it)."""
+        return False
+
+    async def _outside_group_now(self, group_id: bytes, sender: PeerID | None = None) -> bool:
+        """`_outside_group` asked again while a request waits, without waiting itself."""
         return False
 
     def _box(self, group_id: bytes, phase: int) -> dict[tuple[str, int], tuple[bytes, bytes]]:
@@ -348,6 +353,17 @@ class MessageGather:
             return None, f"refused: {sender}'s message does not match its author's signed SHA-256 (altered)"
         return (blob, head), ""
 
+    async def _found_outside_waiting(self, request: swarm_pb2.GatherRequest, remote: PeerID) -> bool:
+        """Wait (`request.wait_s`, 120 s at most) until this worker holds the message `request` asks for; True as
+        soon as it finds itself outside the request's group meanwhile (`_outside_group_now`), False otherwise."""
+        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 120.0)
+        box, which = (request.group_id, request.phase), (request.sender, request.part)
+        while time.monotonic() < deadline and which not in self._inbox.get(box, {}):
+            await self._arrived.wait(min(deadline - time.monotonic(), OUTSIDE_RECHECK_S))
+            if which not in self._inbox.get(box, {}) and await self._outside_group_now(request.group_id, remote):
+                return True
+        return False
+
     @limit_per_peer(swarm_pb2.GatherHeader)
     async def rpc_download_message(
         self, sealed: envelope_pb2.SignedEnvelope, context: P2PContext
@@ -363,14 +379,12 @@ class MessageGather:
             header.reason = "another run, config or stage"
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
-        if await self._outside_group(request.group_id, context.remote_id):  # it will never hold a message of that group
-            header.status, header.reason = swarm_pb2.STATE_LACKING, OUTSIDE
+        key, which = (request.group_id, request.phase), (request.sender, request.part)
+        if await self._outside_group(request.group_id, context.remote_id) or \
+                await self._found_outside_waiting(request, context.remote_id):  # fmt: skip
+            header.status, header.reason = swarm_pb2.STATE_LACKING, OUTSIDE  # it will never hold a message of that group
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 120.0)
-        key, which = (request.group_id, request.phase), (request.sender, request.part)
-        while time.monotonic() < deadline and which not in self._inbox.get(key, {}):
-            await self._arrived.wait(deadline - time.monotonic())
         held = self._inbox.get(key, {}).get(which)
         if held is None:
             header.status, header.reason = swarm_pb2.STATE_NOT_READY, "not held here"

@@ -278,12 +278,32 @@ class GroupAdmission:
         waiting for that answer, it kept one of them past its sender and chunk timeouts (12-18 s, busy core). A
         worker whose leader accepted it in this round and whose answer stream then closed asks `sender`, a member
         of that group, which group began, and joins it late (group_admission.GroupAdmission._join_begun)."""
-        if group_id in self._outside_groups and group_id not in self._running_groups:
-            return True
         deadline = time.monotonic() + self._matchmaking.request_timeout + 1.0
-        while group_id not in self._running_groups and joining(self._matchmaking) and time.monotonic() < deadline:
+        while self._joining_maybe(group_id) and time.monotonic() < deadline:
             await asyncio.sleep(JOIN_POLL_S)
-        outside = group_id not in self._running_groups and outside_every_group(self._matchmaking, group_id)
+        return await self._judged_outside(group_id, sender)
+
+    async def _outside_group_now(self, group_id: bytes, sender: PeerID | None = None) -> bool:
+        """`_outside_group` without waiting for requests in flight (while one is, this worker may yet be in the
+        group: False), asked again while a request of a member of `group_id` waits for this worker's message
+        (gather.rpc_download_message): a request judged while this worker still followed a leader, or while the
+        search that found it outside unwound, waited out its whole wait for a message that never came (21 s of a
+        round in CI run 206), though another request had found the group outside meanwhile."""
+        if self._joining_maybe(group_id):
+            return False
+        return await self._judged_outside(group_id, sender)
+
+    def _joining_maybe(self, group_id: bytes) -> bool:
+        """Whether a request to a leader in flight may yet put this worker into `group_id`."""
+        return (group_id not in self._running_groups and group_id not in self._outside_groups
+                and joining(self._matchmaking))  # fmt: skip
+
+    async def _judged_outside(self, group_id: bytes, sender: PeerID | None) -> bool:
+        if group_id in self._running_groups:
+            return False
+        if group_id in self._outside_groups:  # found so by another request, maybe while this one waited
+            return True
+        outside = outside_every_group(self._matchmaking, group_id)
         if outside and sender is not None and lost_acceptance(self._matchmaking):
             outside = not await self._join_begun(group_id, sender)
         if outside:

@@ -643,6 +643,37 @@ def test_a_member_outside_every_group_answers_a_request_for_a_compressed_message
     assert took < 10.0, f"the answer took {took:.1f} s"
 
 
+def test_a_request_for_a_message_that_came_while_its_member_followed_a_leader_is_answered_once_that_leader_began():
+    # a member asked for its message of a group it is not in, while its own request to a leader is in flight, may
+    # yet be in that group: it waits for the request to end (request_timeout + 1 s at most), and it judged itself
+    # inside when the request lasted longer; the asking member then waited its whole wait (21 s in CI run 206) for
+    # a message that never came. The member asks itself again while the request waits: here its leader waits 14 s
+    # for a third member, and the request is answered once that leader began a group without the asker's
+    group = Group(3, AskingAverager, min_matchmaking_time=14.0)
+    try:
+        leader, follower, asking = group.averagers
+        lead, ids = group.ids[0], group.ids
+        leading = leader.step(gather=leader.prepare_round(4, 3, admitted=ids, leader=lead), timeout=60.0,
+                              allow_retries=True, wait=False)  # fmt: skip
+        _wait_until_looking(leading)
+        late = get_dht_time() + 14.0 + FOLLOWER_LAG_S  # as a stage's follower declares (exchange._scheduled_time)
+        ticket = follower.prepare_round(4, 3, admitted=ids, expected=[lead], leader=lead)
+        following = follower.step(gather=ticket, timeout=60.0, allow_retries=True, wait=False, scheduled_time=late)
+        deadline = time.monotonic() + 15.0
+        while lead not in follower._call("_asked", 10.0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = time.monotonic()
+        result = asking.gather_phase(4, 2, b"", group=[group.ids[2], group.ids[1]], group_id=b"a group it never joined",
+                                     timeout=30.0)  # fmt: skip
+        took = time.monotonic() - started
+        began = [r.group for r in (leading.result(timeout=30.0), following.result(timeout=30.0))]
+    finally:
+        group.close()
+    assert all(sorted(g) == sorted(ids[:2]) for g in began), began  # the leader waited for the third, then began
+    assert result.failures == [f"{ids[1]}: STATE_LACKING in no such group"], result.failures
+    assert took < 20.0, f"the answer took {took:.1f} s (the request's wait: 30 s)"
+
+
 def test_a_follower_that_looks_before_its_designated_leader_asks_it_once_tells_it_so_and_is_taken_in_when_it_looks():
     # a round's group forms around its designated leader (the smallest peer id): its follower asks it directly
     # instead of finding it in the DHT. Here the follower looks a second before the leader does; its request waits
