@@ -174,20 +174,24 @@ def shape_of(args: argparse.Namespace) -> dict:
             "batch_size": args.batch_size, "warmup": args.warmup, "val_batches": args.val_batches}  # fmt: skip
 
 
+def stored_shape(payload: dict) -> dict:
+    """`shape_of` a written result. Files written before the shape was recorded hold five of its fields; the others
+    are taken as this script's defaults."""
+    defaults = {"warmup": 50, "val_batches": 8}
+    return payload.get("shape") or {**defaults, **{k: payload[k] for k in ("preset", "peers", "rounds", "inner_steps",
+                                                                           "batch_size")}}  # fmt: skip
+
+
 def baseline_from(path: Path, args: argparse.Namespace, baseline: str = "sync fp32") -> dict:
     """`baseline`'s result from an earlier invocation of the same shape (the lab is deterministic: sync fp32 gives
-    the same bits on other machines and days), for a run that compares against it without running it again.
-    Files written before the shape was recorded hold five of its fields; the others are taken as this script's
-    defaults."""
+    the same bits on other machines and days), for a run that compares against it without running it again."""
     import json
 
     payload = json.loads(path.read_text())
     found = payload.get("results", {}).get(baseline)
     if found is None:
         raise SystemExit(f"--baseline-from {path}: it holds no {baseline!r} result; name a result that ran it")
-    defaults = {"warmup": 50, "val_batches": 8}
-    stored = payload.get("shape") or {**defaults, **{k: payload[k] for k in ("preset", "peers", "rounds", "inner_steps",
-                                                                             "batch_size")}}  # fmt: skip
+    stored = stored_shape(payload)
     differ = {k: (v, stored.get(k)) for k, v in shape_of(args).items() if stored.get(k) != v}
     if differ:
         what = ", ".join(f"{k} {mine} here, {theirs} there" for k, (mine, theirs) in differ.items())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -181,3 +182,41 @@ def test_the_bar_needs_100x_fewer_bytes_and_a_gap_within_2_percent_at_the_end_an
     assert summary["close"]["time_to_target_s"] == pytest.approx(4 * summary["close"]["round_wall_s"])
     assert summary["close"]["time_to_target_s"] < summary["sync fp32"]["time_to_target_s"]
     assert quality_report.time_to_target([3.0, 2.5], 1.0, wall_per_round=10.0) is None
+
+
+def _written(tmp_path: Path, name: str, curves: dict[str, list[float]], *, rounds: int = 4) -> Path:
+    """A result of the lab as convergence.py writes it, with `curves` (label -> val curve) as the best runs."""
+    args = _args()
+    args.rounds = rounds
+    results = {label: {"best": {"val_curve": c, "final_val": c[-1], "ratio_vs_fp32_ring": 1.0 if label == "sync fp32"
+                                else 100.0, "outer_lr": 1.0, "outer_momentum": 0.0}} for label, c in curves.items()}  # fmt: skip
+    setting = GpuSetting(link_mbit=100)
+    summary = quality_report.summarize(results, {label: {"mode": "sync"} for label in results}, setting=setting,
+                                       target_gap=0.02)  # fmt: skip
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"shape": convergence.shape_of(args), "gpu_setting": setting.describe(),
+                                "target_gap": 0.02, "results": results, "summary": summary}))  # fmt: skip
+    return path
+
+
+def test_the_frontier_of_several_runs_takes_each_configuration_once_and_refuses_runs_that_do_not_compare(tmp_path):
+    from benchmarks import quality_frontier
+
+    base = [3.0, 2.0, 1.5, 1.0]
+    one = _written(tmp_path, "one", {"sync fp32": base, "sync topk x3": [3.1, 2.2, 1.6, 1.1]})
+    two = _written(tmp_path, "two", {"sync fp32": base, "sync int8": [3.0, 2.0, 1.5, 1.01]})
+    common, points = quality_frontier.merged([one, two])
+    assert sorted(points) == ["sync fp32", "sync int8 (lr 1, m 0)", "sync topk x3 (lr 1, m 0)"]
+    assert points["sync int8 (lr 1, m 0)"]["source"] == "two.json"
+    assert points["sync topk x3 (lr 1, m 0)"]["vs_sync_fp32"] == pytest.approx(0.1)
+    assert "| sync int8 (lr 1, m 0) | 100.0x | 1.0100 | +1.0% |" in quality_frontier.table(points)
+
+    other_baseline = _written(tmp_path, "other", {"sync fp32": [3.0, 2.0, 1.5, 0.99]})
+    with pytest.raises(SystemExit, match="sync fp32 curve is not .*one.json's to the bit"):
+        quality_frontier.merged([one, other_baseline])
+    longer = _written(tmp_path, "longer", {"sync fp32": base}, rounds=300)
+    with pytest.raises(SystemExit, match="differs from .*one.json in shape"):
+        quality_frontier.merged([one, longer])
+    again = _written(tmp_path, "again", {"sync fp32": base, "sync topk x3": [3.1, 2.2, 1.6, 1.2]})
+    with pytest.raises(SystemExit, match="the lab should repeat a run to the bit"):
+        quality_frontier.merged([one, again])
