@@ -88,11 +88,12 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     frontier_plot(points, png, title=f"{s['preset']}, {s['peers']} peers, {s['rounds']} rounds x H={s['inner_steps']}, "
                                      f"{len(args.results)} runs of the quality lab")  # fmt: skip
-    md.write_text(table(points))
+    text = table(points)
+    md.write_text(text)
     payload = {**common, "sources": [str(p) for p in args.results], "bar": QUALITY_BAR, "points": points,
                "plot": png.name, "table": md.name}  # fmt: skip
     path = write_result(args.name, payload, directory=args.out)
-    print(table(points), end="")
+    print(text, end="")
     print(f"wrote {path}, {png} and {md}")
     return 0
 

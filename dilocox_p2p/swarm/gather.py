@@ -357,10 +357,10 @@ class MessageGather:
         """Wait (`request.wait_s`, 120 s at most) until this worker holds the message `request` asks for; True as
         soon as it finds itself outside the request's group meanwhile (`_outside_group_now`), False otherwise."""
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 120.0)
-        box, which = (request.group_id, request.phase), (request.sender, request.part)
-        while time.monotonic() < deadline and which not in self._inbox.get(box, {}):
+        key, which = (request.group_id, request.phase), (request.sender, request.part)
+        while time.monotonic() < deadline and which not in self._inbox.get(key, {}):
             await self._arrived.wait(min(deadline - time.monotonic(), OUTSIDE_RECHECK_S))
-            if which not in self._inbox.get(box, {}) and await self._outside_group_now(request.group_id, remote):
+            if which not in self._inbox.get(key, {}) and await self._outside_group_now(request.group_id, remote):
                 return True
         return False
 
