@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from benchmarks import convergence, quality_report
 from benchmarks.netns.gpu import GpuSetting
 from benchmarks.quality_store import RunKey, RunStore, StoreMismatch
+from tests.helpers.artifacts import ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -29,9 +33,9 @@ def gloo_group():
         yield
 
 
-def _args(store=None) -> argparse.Namespace:
+def _args(store=None, device="cpu") -> argparse.Namespace:
     return argparse.Namespace(preset="tiny", peers=2, rounds=4, inner_steps=2, batch_size=2, warmup=1, val_batches=1,
-                              store=store, checkpoint_every=2)  # fmt: skip
+                              store=store, checkpoint_every=2, device=device)  # fmt: skip
 
 
 class _Killed(Exception):
@@ -99,6 +103,29 @@ def test_a_store_of_another_shape_is_refused_and_says_what_differs(tmp_path):
 
     with pytest.raises(StoreMismatch, match=r"another shape.*'rounds': \(4, 300\)"):
         RunStore(tmp_path, convergence.shape_of(other))
+
+
+def test_a_gpu_run_is_never_compared_with_or_resumed_as_a_cpu_one(tmp_path):
+    cpu, gpu = convergence.shape_of(_args()), convergence.shape_of(_args(device="cuda"))
+    assert "device" not in cpu  # as every result written before --device: their shapes still match
+    assert gpu == {**cpu, "device": "cuda"}
+    RunStore(tmp_path / "store", cpu)
+    with pytest.raises(StoreMismatch, match=r"'device': \(None, 'cuda'\)"):
+        RunStore(tmp_path / "store", gpu)
+    result = tmp_path / "cpu.json"
+    result.write_text(json.dumps({"shape": cpu, "results": {"sync fp32": {"best": {}, "runs": []}}}))
+    with pytest.raises(SystemExit, match="device cuda here, None there"):
+        convergence.baseline_from(result, _args(device="cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda runs")
+def test_the_lab_asked_for_a_gpu_where_there_is_none_says_so_before_any_run(tmp_path):
+    out = subprocess.run([sys.executable, "benchmarks/convergence.py", "--device", "cuda", "--rounds", "1",
+                          "--name", "no_gpu", "--store", str(tmp_path / "store"), "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "--device cuda: " in out.stderr and "leave --device out" in out.stderr, out.stderr
+    assert not (tmp_path / "store").exists() and not list(tmp_path.glob("*.json"))
 
 
 def test_a_baseline_from_an_earlier_result_of_the_same_shape_is_taken_and_one_of_another_shape_refused(tmp_path):
