@@ -41,7 +41,7 @@ from .doctor import listen_hostport, parse_peer_maddr
 from .endpoints import GrpcEndpoint, ensure_port_free, parse_hostport, start_metrics_http, write_atomically
 from .errors import ConfigError, IdentityError, SwarmError
 from .identity import peer_id_of, worker_identity
-from .logs import set_log_context
+from .logs import route_hivemind_logs, set_log_context
 from .swarm.dht import node_id_of, reachable_maddrs
 from .swarm.dht_join import ping_missing
 from .swarm.hello import serve_hello
@@ -202,6 +202,7 @@ class BootstrapNode:
             SwarmError: the p2p daemon did not start (other bootstrap nodes that are down are asked again later).
         """
         _check_flags(opts)
+        route_hivemind_logs()
         peer_id = _prepare_state(opts)
         dht = _start_dht(opts, peer_id)  # first: it forks, which a running gRPC server (health) does not survive
         try:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["init_logging", "set_log_context"]
+__all__ = ["init_logging", "route_hivemind_logs", "set_log_context"]
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(where)s%(name)s: %(message)s"
 _context: dict[str, Any] = {"peer": None, "stage": None, "round": None}
@@ -93,3 +93,34 @@ def init_logging(level: str = "info", *, fmt: str = "text", file: Path | None = 
     noisy = "DEBUG" if level == "DEBUG" else "WARNING"
     for name in ("hivemind", "matplotlib", "PIL"):
         logging.getLogger(name).setLevel(noisy)
+    if "hivemind" in sys.modules:  # imported before (a peer forked from the tests' warm interpreter): route it now
+        route_hivemind_logs()
+
+
+class _StepFoundNoGroup(logging.Filter):
+    """hivemind's averager logs a step that found no group as an error with its traceback (`logger.exception`):
+    a peer alone for a round, or whose group formed without it, printed 20 lines of alarm for an outcome the exchange
+    reports itself, with its reason. Here it is one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and "could not find a group" in str(exc):
+            record.msg, record.args = f"{type(exc).__name__}: {exc} (the round's outcome follows, with its reason)", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+def route_hivemind_logs() -> None:
+    """hivemind's log lines through this process's handlers: its own colored stderr handler, which hivemind installs
+    on import and does not propagate from, kept them out of a stage's log file and out of JSON logs, without the
+    peer, stage and round. Call it where hivemind is imported (idempotent; init_logging calls it when hivemind was
+    imported first); processes forked afterwards (the DHT's, the averager's) inherit it."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")  # hivemind's loggers propagate to the root logger: ours
+    debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if debug else logging.WARNING)
+    averager = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(f, _StepFoundNoGroup) for f in averager.filters):
+        averager.addFilter(_StepFoundNoGroup())

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .. import injection, startup
 from ..average import Average, Averager, AverageKind, average_hash
 from ..round_outcome import RoundOutcome
-from ..logs import set_log_context
+from ..logs import route_hivemind_logs, set_log_context
 from ..state import StageState
 from ..worker import StageWorker
 from .agreement import split_evenly
@@ -48,6 +48,7 @@ class SwarmStageWorker(StateTaking, StageWorker):
         """Start this stage's DHT node, in one DHT with stage 0's (no islands): where stage 0 will listen is
         known (launch._known_lead), every stage starts at once and the others join stage 0's node as it listens
         (through the initial peers too, if any; SwarmStage); otherwise stage 0 starts first and tells them."""
+        route_hivemind_logs()  # before the DHT's and the averager's processes fork from this one
         peer_name = f"{socket.gethostname()}:{self.run_dir.resolve().name}"
 
         def start(extra_peers: list[str]) -> SwarmStage:
