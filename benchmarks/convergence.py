@@ -61,8 +61,7 @@ def shape_of(args: argparse.Namespace) -> dict:
     run names none, as every result written before --device."""
     shape = {"preset": args.preset, "peers": args.peers, "rounds": args.rounds, "inner_steps": args.inner_steps,
              "batch_size": args.batch_size, "warmup": args.warmup, "val_batches": args.val_batches}  # fmt: skip
-    device = getattr(args, "device", "cpu")
-    return shape if device == "cpu" else {**shape, "device": device}
+    return shape if args.device == "cpu" else {**shape, "device": args.device}
 
 
 def stored_shape(payload: dict) -> dict:
@@ -309,17 +308,6 @@ def plot(results: dict, path: Path, peers: int) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _no_cuda() -> str | None:
-    """Why torch cannot train on a GPU here, or None when it can."""
-    import torch
-
-    if torch.version.cuda is None:
-        return f"this torch ({torch.__version__}) is built without CUDA"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device (nvidia-smi lists the GPUs and the driver)"
-    return None
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
@@ -358,8 +346,13 @@ def main() -> int:
                         "auto), uncompiled, on the first GPU; theta_g, the codecs and the outer step stay on the CPU, "
                         "as in a real peer")  # fmt: skip
     args = parser.parse_args()
-    if args.device == "cuda" and (reason := _no_cuda()) is not None:
-        parser.error(f"--device cuda: {reason}; run on a machine with an NVIDIA GPU, or leave --device out (cpu)")
+    from dilocox_p2p.errors import ConfigError
+    from dilocox_p2p.peer_layout import resolve_device
+
+    try:
+        resolve_device(args.device, rank=0)  # the peer's own check: a GPU this process can see
+    except ConfigError as e:
+        parser.error(f"{e}; run on a machine with an NVIDIA GPU, or leave --device out (cpu)")
     if args.checkpoint_every < 1:
         parser.error(f"--checkpoint-every must be at least 1 round, not {args.checkpoint_every}")
     for path in args.best_from:

@@ -75,8 +75,7 @@ CONFIGS: dict[str, tuple[dict, list[tuple[float, float]]]] = {
                       "compression.topk_reduced_multiple": 1}, [(3.0, 0.0), (4.0, 0.0), (5.0, 0.0), (2.0, 0.5)]),
     "sync topk x2": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "butterfly",
                       "compression.topk_reduced_multiple": 2}, [(3.0, 0.0), (4.0, 0.0)]),
-    "sync topk x3": ({"outer.mode": "sync", "compression.kind": "topk", "compression.topk_transport": "butterfly",
-                      "compression.topk_reduced_multiple": 3}, [(3.0, 0.0), (4.0, 0.0)]),
+    "sync topk x3": (TOPK_X3, [(3.0, 0.0), (4.0, 0.0)]),
     # issue 40, item 2: what closes top-k's gap at >= 100x. Outer Nesterov momentum on the decoded average with error
     # feedback that keeps everything (decay 1), or beside SparseLoCo's decay; precision against density of the kept
     # values (4 bits at half the density costs fewer bytes than 2 bits; 4 bits at 1/64 and 2 bits at 1/32 are the

@@ -99,7 +99,7 @@ def init_logging(level: str = "info", *, fmt: str = "text", file: Path | None = 
 
 class _StepFoundNoGroup(logging.Filter):
     """hivemind's averager logs a step that found no group as an error with its traceback (`logger.exception`):
-    a peer alone for a round, or whose group formed without it, printed 20 lines of alarm for an outcome the exchange
+    a peer alone for a round, or whose group formed without it, printed a whole traceback for an outcome the exchange
     reports itself, with its reason. Here it is one warning line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
