@@ -45,7 +45,7 @@ from .logs import route_hivemind_logs, set_log_context
 from .swarm.dht import node_id_of, reachable_maddrs
 from .swarm.dht_join import ping_missing
 from .swarm.hello import serve_hello
-from .swarm.hivemind_patches import cap_stream_frames, guard_unary_replies, limit_dht_requests
+from .swarm.hivemind_patches import cap_stream_frames, guard_unary_replies, limit_dht_requests, share_tensors_by_descriptor
 
 __all__ = ["BootstrapNode", "BootstrapOptions", "load_node_identity"]
 
@@ -203,6 +203,7 @@ class BootstrapNode:
         """
         _check_flags(opts)
         route_hivemind_logs()
+        share_tensors_by_descriptor()  # before the DHT's first MPFuture: no torch_shm_manager beside the node
         peer_id = _prepare_state(opts)
         dht = _start_dht(opts, peer_id)  # first: it forks, which a running gRPC server (health) does not survive
         try:

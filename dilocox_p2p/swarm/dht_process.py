@@ -14,7 +14,7 @@ from typing import Any
 import hivemind
 
 from ..errors import SwarmError
-from .hivemind_patches import cap_stream_frames, guard_unary_replies, limit_dht_requests
+from .hivemind_patches import cap_stream_frames, guard_unary_replies, limit_dht_requests, share_tensors_by_descriptor
 from .priority import lower_priority
 
 __all__ = ["DHT_CALL_CHECK_S", "HelperDHT", "dht_result", "shutdown_whole"]
@@ -36,6 +36,7 @@ class HelperDHT(hivemind.DHT):
         guard_unary_replies()  # before the fork: the DHT process and the averager forked later run the guarded reader
         cap_stream_frames()  # ... and refuse a stream frame too large to be one of ours before reading it
         limit_dht_requests()  # ... and a peer's stores and finds beyond its rate
+        share_tensors_by_descriptor()  # before hivemind's first MPFuture shares its state: no torch_shm_manager
         super().__init__(**kwargs)
 
     def run(self) -> None:

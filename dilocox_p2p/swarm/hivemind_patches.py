@@ -28,11 +28,12 @@ from uuid import UUID
 __all__ = [
     "CHECKED_VERSIONS", "DHT_REQUESTS_PER_S", "DHT_REQUEST_BURST", "MAX_FRAME_BYTES", "PATCHES", "FrameTooLarge",
     "cap_stream_frames", "check_version", "defer_scipy_optimize", "guard_unary_replies", "limit_dht_requests",
-    "own_process_locks",
+    "own_process_locks", "share_tensors_by_descriptor",
 ]
 
 logger = logging.getLogger(__name__)
 
+OPEN_FILES_WANTED = 65536  # share_tensors_by_descriptor raises the soft limit on open files to this (or the hard one)
 CHECKED_VERSIONS = ("1.1.11", "1.1.12")
 """hivemind releases the swarm tier passed with (tests/swarm, 2026-11-23)."""
 
@@ -162,6 +163,10 @@ PATCHES: dict[str, str] = {
     # utils/mpfuture.py, utils/asyncio.py: process-wide locks made at import (own_process_locks below)
     "MPFuture.reset_backend": "called in each stage process forked from a process that imported hivemind",
     "_AsyncContextWrapper.EXECUTOR_LOCK": "replaced by a lock of the stage process's own, as reset_backend does its",
+    # utils/mpfuture.py sets torch's tensor sharing strategy for the whole process at import
+    "torch.multiprocessing sharing strategy (set to file_system by hivemind.utils.mpfuture)": "set back to "
+    "file_descriptor where a DHT node or an averager is made (share_tensors_by_descriptor below): no torch_shm_manager "
+    "per stage",
     # averaging/load_balancing.py: `import scipy.optimize` at import, for linprog (defer_scipy_optimize below)
     "scipy.optimize (imported by hivemind.averaging.load_balancing)": "loaded lazily, on its first use",
 }
@@ -228,6 +233,30 @@ def own_process_locks() -> None:
     asyncio_utils = sys.modules.get("hivemind.utils.asyncio")
     if asyncio_utils is not None:
         asyncio_utils._AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+
+
+def share_tensors_by_descriptor() -> None:
+    """Share tensors between processes as torch does by default on Linux (file descriptors), not as hivemind sets it
+    at import for every process (`hivemind.utils.mpfuture`: "file_system", overridable only by the environment).
+
+    Under "file_system" the first tensor a process shares starts torch's `torch_shm_manager` beside it: one more
+    process per stage, 0.5 CPU-s each to start (5-6% of the swarm tier's CPU: 163 of them in one run, 2 EPYC cores,
+    2026-12-02, measured with process accounting), and a shared tensor is a named file under /dev/shm that the
+    manager must remove. Under "file_descriptor" a shared tensor is an unlinked file held open: nothing is left
+    behind by a process that is killed. Called where a DHT node (HelperDHT: hivemind's first MPFuture shares its
+    state) or an averager is made. A stage holds one descriptor per shared tensor (its parameters, the
+    averager's outbox) and one per tensor it receives from its averager process; the soft limit on open files is
+    raised towards the hard one (at most OPEN_FILES_WANTED) so that a large stage does not run short."""
+    import resource
+
+    import hivemind.utils.mpfuture  # noqa: F401  (sets file_system at its import: first, so that this comes after)
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 async def _read_from_persistent_conn(self: Any, reader: asyncio.StreamReader) -> None:
