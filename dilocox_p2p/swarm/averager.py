@@ -54,7 +54,6 @@ from .gather import Arrivals, GatherResult, MessageGather
 from .group_admission import GroupAdmission, ask_designated_then_admitted
 from .group_round import GroupRound, RoundResult
 from .held import AverageService, Collected, HeldAverage
-from .hivemind_patches import share_tensors_by_descriptor
 from .matchmaking import (
     DesignatedLeader,
     abandon_begun_groups,
@@ -160,7 +159,6 @@ class DilocoxAverager(
         self._group_ranks: list[int] = []  # low-rank: the ranks most tickets of the group formed now name
         self._group_clients: frozenset[str] = frozenset()  # the client members of the group formed now (tickets)
         self._designated = DesignatedLeader()  # the member this round's group forms around (matchmaking.py)
-        share_tensors_by_descriptor()  # before any tensor here is shared: hivemind_patches.py
         # messages go to the averager process through shared memory: hivemind's command pipe is
         # non-blocking on the averager's side and breaks on anything larger than its buffer
         self._outbox = torch.zeros(max_message_bytes, dtype=torch.uint8).share_memory_()

@@ -165,8 +165,8 @@ PATCHES: dict[str, str] = {
     "_AsyncContextWrapper.EXECUTOR_LOCK": "replaced by a lock of the stage process's own, as reset_backend does its",
     # utils/mpfuture.py sets torch's tensor sharing strategy for the whole process at import
     "torch.multiprocessing sharing strategy (set to file_system by hivemind.utils.mpfuture)": "set back to "
-    "file_descriptor where a DHT node or an averager is made (share_tensors_by_descriptor below): no torch_shm_manager "
-    "per stage",
+    "file_descriptor where a DHT node is made, before hivemind's first MPFuture shares its state "
+    "(share_tensors_by_descriptor below): no torch_shm_manager per stage",
     # averaging/load_balancing.py: `import scipy.optimize` at import, for linprog (defer_scipy_optimize below)
     "scipy.optimize (imported by hivemind.averaging.load_balancing)": "loaded lazily, on its first use",
 }
@@ -243,8 +243,8 @@ def share_tensors_by_descriptor() -> None:
     process per stage, 0.5 CPU-s each to start (5-6% of the swarm tier's CPU: 163 of them in one run, 2 EPYC cores,
     2026-12-02, measured with process accounting), and a shared tensor is a named file under /dev/shm that the
     manager must remove. Under "file_descriptor" a shared tensor is an unlinked file held open: nothing is left
-    behind by a process that is killed. Called where a DHT node (HelperDHT: hivemind's first MPFuture shares its
-    state) or an averager is made. A stage holds one descriptor per shared tensor (its parameters, the
+    behind by a process that is killed. Called where a DHT node is made (HelperDHT, the bootstrap node): hivemind's
+    first MPFuture shares its state there, before any averager (which needs the DHT) shares a tensor. A stage holds one descriptor per shared tensor (its parameters, the
     averager's outbox) and one per tensor it receives from its averager process; the soft limit on open files is
     raised towards the hard one (at most OPEN_FILES_WANTED) so that a large stage does not run short."""
     import resource

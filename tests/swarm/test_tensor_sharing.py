@@ -1,4 +1,4 @@
-"""A stage's averager shares its tensors by file descriptor: no torch_shm_manager beside each stage.
+"""A stage's DHT node and averager share tensors by file descriptor: no torch_shm_manager beside each stage.
 
 hivemind sets torch's sharing strategy to "file_system" at import, which starts a torch_shm_manager process in
 every process that shares a tensor (0.5 CPU-s each; hivemind_patches.share_tensors_by_descriptor). Run in a fresh
@@ -18,13 +18,13 @@ pytestmark = pytest.mark.swarm
 
 _SCRIPT = textwrap.dedent(
     """
-    import json, os, resource, time
+    import json, os, resource
     import torch, torch.multiprocessing
     from dilocox_p2p.swarm.averager import DilocoxAverager
     from tests.helpers.signed import signed_node
 
     before = torch.multiprocessing.get_sharing_strategy()  # hivemind's, set at its import
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
     dht, signer, gate = signed_node("sharing")
     tensor = torch.arange(8, dtype=torch.float32)
@@ -33,7 +33,7 @@ _SCRIPT = textwrap.dedent(
         min_group_size=2, min_matchmaking_time=5.0, request_timeout=2.5, allreduce_timeout=10.0,
         next_chunk_timeout=5.0, allow_state_sharing=False, signer=signer, gate=gate,
     )
-    with averager.get_tensors() as held:  # the averager process's copy, through its shared memory
+    with averager.get_tensors() as held:  # the stage's tensor as shared with the averager process
         seen = held[0].tolist()
 
     def descendants(root):
@@ -67,7 +67,7 @@ def test_a_stage_averager_shares_its_tensors_by_descriptor_and_starts_no_shm_man
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["before"] == "file_system", "hivemind no longer sets file_system: share_tensors_by_descriptor may go"
     assert report["after"] == "file_descriptor"
-    assert report["seen"] == [float(i) for i in range(8)]  # the averager's copy holds the stage's values
+    assert report["seen"] == [float(i) for i in range(8)]  # sharing kept the stage's values
     assert any(name == "p2pd" for name in report["processes"]), report  # descendants were found at all
     assert not any(name.startswith("torch_shm") for name in report["processes"]), report
     assert report["soft"] >= min(report["hard"], 65536)
