@@ -42,6 +42,7 @@ from .endpoints import GrpcEndpoint, ensure_port_free, parse_hostport, start_met
 from .errors import ConfigError, IdentityError, SwarmError
 from .identity import peer_id_of, worker_identity
 from .logs import route_hivemind_logs, set_log_context
+from .swarm.daemon_gc import tune_daemon_gc
 from .swarm.dht import node_id_of, reachable_maddrs
 from .swarm.dht_join import ping_missing
 from .swarm.hello import serve_hello
@@ -137,6 +138,7 @@ class _NodeProcess(hivemind.DHT):
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        tune_daemon_gc()  # this process starts the p2p daemon, with its environment
         super().run()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import hivemind
 
 from ..errors import SwarmError
+from .daemon_gc import tune_daemon_gc
 from .hivemind_patches import cap_stream_frames, guard_unary_replies, limit_dht_requests, share_tensors_by_descriptor
 from .priority import lower_priority
 
@@ -41,6 +42,7 @@ class HelperDHT(hivemind.DHT):
 
     def run(self) -> None:
         lower_priority(self.nice)
+        tune_daemon_gc()  # this process starts the p2p daemon, with its environment
         super().run()
 
     async def _get(self, *args: Any, **kwargs: Any) -> None:

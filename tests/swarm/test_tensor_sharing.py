@@ -1,4 +1,5 @@
-"""A stage's DHT node and averager share tensors by file descriptor: no torch_shm_manager beside each stage.
+"""A stage's helper processes cost what they must: its DHT node and averager share tensors by file descriptor (no
+torch_shm_manager beside each stage), and its p2p daemon collects garbage lazily (swarm/daemon_gc.py).
 
 hivemind sets torch's sharing strategy to "file_system" at import, which starts a torch_shm_manager process in
 every process that shares a tensor (0.5 CPU-s each; hivemind_patches.share_tensors_by_descriptor). Run in a fresh
@@ -23,6 +24,8 @@ _SCRIPT = textwrap.dedent(
     from dilocox_p2p.swarm.averager import DilocoxAverager
     from tests.helpers.signed import signed_node
 
+    os.environ.pop("GOGC", None)  # join's defaults, whatever this machine's environment says
+    os.environ.pop("GOMEMLIMIT", None)
     before = torch.multiprocessing.get_sharing_strategy()  # hivemind's, set at its import
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
@@ -38,6 +41,7 @@ _SCRIPT = textwrap.dedent(
 
     def descendants(root):
         found, todo = [], [root]
+        daemons = []
         while todo:
             pid = todo.pop()
             try:
@@ -47,21 +51,24 @@ _SCRIPT = textwrap.dedent(
             for child in map(int, children):
                 try:
                     found.append(open(f"/proc/{child}/comm").read().strip())
+                    if found[-1] == "p2pd":
+                        environ = open(f"/proc/{child}/environ", "rb").read().split(b"\\0")
+                        daemons.append(sorted(e.decode() for e in environ if e.startswith((b"GOGC=", b"GOMEMLIMIT="))))
                 except OSError:
                     continue
                 todo.append(child)
-        return found
+        return found, daemons
 
-    names = descendants(os.getpid())
+    names, daemons = descendants(os.getpid())
     print(json.dumps(dict(before=before, after=torch.multiprocessing.get_sharing_strategy(), seen=seen,
-                          processes=names, soft=resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard=hard)))
+                          processes=names, daemons=daemons, soft=resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard=hard)))
     averager.shutdown()
     dht.shutdown()
     """
 )
 
 
-def test_a_stage_averager_shares_its_tensors_by_descriptor_and_starts_no_shm_manager():
+def test_a_stage_averager_shares_its_tensors_by_descriptor_and_its_daemon_collects_garbage_lazily():
     done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -71,3 +78,4 @@ def test_a_stage_averager_shares_its_tensors_by_descriptor_and_starts_no_shm_man
     assert any(name == "p2pd" for name in report["processes"]), report  # descendants were found at all
     assert not any(name.startswith("torch_shm") for name in report["processes"]), report
     assert report["soft"] >= min(report["hard"], 65536)
+    assert report["daemons"] == [["GOGC=400", "GOMEMLIMIT=512MiB"]], report  # the DHT process set them for its daemon
