@@ -46,7 +46,7 @@ from .swarm.daemon_gc import tune_daemon_gc
 from .swarm.dht import node_id_of, reachable_maddrs
 from .swarm.dht_join import ping_missing
 from .swarm.hello import serve_hello
-from .swarm.hivemind_patches import cap_stream_frames, guard_unary_replies, limit_dht_requests, share_tensors_by_descriptor
+from .swarm.hivemind_patches import patch_for_dht_node
 
 __all__ = ["BootstrapNode", "BootstrapOptions", "load_node_identity"]
 
@@ -205,7 +205,6 @@ class BootstrapNode:
         """
         _check_flags(opts)
         route_hivemind_logs()
-        share_tensors_by_descriptor()  # before the DHT's first MPFuture: no torch_shm_manager beside the node
         peer_id = _prepare_state(opts)
         dht = _start_dht(opts, peer_id)  # first: it forks, which a running gRPC server (health) does not survive
         try:
@@ -325,9 +324,7 @@ def _start_dht(opts: BootstrapOptions, peer_id: str) -> hivemind.DHT:
     )
     if opts.relay:
         kwargs.update(use_relay=True, force_reachability="public")
-    guard_unary_replies()  # swarm.hivemind_patches: before the DHT process forks
-    cap_stream_frames()
-    limit_dht_requests()
+    patch_for_dht_node()  # swarm.hivemind_patches: before the DHT process forks and its first MPFuture
     try:
         return _NodeProcess(**kwargs)
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, ValueError...

@@ -15,7 +15,7 @@ import hivemind
 
 from ..errors import SwarmError
 from .daemon_gc import tune_daemon_gc
-from .hivemind_patches import cap_stream_frames, guard_unary_replies, limit_dht_requests, share_tensors_by_descriptor
+from .hivemind_patches import patch_for_dht_node
 from .priority import lower_priority
 
 __all__ = ["DHT_CALL_CHECK_S", "HelperDHT", "dht_result", "shutdown_whole"]
@@ -34,10 +34,7 @@ class HelperDHT(hivemind.DHT):
 
     def __init__(self, *, nice: int, **kwargs: Any):
         self.nice = nice
-        guard_unary_replies()  # before the fork: the DHT process and the averager forked later run the guarded reader
-        cap_stream_frames()  # ... and refuse a stream frame too large to be one of ours before reading it
-        limit_dht_requests()  # ... and a peer's stores and finds beyond its rate
-        share_tensors_by_descriptor()  # before hivemind's first MPFuture shares its state: no torch_shm_manager
+        patch_for_dht_node()  # before the fork: the DHT process and the averager forked later run patched
         super().__init__(**kwargs)
 
     def run(self) -> None:

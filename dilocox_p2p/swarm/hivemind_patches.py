@@ -28,7 +28,7 @@ from uuid import UUID
 __all__ = [
     "CHECKED_VERSIONS", "DHT_REQUESTS_PER_S", "DHT_REQUEST_BURST", "MAX_FRAME_BYTES", "PATCHES", "FrameTooLarge",
     "cap_stream_frames", "check_version", "defer_scipy_optimize", "guard_unary_replies", "limit_dht_requests",
-    "own_process_locks", "share_tensors_by_descriptor",
+    "own_process_locks", "patch_for_dht_node", "share_tensors_by_descriptor",
 ]
 
 logger = logging.getLogger(__name__)
@@ -235,6 +235,17 @@ def own_process_locks() -> None:
         asyncio_utils._AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
 
 
+def patch_for_dht_node() -> None:
+    """What a process patches before it makes a hivemind DHT node (a stage's HelperDHT, a bootstrap node): the DHT
+    process, and an averager forked later, run the guarded reply reader, refuse stream frames too large to be ours
+    before reading them, and hold each peer's stores and finds to its rate; and tensors are shared by descriptor
+    before hivemind's first MPFuture shares its state (no torch_shm_manager). Each patch applies once per process."""
+    guard_unary_replies()
+    cap_stream_frames()
+    limit_dht_requests()
+    share_tensors_by_descriptor()
+
+
 def share_tensors_by_descriptor() -> None:
     """Share tensors between processes as torch does by default on Linux (file descriptors), not as hivemind sets it
     at import for every process (`hivemind.utils.mpfuture`: "file_system", overridable only by the environment).
@@ -243,10 +254,11 @@ def share_tensors_by_descriptor() -> None:
     process per stage, 0.5 CPU-s each to start (5-6% of the swarm tier's CPU: 163 of them in one run, 2 EPYC cores,
     2026-12-02, measured with process accounting), and a shared tensor is a named file under /dev/shm that the
     manager must remove. Under "file_descriptor" a shared tensor is an unlinked file held open: nothing is left
-    behind by a process that is killed. Called where a DHT node is made (HelperDHT, the bootstrap node): hivemind's
-    first MPFuture shares its state there, before any averager (which needs the DHT) shares a tensor. A stage holds one descriptor per shared tensor (its parameters, the
-    averager's outbox) and one per tensor it receives from its averager process; the soft limit on open files is
-    raised towards the hard one (at most OPEN_FILES_WANTED) so that a large stage does not run short."""
+    behind by a process that is killed. Called where a DHT node is made (patch_for_dht_node: HelperDHT, the
+    bootstrap node): hivemind's first MPFuture shares its state there, before any averager (which needs the DHT)
+    shares a tensor. A stage holds one descriptor per shared tensor (its parameters, the averager's outbox) and one
+    per tensor it receives from its averager process; the soft limit on open files is raised towards the hard one
+    (at most OPEN_FILES_WANTED) so that a large stage does not run short."""
     import resource
 
     import hivemind.utils.mpfuture  # noqa: F401  (sets file_system at its import: first, so that this comes after)
