@@ -85,6 +85,7 @@ def test_four_joiners_at_once_take_the_state_in_pieces_from_every_donor_and_drop
     liar, stalled = worker_peer_id(tmp_path / f"peer{LIAR}", 0), worker_peer_id(tmp_path / f"peer{STALLED}", 0)
     theirs = {r["round"]: r["stage_hashes"] for r in _records(tmp_path / "peer1")}
     served: collections.Counter[str] = collections.Counter()
+    refusals = 0
     for host in JOINERS:
         records = _records(tmp_path / f"peer{host}")
         assert records[0]["round"] >= 2 and records[0]["faults"]["catch_ups"] >= 1, records[0]  # it took the state
@@ -94,10 +95,15 @@ def test_four_joiners_at_once_take_the_state_in_pieces_from_every_donor_and_drop
         # in pieces from several donors (a download whose every piece went GONE, the donors having moved on, falls
         # back to a whole state from one donor: a joiner may take a state more than once, one of them so)
         assert any(int(n) >= 2 for n in TOOK.findall(log)), log[-3000:]
-        assert f"donor {liar} asked for no more pieces: refused: piece" in log, log[-3000:]
+        # each joiner drops the liar: for an altered piece (checked on arrival), or, where an honest donor asked
+        # later delivered the liar's piece first, as slow before its altered piece came (one joiner of four in CI
+        # run 214, on a fast machine: it was never served a byte of the liar's all the same, asserted below)
+        assert re.search(f"donor {liar} asked for no more pieces: (refused|slow): piece", log), log[-3000:]
+        refusals += f"donor {liar} asked for no more pieces: refused: piece" in log
         assert f"donor {stalled} asked for no more pieces: slow: piece" in log, log[-3000:]
         common = [r for r in records if r["round"] in theirs]
         assert common and all(r["stage_hashes"] == theirs[r["round"]] for r in common), "a joiner differs from the swarm"
+    assert refusals >= 1, "no joiner refused an altered piece of the liar's: the check on arrival was not shown"
     assert liar not in served and stalled not in served, {d[-6:]: n for d, n in served.items()}
     total = sum(served.values())
     assert max(served.values()) <= total / 2, {d[-6:]: round(n / total, 2) for d, n in served.items()}
