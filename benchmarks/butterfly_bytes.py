@@ -3,6 +3,7 @@
 
     sudo .venv/bin/python benchmarks/butterfly_bytes.py                      # N = 3, 4, 6, 8; int8, fp4, lowrank
     sudo .venv/bin/python benchmarks/butterfly_bytes.py --peers 3 4 --kinds int8 --rounds 4
+    sudo .venv/bin/python benchmarks/butterfly_bytes.py --peers 4 --set swarm.reuse_groups=false   # matchmaking always
 
 For each compression kind and group size N, N peers of the `tiny` preset (1 pipeline stage, `--mode sync`) train
 in their own network namespaces behind `tc tbf` links (benchmarks/netlab.py) for --rounds rounds of H=--inner-steps.
@@ -80,6 +81,8 @@ def peer_cmd(args: argparse.Namespace, kind: str, n: int, host: int, ip: str, ru
         cmd += ["--set", "compression.energy_target=0"]
     if transport:
         cmd += ["--set", f"compression.topk_transport={transport}"]
+    for override in args.set:
+        cmd += ["--set", override]
     return cmd
 
 
@@ -90,7 +93,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
                     peers=n, rate_mbit=args.rate, run_dirs=dirs, announces=True, timeout=args.timeout, env=env)  # fmt: skip
     steady = range(1, args.rounds - 1)
     sent, received, wire, full = [], [], [], True
-    exchange, fixed, phases, metered = [], [], {}, []
+    exchange, fixed, phases, metered, reused = [], [], {}, [], []
     by_source: dict[str, list[float]] = {}  # per direction and steady round of a member (swarm/protocol_bytes.py)
     for host, records in enumerate(run.records):
         by_round = {r["round"]: r for r in records}
@@ -100,6 +103,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
                 full = False
                 continue
             sent.append(r["bytes_sent"])
+            reused.append(bool((r.get("groups_reused") or [False])[0]))
             received.append(r["bytes_received"])
             clock = (r.get("exchange_phases") or [None])[0] or {}
             seconds = sum(v for k, v in clock.items() if k != "wait")  # the members' own pace left out
@@ -131,6 +135,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
         "wire_vs_fp32_ring": wire_per_round / fp32_ring if wire_per_round else None,
         "counted_vs_fp32_ring": counted / fp32_ring if counted else None,
         "every_steady_round_full": full, "hashes_equal": len(hashes) == 1, "seconds": run.seconds,
+        "groups_reused_share": sum(reused) / len(reused) if reused else None,
         "exchange_s": statistics.median(exchange) if exchange else None,
         "fixed_s": statistics.median(fixed) if fixed else None,
         "phases_median_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},
@@ -229,6 +234,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--rate", type=float, default=100.0, help="lab link rate, Mbit/s (both directions)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every peer, repeatable (swarm.reuse_groups=false: every round's group "
+                        "found by matchmaking)")  # fmt: skip
     p.add_argument("--name", default="butterfly_bytes")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -250,7 +258,8 @@ def main() -> int:
                 print(f"[bytes] {kind} N={n}: counted {row['counted_vs_butterfly']} x 2(N-1)/N, wire "
                       f"{row['wire_vs_butterfly']} x, {row['wire_vs_fp32_ring']} x fp32 ring, metered {row['metered_vs_wire']} "
                       f"x the interface's, exchange "
-                      f"{row['exchange_s']} s, fixed {row['fixed_s']} s {row['phases_median_s']}, hashes equal "
+                      f"{row['exchange_s']} s, fixed {row['fixed_s']} s {row['phases_median_s']}, groups reused "
+                      f"{row['groups_reused_share']}, hashes equal "
                       f"{row['hashes_equal']} ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
                 write_all(args, params, rows)  # after every run: a run that fails later keeps what was measured
     print(table(rows))

@@ -109,6 +109,8 @@ class Average:
     takes the swarm's state before it uses theta_g (a repair) instead of training on a split."""
     phases: tuple[tuple[str, float], ...] = ()
     """Seconds of each phase of the exchange, in order (swarm/phase_clock.py)."""
+    group_reused: bool = False
+    """The group formed again without matchmaking: the last round's whole group (swarm/group_reuse.py)."""
     digests: tuple[bytes, ...] = ()
     """The compressed butterfly: the reducers' signed digests of the reduced parts this copy was assembled
     from, announced in phase 5, where two that one reducer signed for the same part prove it equivocated."""

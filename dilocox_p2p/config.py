@@ -419,6 +419,7 @@ _LOCAL_FIELDS = {
     "swarm": {
         "enabled", "initial_peers", "host_maddrs", "announce_maddrs", "auto_relay", "reachability", "min_peers", "peer_wait", "helper_nice",
         "settled_nice", "identity", "certificate", "state_donors", "deadlines", "deadline_floor", "deadline_ceiling",
+        "reuse_groups",
     },  # fmt: skip
     "control": {"progress", "log_level", "log_format", "control_addr", "metrics_addr"},
     "inner": {"threads", "precision", "compile", "compile_scope", "checkpoint_activations", "microbatches", "schedule"},

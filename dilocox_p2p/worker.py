@@ -469,6 +469,8 @@ class StageWorker:
             "group_sizes": [o.group_size for o in outcomes],
             # per stage, the id of the group whose average was applied: members of one group hold one state after it
             "groups": [o.last.group_id.hex()[:16] if o.last is not None and o.last.group_id else None for o in outcomes],
+            # per stage, whether that group formed without matchmaking: the last round's whole group (swarm/group_reuse.py)
+            "groups_reused": [o.last is not None and o.last.group_reused for o in outcomes],
             "kinds": [o.kind.value if o.kind is not None else None for o in outcomes],
             "clients": [s["client"] for s in stages],  # per stage, why it averaged as a client member ("": it did not)
             "applied_round": outcomes[0].applied_round,

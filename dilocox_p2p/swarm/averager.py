@@ -52,6 +52,7 @@ from .client_member import reach_members
 from .deadlines import SharedDeadlines
 from .gather import Arrivals, GatherResult, MessageGather
 from .group_admission import GroupAdmission, ask_designated_then_admitted
+from .group_reuse import REUSE_ID_BYTES, ReusedGroup, reuse_group_id
 from .group_round import GroupRound, RoundResult
 from .held import AverageService, Collected, HeldAverage
 from .matchmaking import (
@@ -159,6 +160,10 @@ class DilocoxAverager(
         self._group_ranks: list[int] = []  # low-rank: the ranks most tickets of the group formed now name
         self._group_clients: frozenset[str] = frozenset()  # the client members of the group formed now (tickets)
         self._designated = DesignatedLeader()  # the member this round's group forms around (matchmaking.py)
+        self._reuse_armed: tuple[int, GroupInfo] | None = None  # this round's group without matchmaking (group_reuse.py)
+        self._reuse_next: tuple[int, bytes] = (-1, b"")  # the next round's group id, were this round's group reused
+        self._reuse_hint = mp.Array(ctypes.c_char, REUSE_ID_BYTES)  # ... as the host saw the members (expect_group)
+        self._reuse_hint_round = mp.Value(ctypes.c_int64, -1)
         # messages go to the averager process through shared memory: hivemind's command pipe is
         # non-blocking on the averager's side and breaks on anything larger than its buffer
         self._outbox = torch.zeros(max_message_bytes, dtype=torch.uint8).share_memory_()
@@ -193,6 +198,24 @@ class DilocoxAverager(
         """This worker's own exchange of `round` failed: members asking for its average are told at once
         that it lacks one too (so that members all stranded alike know it and need not resync)."""
         self._failed_round.value = round
+
+    def expect_group(self, round: int, group_id: bytes) -> None:
+        """The group `group_id` is the one round `round` forms without matchmaking where the members this worker sees as
+        it starts the round are its last round's whole group (group_reuse.py): a part of it that reaches this worker
+        before its exchange of the round begins waits for it, and one that reaches it while it looks for a group
+        through matchmaking makes it join late. It tells the averager process without a call (shared memory)."""
+        with self._reuse_hint.get_lock():
+            self._reuse_hint.raw = group_id
+            self._reuse_hint_round.value = round
+
+    def _reuse_round(self, group_id: bytes) -> int | None:
+        """The round whose group formed without matchmaking `group_id` may be, as this worker's last group or the host's
+        view of the members named it (None: neither)."""
+        if group_id == self._reuse_next[1]:
+            return self._reuse_next[0]
+        with self._reuse_hint.get_lock():
+            hinted, round = self._reuse_hint.raw, self._reuse_hint_round.value
+        return round if round >= 0 and group_id == hinted else None
 
     def counted_out(self, round: int) -> bool:
         """A member of a group of round `round` asked this worker for its part or message while this worker
@@ -276,6 +299,7 @@ class DilocoxAverager(
         ranks: Sequence[int] = (),
         leader: str = "",
         client: bool = False,
+        reused: ReusedGroup | None = None,
     ) -> bytes:
         """Set up the next step: its round, target group size, the workers it may group with (`admitted`,
         besides this one) and those banned, and with compression this worker's phase-1 message (the step
@@ -285,15 +309,24 @@ class DilocoxAverager(
         (matchmaking.screen_join_requests). `ranks`: low-rank's ranks this worker would use, in its ticket.
         `leader`: the member the group forms around ("" none: hivemind's search alone; matchmaking.py). `client`:
         this worker averages as a client member (it reduces no span, leads no group: hivemind's client mode for
-        matchmaking), as its ticket says.
+        matchmaking), as its ticket says. `reused`: the round's group formed without matchmaking (group_reuse.py),
+        which the step takes instead of looking for one.
         Returns the signed GroupTicket to pass to `step(gather=...)`."""
         size = self._stage(payload) if payload is not None else -1
         kwargs = dict(round=round, target=target_group_size, payload_size=size, admitted=list(admitted), banned=list(banned),
                       banned_keys=list(banned_keys), expected=None if expected is None else list(expected),
-                      leader=leader, client=client)  # fmt: skip
+                      leader=leader, client=client, reused=reused)  # fmt: skip
         self._call("_prepare_round", 30.0, **kwargs)
+        return self.seal_ticket(round, ranks, client=client)
+
+    def seal_ticket(self, round: int, ranks: Sequence[int], *, client: bool) -> bytes:
+        """This worker's signed GroupTicket for round `round` (group_admission.py)."""
         ticket = envelope_pb2.GroupTicket(schema=self.schema_hash, ranks=list(ranks), client=client)
         return self.signer.seal(ticket, round=round)
+
+    def gathered_for(self, ticket: bytes) -> bytes:
+        """The JoinRequest.gather a step with `gather=ticket` carries (hivemind's step: bandwidth, mode, user data)."""
+        return self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(ticket)])
 
     def lower_target(self, round: int, target_group_size: int) -> bool:
         """Lower round `round`'s target group size (members left the round after it began); a leader holding
@@ -368,9 +401,12 @@ class DilocoxAverager(
     # ----- averager process: the all-reduce -------------------------------------------------
     async def _prepare_round(
         self, round: int, target: int, payload_size: int, admitted: list[str], banned: list[str],
-        banned_keys: list[bytes], expected: list[str] | None, leader: str, client: bool, future: MPFuture,
+        banned_keys: list[bytes], expected: list[str] | None, leader: str, client: bool, reused: ReusedGroup | None,
+        future: MPFuture,
     ) -> None:  # fmt: skip
         try:
+            self._reuse_armed = None if reused is None else (round, GroupInfo(
+                reused.group_id, tuple(PeerID.from_base58(p) for p in reused.members), reused.gathered))  # fmt: skip
             self._designated.set(leader, self.peer_id.to_base58(), self._matchmaking.min_matchmaking_time * LEAD_SHARE)
             # a client member declares no leadership and refuses to lead (hivemind's client mode of matchmaking); it
             # opens a connection to every member it may group with, over which they reach it (swarm/client_member.py)
@@ -383,7 +419,8 @@ class DilocoxAverager(
             mm = self._matchmaking
             if not getattr(mm.potential_leaders, "_dilocox_filtered", False):
                 ask_designated_then_admitted(mm.potential_leaders, self)
-            hold_matchmaking_tasks(mm, self._stale_step)  # a cancelled step unwinds, and never looks again
+            # a cancelled step unwinds, and never looks again; a reused group is taken instead of looking
+            hold_matchmaking_tasks(mm, self._stale_step, self._reused_group)
             track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
             # a follower the target did not count raises it; a refusal says why (hivemind: at debug level only)
             screen_join_requests(mm, self._count_extra)
@@ -421,6 +458,15 @@ class DilocoxAverager(
         self._extras.add(peer)
         return True
 
+    def _reused_group(self, step: Any) -> GroupInfo | None:
+        """The group armed for this round by `prepare_round(reused=...)`, taken once, by a step of this round (a step
+        that looks again after it failed uses matchmaking)."""
+        armed, self._reuse_armed = self._reuse_armed, None
+        if armed is None or armed[0] != self._current_round or self._ticket_round(step.data_for_gather) != armed[0]:
+            return None
+        logger.debug("round %d: the last round's group formed again without matchmaking", armed[0])
+        return armed[1]
+
     def _stale_step(self, step: Any) -> bool:
         """Whether hivemind's `step` carries the ticket of another round than the one prepared last (a cancelled
         step that hivemind retried: matchmaking.py)."""
@@ -439,6 +485,9 @@ class DilocoxAverager(
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         self._grouped_at, self._grouped_round = time.time(), self._current_round
         self._remember_begun(group_info)
+        members = [p.to_base58() for p in group_info.peer_ids]  # its parts of the next round are expected (group_reuse.py)
+        next_round = self._current_round + 1
+        self._reuse_next = (next_round, reuse_group_id(self.run_id, self.stage, next_round, members))
         tickets = self._group_tickets(group_info)  # raises where the group holds a member this worker does not admit
         if all(t.client for t in tickets):
             raise AllreduceException("every member of the group is a client member: nobody could reduce")

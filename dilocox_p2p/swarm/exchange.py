@@ -1,4 +1,4 @@
-"""One round's exchange of a stage worker, and the queue that runs them in the background.
+"""One round's exchange of a stage worker (exchange_queue.py runs them in the background, one after another).
 
     Phase 1: wait (at most round_wait) until the stage's live members that take part in this round
              have started it (not for one still training an earlier round: membership.py)
@@ -25,20 +25,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, TimeoutError
+from concurrent.futures import TimeoutError
 from typing import TYPE_CHECKING, Any
 
 import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
-from .. import injection, startup
+from .. import injection
 from ..average import Average, AverageKind, Spans, applies_nothing
 from .compressed_round import CompressedRound, gather_suspects, reduced_by_nobody
+from .group_reuse import ReusedGroup, reused_group, whole_group
 from .group_round import RoundResult
 from .held import Collected, HeldAverage
 from .matchmaking import cancel_step
@@ -48,7 +47,7 @@ from .vote import GroupVote
 if TYPE_CHECKING:
     from .stage import SwarmStage
 
-__all__ = ["ExchangeQueue", "RoundExchange", "gather_suspects", "mending_order", "suspects_after"]
+__all__ = ["RoundExchange", "gather_suspects", "mending_order", "suspects_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +95,9 @@ class RoundExchange(CompressedRound, GroupVote):
         self._clients: set[str] = set()  # ... those that average as client members (they never lead)
         self._gone: set[str] = set()  # members found gone while collecting: nothing listens at their addresses
         self._window_start = 0.0
+        self._records: dict[str, Any] = {}  # the expected members' records as phase 1 ended (group_reuse.py)
+        self._result: RoundResult | None = None  # what the last all-reduce of the round returned
+        self._reused_id = b""  # the id of the round's group formed without matchmaking, if it was (group_reuse.py)
         self.clock = PhaseClock()
 
     def abandoned(self) -> bool:
@@ -109,8 +111,10 @@ class RoundExchange(CompressedRound, GroupVote):
     def run(self) -> Average:
         """The exchange, its seconds per phase in `Average.phases` (phase_clock.py)."""
         average = self._run()
+        self.stage.whole_group = whole_group(self.round, average, self._result)  # the next round may reuse it
         self.clock.mark("other")  # what no phase claimed
-        return dataclasses.replace(average, phases=tuple(self.clock.seconds().items()))
+        reused = bool(self._reused_id) and average.group_id == self._reused_id
+        return dataclasses.replace(average, phases=tuple(self.clock.seconds().items()), group_reused=reused)
 
     def _run(self) -> Average:
         finite = self.finite  # stage.all_reduce looked (and told the others if not: MemberRecord.sitting_out)
@@ -130,6 +134,7 @@ class RoundExchange(CompressedRound, GroupVote):
         others = self.membership.wait_for_round(self.round, self.sw.round_wait, give_up=self._stop_waiting)
         self.clock.mark("wait")
         self._expected = [m.peer_id for m in others]
+        self._records = {m.peer_id: m.record for m in others}
         self._started = [m.peer_id for m in others if m.record.averaging_round >= self.round]
         self._clients = {m.peer_id for m in others if m.record.client}
         late = sorted(set(self._expected) - set(self._started))
@@ -204,11 +209,26 @@ class RoundExchange(CompressedRound, GroupVote):
         (the follower first waits for its own join requests in flight: group_admission._outside_group). Where the others
         did average, the worker borrows their average as before. A compressed round (`payload`, `ranks`) looks
         again the same way: without it, a pair split so in its first round stranded both (CI, test_trust)."""
-        result, failure = self._all_reduce(expected, payload, ranks, leader=self._leader())
+        result, failure = self._all_reduce(expected, payload, ranks, leader=self._leader(), reused=self._reused())
         if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup():
             logger.info("round %d: %s; looking for a group once more", self.round, failure)
             result, failure = self._all_reduce(expected, payload, ranks)  # hivemind's search alone
         return result, failure
+
+    def _reused(self) -> ReusedGroup | None:
+        """The last round's group, formed again without matchmaking where its members all started this round with a
+        ticket in their records (group_reuse.py); None: matchmaking. A worker armed with a follower's fault injection
+        uses matchmaking (the fault is in it)."""
+        if self._follows_by_fault() or self.stage.client:
+            return None
+        group, why = reused_group(run_id=self.stage.cfg.run.run_id, stage=self.stage.stage, round=self.round,
+                                  me=self.stage.peer_id, mine=self.stage.tickets.get(self.round), last=self.stage.whole_group,
+                                  records=self._records)  # fmt: skip
+        if group is not None and injection.armed("skip_group_reuse", round=self.round, stage=self.stage.stage):
+            return None
+        if group is None:
+            logger.debug("round %d: matchmaking: %s", self.round, why)
+        return group
 
     def _leader(self) -> str:
         """The member this round's group forms around (matchmaking.DesignatedLeader): the smallest peer id of the
@@ -237,7 +257,8 @@ class RoundExchange(CompressedRound, GroupVote):
         return not self.abandoned() and time.time() - self._window_start < self.sw.round_wait
 
     def _all_reduce(
-        self, expected: int, payload: bytes | None = None, ranks: Sequence[int] = (), *, leader: str = ""
+        self, expected: int, payload: bytes | None = None, ranks: Sequence[int] = (), *, leader: str = "",
+        reused: ReusedGroup | None = None,
     ) -> tuple[RoundResult | None, str]:
         if payload is None:
             with self.averager.get_tensors() as buffers:
@@ -247,8 +268,10 @@ class RoundExchange(CompressedRound, GroupVote):
             self.round, expected, payload=payload,
             admitted=sorted(self.membership.voters()), banned=sorted(self.membership.banned()),
             banned_keys=sorted(self.membership.banned_keys()), expected=self._expected,
-            ranks=ranks, leader=leader, client=bool(self.stage.client),
+            ranks=ranks, leader=leader, client=bool(self.stage.client), reused=reused,
         )  # fmt: skip
+        if reused is not None:  # the ticket in this worker's record, and so in the group's gathered data
+            ticket, self._reused_id = reused.ticket, reused.group_id
         started = time.monotonic()
         self._control = self.averager.step(
             gather=ticket, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False,
@@ -256,6 +279,7 @@ class RoundExchange(CompressedRound, GroupVote):
         )  # fmt: skip
         try:
             result, gave_up = self._wait_for_step(started, expected)
+            self._result = result
             self.clock.mark_split("matchmaking", "transfer", at=result.grouped_at if result is not None else None)
             if injection.armed("kill_peer_in_allreduce", round=self.round, stage=self.stage.stage):
                 # no other member's part reached this worker (it would have died on the first): the group went on
@@ -427,69 +451,3 @@ class RoundExchange(CompressedRound, GroupVote):
                            self.round, average.note, average.group_size, ", ".join(average.mended_from), share)
         else:
             logger.warning("round %d: %s: %s", self.round, average.kind.value, average.note)
-
-
-class ExchangeQueue:
-    """Runs a stage's exchanges one at a time, in round order, in a background thread."""
-
-    def __init__(self, stage: SwarmStage):
-        self.stage = stage
-        self.abandon_below = -1  # exchanges of earlier rounds are dropped (this peer caught up)
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._running: RoundExchange | None = None
-        self._thread = threading.Thread(target=self._run, name="exchanges", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, round: int, tensors: list[torch.Tensor], *, finite: bool = True) -> Future[Average]:
-        future: Future[Average] = Future()
-        self._jobs.put((future, RoundExchange(self.stage, round, tensors, finite=finite)))
-        return future
-
-    def abandon_before(self, round: int) -> None:
-        """This peer jumped to round `round`: drop earlier exchanges, queued or in flight."""
-        with self._lock:
-            self.abandon_below = max(self.abandon_below, round)
-            running = self._running
-        if running is not None and running.round < round:
-            # members of its group that ask this worker for the round's average are told at once that it has none
-            # (they waited out their whole request for it, 10 s, while it resynced)
-            self.stage.averager.mark_failed(running.round)
-            running.cancel()
-
-    def close(self, timeout: float) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=timeout)
-
-    def _meter(self) -> None:
-        """Read the stage's byte counters now, before the group's members leave and close their connections
-        (wire_meter.py); a failure costs the metrics their bytes, never the exchange."""
-        try:
-            self.stage.wire.totals()
-        except Exception as e:  # noqa: BLE001
-            logger.debug("could not read the byte counters: %r", e)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, exchange = job
-            startup.mark("first_exchange")
-            with self._lock:
-                self._running = exchange
-            try:
-                average = exchange.run()
-                self._meter()
-                self.stage.learn_deadlines(exchange.round, average)
-                if average.kind.applies and average.group_size >= 2:
-                    startup.mark("first_group")
-                future.set_result(average)
-            except Exception as e:  # never leave the outer loop hanging
-                if exchange.abandoned():  # stopping: its helpers may be gone already
-                    future.set_result(applies_nothing(AverageKind.ABANDONED, f"abandoned ({e!r})", 0.0))
-                    continue
-                logger.exception("the exchange of round %d failed unexpectedly", exchange.round)
-                future.set_result(applies_nothing(AverageKind.STRANDED, f"internal error: {e!r}", 0.0))
-            finally:
-                with self._lock:
-                    self._running = None

@@ -67,6 +67,7 @@ class GroupAdmission:
     gate: Any
     _refused: Any
     _outside_groups: Any  # collections.deque of group ids found counted out (averager.py)
+    _reuse_round: Any  # the round a group formed without matchmaking may be of (averager.py)
     _counted_out: Any
     next_chunk_timeout: float
 
@@ -212,6 +213,7 @@ class GroupAdmission:
 
     async def _ask_and_join(self, group_id: bytes, member: PeerID) -> bool:
         mm = self._matchmaking
+        reused = self._reused_elsewhere(group_id)
         step = mm.step_control  # the search running now (hivemind sets it for the search, None after)
         if step is None:
             return False
@@ -230,8 +232,9 @@ class GroupAdmission:
                 return False  # it found another group meanwhile, or stopped looking
             group = GroupInfo(group_id, tuple(PeerID(p) for p in answer.ordered_peer_ids), tuple(answer.gathered))
             mm.assembled_group.set_result(group)
-        logger.info("joined group %s late: its leader accepted this worker, and its answer that the group began was "
-                    "lost; %s named the group", group_id.hex()[:8], member)  # fmt: skip
+        why = ("the others of the last round's group formed it again without matchmaking" if reused
+               else "its leader accepted this worker, and its answer that the group began was lost")  # fmt: skip
+        logger.info("joined group %s late: %s; %s named the group", group_id.hex()[:8], why, member)
         return True
 
 
@@ -294,9 +297,25 @@ class GroupAdmission:
         return await self._judged_outside(group_id, sender)
 
     def _joining_maybe(self, group_id: bytes) -> bool:
-        """Whether a request to a leader in flight may yet put this worker into `group_id`."""
+        """Whether a request to a leader in flight may yet put this worker into `group_id`, or this worker has yet to
+        begin the round whose group its last group formed again without matchmaking (group_reuse.py)."""
         return (group_id not in self._running_groups and group_id not in self._outside_groups
-                and joining(self._matchmaking))  # fmt: skip
+                and (joining(self._matchmaking) or self._reuse_pending(group_id)))  # fmt: skip
+
+    def _reuse_pending(self, group_id: bytes) -> bool:
+        """Whether `group_id` is the group this worker's last group forms again without matchmaking in a round this
+        worker has not begun looking for a group of: a member ahead sent its part first (group_reuse.py)."""
+        round = self._reuse_round(group_id)
+        if round is None:
+            return False
+        return round > self._current_round or (
+            round == self._current_round and self._grouped_round != round and not self._matchmaking.is_looking_for_group
+        )  # fmt: skip
+
+    def _reused_elsewhere(self, group_id: bytes) -> bool:
+        """Whether `group_id` is this round's group formed without matchmaking by the others of its last group, while
+        this worker looks for the round's group through matchmaking: it joins it late (group_reuse.py)."""
+        return self._reuse_round(group_id) == self._current_round and self._matchmaking.is_looking_for_group
 
     async def _judged_outside(self, group_id: bytes, sender: PeerID | None) -> bool:
         if group_id in self._running_groups:
@@ -304,7 +323,7 @@ class GroupAdmission:
         if group_id in self._outside_groups:  # found so by another request, maybe while this one waited
             return True
         outside = outside_every_group(self._matchmaking, group_id)
-        if outside and sender is not None and lost_acceptance(self._matchmaking):
+        if outside and sender is not None and (lost_acceptance(self._matchmaking) or self._reused_elsewhere(group_id)):
             outside = not await self._join_begun(group_id, sender)
         if outside:
             self._outside_groups.append(group_id)

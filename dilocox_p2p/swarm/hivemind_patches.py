@@ -59,6 +59,9 @@ PATCHES: dict[str, str] = {
     "DecentralizedAverager._outer_pipe": "calls into the averager process (_prepare_round, _collect, _download_round)",
     "DecentralizedAverager._get_current_state_from_host_process": "fetches the state a joiner downloads",
     "DecentralizedAverager._p2p / serializer": "stubs for our RPCs; msgpack for state metadata",
+    "DecentralizedAverager.bandwidth / mode / serializer": "read to make the JoinRequest.gather a step carries "
+    "(averager.gathered_for, as hivemind's step does): a member record carries it for a group formed without "
+    "matchmaking (group_reuse.py), whose GroupInfo every member builds from the records",
     # averaging/matchmaking.py and key_manager.py
     "Matchmaking.group_key_manager.group_bits": "set per round: the group key spells the round",
     "Matchmaking.target_group_size / potential_leaders.target_group_size": "set per round",
@@ -72,7 +75,8 @@ PATCHES: dict[str, str] = {
     "starts its group at once instead of waiting out round_wait for one that left the round",
     "Matchmaking.look_for_group": "wrapped (matchmaking.py) to hold its task until it ends: a cancelled step's "
     "search was garbage-collected halfway and left the matchmaking locks held for good; a search whose step is of "
-    "an earlier round is cancelled (StepControl.cancel) when a round is prepared",
+    "an earlier round is cancelled (StepControl.cancel) when a round is prepared; a step whose round's group formed "
+    "without matchmaking (group_reuse.py) returns that GroupInfo at once: no search, lock or DHT declaration",
     "Matchmaking._request_join_group": "wrapped (matchmaking.track_join_requests) to count requests in flight: a "
     "part that reaches a follower before its leader's ACCEPTED waits for that answer instead of BAD_GROUP_ID; and to "
     "know whom they ask: a request from one of those is refused at once (a mutual ask, group_admission.py); "
@@ -100,7 +104,9 @@ PATCHES: dict[str, str] = {
     "`abandon_accepted` and `lose_begin` only: a follower drops the group its leader began with it",
     "Matchmaking.assembled_group.set_result / step_control.data_for_gather / lock_request_join_group": "a follower whose leader's "
     "answer stream closed after ACCEPTED joins the group a member names late (group_admission._join_begun): it sets "
-    "the search's result as follower_assemble_group would, under the join lock; its ticket is the search's gather",
+    "the search's result as follower_assemble_group would, under the join lock; its ticket is the search's gather; "
+    "so does a member that looks through matchmaking while the others of its last group formed the round's group "
+    "without (group_reuse.py)",
     "Matchmaking._check_reasons_to_reject": "wrapped (matchmaking.screen_join_requests): a follower accepted that the "
     "round's target did not count (a suspect, alive after all) raises the target by one instead of taking the place "
     "of a member the target was counted for; a refusal is said at info with hivemind's code",

@@ -166,10 +166,13 @@ def may_meet_an_earlier_leader(leaders: Any) -> bool:
     return soonest < leaders.declared_expiration_time
 
 
-def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> dict[asyncio.Task, Any]:
-    """Wrap `matchmaking.look_for_group` (once) so that the task running it is held until it finishes, and a
+def hold_matchmaking_tasks(
+    matchmaking: Any, stale: Callable[[Any], bool], reused: Callable[[Any], Any] = lambda step: None,
+) -> dict[asyncio.Task, Any]:  # fmt: skip
+    """Wrap `matchmaking.look_for_group` (once) so that the task running it is held until it finishes, a
     `stale` step (hivemind's StepControl) is cancelled and finds no group (cancelled, hivemind's step does not
-    retry it); returns the held tasks, each with its step (`drop_stale_searches`)."""
+    retry it), and a step for which `reused(step)` names a group (hivemind's GroupInfo: group_reuse.py) takes it
+    without looking; returns the held tasks, each with its step (`drop_stale_searches`)."""
     held: dict[asyncio.Task, Any] | None = getattr(matchmaking, "_dilocox_held_tasks", None)
     if held is not None:
         return held
@@ -185,7 +188,11 @@ def hold_matchmaking_tasks(matchmaking: Any, stale: Callable[[Any], bool]) -> di
         if task is not None:
             held[task] = step
             task.add_done_callback(lambda done: held.pop(done, None))
-        group = await look_for_group(step, *args, **kwargs)
+        # held also with a reused group: hivemind's step may then still await its trigger (an MPFuture, held weakly
+        # by hivemind), and the step's task chain, unreachable, was collected halfway: the step never ended
+        group = reused(step)
+        if group is None:
+            group = await look_for_group(step, *args, **kwargs)
         if group is not None:
             assembled.append(group.group_id)
         return group

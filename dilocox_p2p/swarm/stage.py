@@ -49,8 +49,9 @@ from .dht import EnvelopeValidator, RunRecords, reachable_maddrs, run_keys, star
 from .deadlines import Deadlines
 from .dht_process import shutdown_whole
 from .dial_back import report_reachability
-from .exchange import ExchangeQueue
+from .exchange_queue import ExchangeQueue
 from .faults import FaultCounter
+from .group_reuse import RoundTicket, WholeGroup, reuse_group_id
 from .heartbeat import Heartbeat
 from .hello import serve_hello
 from .hivemind_patches import check_version
@@ -63,6 +64,8 @@ from .wire_meter import WireMeter, daemons_below, relay_endpoints, relayed_conne
 __all__ = ["SwarmStage"]
 
 logger = logging.getLogger(__name__)
+
+TICKETS_KEPT = 4  # rounds whose tickets a worker keeps for their exchanges (group_reuse.py)
 
 RELAYS_READ_S = 5.0  # the daemon's connections are listed this often at most (relayed ones: wire_meter.py)
 
@@ -152,6 +155,8 @@ class SwarmStage:
         self.client = "swarm.reachability = client" if self.sw.reachability == "client" else ""
         """Why this worker averages as a client member ("": a full member): it reduces no span and leads no group."""
         self.said_no_reducer = False  # logged once: every member of the stage is a client member (exchange._leader)
+        self.whole_group: WholeGroup | None = None  # the last round that averaged whole here (group_reuse.py)
+        self.tickets: dict[int, RoundTicket] = {}  # round -> the ticket this worker made when it started it (same)
         self.heartbeat = Heartbeat(
             self.records,
             swarm_pb2.MemberRecord(
@@ -223,6 +228,18 @@ class SwarmStage:
             logger.info("round %d: the all-reduce was still moving when its deadline (%.1f s) ended it: the next may "
                         "take %.1f s", round, was, self.deadlines.allreduce)  # fmt: skip
         self.averager.set_deadlines(self.deadlines.allreduce, self.deadlines.chunk)
+
+    def _round_ticket(self, round: int) -> RoundTicket | None:
+        """This worker's ticket for round `round`, for its record: the others of a whole group form the round's group
+        from their records without matchmaking (group_reuse.py; None where groups are not reused). Low-rank's ranks
+        in it are those this worker holds now: where an earlier exchange still runs, it may change them, and a reused
+        group then agrees on ranks a round older than matchmaking's would (the same at every member)."""
+        if not self.sw.reuse_groups:
+            return None
+        codec = self.codec_for(round)
+        ranks = tuple(codec.ranks[i] for i in codec.factored) if codec is not None else ()
+        ticket = self.averager.seal_ticket(round, ranks, client=bool(self.client))
+        return RoundTicket(round, ticket, self.averager.gathered_for(ticket), ranks)
 
     def codec_for(self, round: int) -> StageCodec | None:
         """The codec of the fragment round `round` averages (None without compression)."""
@@ -356,7 +373,13 @@ class SwarmStage:
         # record keeps the latest round sat out (swarm.proto): reset at the next round, it was gone before a slower
         # member read it, which then counted this worker into that round's group and waited round_wait for it (CI)
         sitting = {} if finite else {"sitting_out": round + 1}
-        self.heartbeat.update(averaging_round=round, wait=False, **sitting)
+        ticket = self._round_ticket(round) if finite else None
+        if ticket is not None:  # kept until its exchange runs: in delayed mode a later round may start before
+            self.tickets = {r: t for r, t in self.tickets.items() if r > round - TICKETS_KEPT} | {round: ticket}
+            members = [self.peer_id, *(m.peer_id for m in self.membership.members(training_only=True))]
+            self.averager.expect_group(round, reuse_group_id(self.cfg.run.run_id, self.stage, round, members))
+        gathered = ticket.gathered if ticket is not None else b""
+        self.heartbeat.update(averaging_round=round, gathered=gathered, wait=False, **sitting)
         # a worker alone in the run goes through the exchange too: it holds its average of one, which a
         # member that shows up during the round (a restarted peer) borrows to stay in agreement
         return self.exchanges.submit(round, list(tensors), finite=finite)

@@ -13,7 +13,7 @@ it, unknowingly, when it started it, such as a socket of the pipeline's gloo pro
 traffic), except the connections to the daemons of this peer's other stages (on one machine: that traffic
 crosses no network). A socket that closed between two readings keeps what it had at the last one: the bytes
 after that are not counted, so the stage reads the counters when each exchange ends too
-(exchange.ExchangeQueue), not only at its round record: peers that leave after the last exchange close
+(exchange_queue.ExchangeQueue), not only at its round record: peers that leave after the last exchange close
 their connections before the record (the last record of a 3-peer run in CI counted nothing at first).
 Where netlink or /proc cannot be read, the meter reads nothing, and the metrics say `null`.
 

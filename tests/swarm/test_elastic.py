@@ -273,7 +273,9 @@ def test_a_member_whose_matchmaking_fails_after_its_leader_counted_it_in_costs_t
     # Compressed, the span it was to reduce is missing on every member alike, and nobody asks the others for copies
     # that cannot fill it (each a whole average: 0.5 s of a 0.3 s exchange in the lab, benchmarks/matchmaking_failure.py)
     faulty = range(1, 3)  # the faulty member follows a leader in these rounds (it declares a later start) and gives up
-    args = ("--mode", "sync", "--stages", "1", "--rounds", "4", "--min-peers", "3", *compression)
+    # the fault is in matchmaking: the others of a whole group would form the next round's without it (group_reuse.py)
+    args = ("--mode", "sync", "--stages", "1", "--rounds", "4", "--min-peers", "3", "--set", "swarm.reuse_groups=false",
+            *compression)  # fmt: skip
     others = [swarm.start_peer(*args) for _ in range(2)]
     failing = swarm.start_peer(*args, env={"DILOCOX_FAULTS": ";".join(f"abandon_accepted:round={r}:stage=0" for r in faulty)})
     for peer in [*others, failing]:
@@ -309,8 +311,9 @@ def test_a_follower_whose_leaders_answer_is_lost_after_it_was_accepted_joins_the
     # member whose part reaches it which group began and joins that group late. Every member averages every
     # round with all three, and nobody waits out a deadline for it. A compressed round learns of the group from
     # a member's request for its message (gather.py) instead of a part.
-    faulty = range(1, 5)
-    args = ("--mode", "sync", "--stages", "1", "--rounds", "6", "--min-peers", "3", *compression)
+    faulty = range(1, 5)  # (matchmaking's fault: the groups are not formed again without it, group_reuse.py)
+    args = ("--mode", "sync", "--stages", "1", "--rounds", "6", "--min-peers", "3", "--set", "swarm.reuse_groups=false",
+            *compression)  # fmt: skip
     others = [swarm.start_peer(*args) for _ in range(2)]
     late = swarm.start_peer(*args, env={"DILOCOX_FAULTS": ";".join(f"lose_begin:round={r}:stage=0" for r in faulty)})
     for peer in [*others, late]:
