@@ -20,15 +20,19 @@ hivemind's step takes it in place of a search (averager.py, `_reused_group`), an
 any matchmaking: the tickets are checked (group_admission._group_tickets), the ranks agreed, the butterfly run.
 No join request, no DHT declaration: the matchmaking phase is the time to hand the group to the averager process.
 
-Views that differ. A member that does not reuse (its previous round was not whole here, a record it had not read)
-looks for the round's group through matchmaking. A part (or a
-message request) of the reused group that reaches it
+Views that differ. A member that does not reuse (its previous round was not whole here, a record it had not read, a
+restarted process that holds no last group) looks for the round's group through matchmaking. It knows the id the
+others would use: that of the group its last round ran in (averager._reuse_next), or of the members it sees as it
+starts the round (stage.all_reduce tells the averager process: averager.expect_group). A part (or a message request)
+of that group that reaches it
 - before it looks for that round (its previous exchange still ending) waits, as a part that comes before its
   leader's answer does (group_admission._joining_maybe), up to request_timeout + 1 s;
 - while it looks through matchmaking, makes it ask the sender which group began and join it late
   (group_admission._join_begun), as a member whose leader's answer was lost does.
 Otherwise it is outside that group, and the paths for a member outside a group take over: the group leaves it out
-(allreduce.py, gather.py), and it borrows the group's average (exchange.py).
+(allreduce.py, gather.py), and it borrows the group's average (exchange.py). A member that joins while the others
+reuse their group (their views of the stage did not hold it yet when they started the round) is left out of that
+round the same way: it borrows, and the next round's group, no longer the last one's, is found by matchmaking.
 """
 
 from __future__ import annotations
