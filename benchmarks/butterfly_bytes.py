@@ -94,9 +94,11 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
     steady = range(1, args.rounds - 1)
     sent, received, wire, full = [], [], [], True
     exchange, fixed, phases, metered, reused = [], [], {}, [], []
+    by_member: list[dict[str, list[float]]] = []  # per member, its seconds of each phase over the steady rounds
     by_source: dict[str, list[float]] = {}  # per direction and steady round of a member (swarm/protocol_bytes.py)
     for host, records in enumerate(run.records):
         by_round = {r["round"]: r for r in records}
+        by_member.append({})
         for t in steady:
             r = by_round.get(t)
             if r is None or r["group_sizes"] != [n] or r["kinds"] != ["averaged"]:
@@ -111,6 +113,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
             fixed.append(seconds - max(r["bytes_sent"], r["bytes_received"]) * 8 / (args.rate * 1e6))
             for k, v in clock.items():
                 phases.setdefault(k, []).append(v)
+                by_member[-1].setdefault(k, []).append(v)
             if r.get("wire_bytes") and r["wire_bytes"][0] is not None:
                 metered.append(sum(r["wire_bytes"][0]) / 2)  # per direction, as `wire`
             for source, moved in ((r.get("wire_by_source") or [None])[0] or {}).items():
@@ -139,6 +142,8 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
         "exchange_s": statistics.median(exchange) if exchange else None,
         "fixed_s": statistics.median(fixed) if fixed else None,
         "phases_median_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},
+        # each member's medians: a phase that one member spends waiting for the others (skew) shows here
+        "phases_median_s_by_member": [{k: round(statistics.median(v), 3) for k, v in m.items()} for m in by_member],
         "wire_metered_per_direction": statistics.median(metered) if metered else None,
         "metered_vs_wire": statistics.median(metered) / wire_per_round if metered and wire_per_round else None,
         "sources_per_direction": sources_per_direction(by_source, len(sent), metered, wire_per_round),

@@ -10,7 +10,9 @@ others had counted it in, and they waited out 125 s of deadlines. Here host 0 ru
 deadlines. The last peer gives up on its leader's ACCEPTED while the leader counts it in (fault injection
 `abandon_accepted`) in --faulty rounds. Per other member: its exchange seconds (the all-reduce window of
 metrics.jsonl) in the rounds the faulty member was left out of, against the median of the clean rounds; the
-acceptance is at most 2x. Writes benchmarks/results/NAME.json.
+acceptance is at most 2x. Every round's group is found by matchmaking (`swarm.reuse_groups=false`): the fault is in
+it, and a steady group formed again without it (swarm/group_reuse.py) would never meet the fault. Writes
+benchmarks/results/NAME.json.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def _join(args: argparse.Namespace, compression_kind: str, host: int, run_dir: P
     return [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "mmfail", "--preset", "tiny", "--stages", "1",
             "--rounds", str(args.rounds), "--inner-steps", "20", "--mode", "sync", *compression, "--progress", "lines",
             "--device", "cpu", "--set", "inner.threads=1", "--min-peers", str(args.peers), "--run-dir", str(run_dir),
-            "--data-seed", str(host), "--initial-peers", boot, "--host-maddrs", "/ip4/0.0.0.0/tcp/0"]  # fmt: skip
+            "--data-seed", str(host), "--initial-peers", boot, "--host-maddrs", "/ip4/0.0.0.0/tcp/0",
+            "--set", "swarm.reuse_groups=false"]  # fmt: skip
 
 
 def run(args: argparse.Namespace, compression_kind: str, root: Path) -> dict:
