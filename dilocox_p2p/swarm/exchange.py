@@ -55,6 +55,9 @@ COUNTED_OUT = "a leader counted this worker into a group after it had given up o
 FOLLOWER_LAG_S = 2.5  # a follower of a designated leader declares this much later than the leader (_scheduled_time)
 ALONE_WITH_OUTSIDERS = "every other member of its group had given up on this group's leader"
 NOBODY_ELSE = "no other member of the stage group takes part in this round any more"
+STEP_LOOK_EXTRA_S = 5.0  # hivemind's step looks for a group up to round_wait + this (its `timeout`)
+STEP_GRACE_S = 10.0  # past its deadlines, how long a step may still take to report its end (_step_overdue)
+STEP_LOST = "hivemind's step had not ended past its deadlines"
 FLIPPED_SCALE = 4.0  # send_flipped_pseudo_gradient: a sign flip that no part of passes the norm screen's bar (10x)
 
 
@@ -274,7 +277,7 @@ class RoundExchange(CompressedRound, GroupVote):
             ticket, self._reused_id = reused.ticket, reused.group_id
         started = time.monotonic()
         self._control = self.averager.step(
-            gather=ticket, timeout=self.sw.round_wait + 5.0, allow_retries=True, wait=False,
+            gather=ticket, timeout=self.sw.round_wait + STEP_LOOK_EXTRA_S, allow_retries=True, wait=False,
             scheduled_time=self._scheduled_time(follows=bool(leader) and leader != self.stage.peer_id),
         )  # fmt: skip
         try:
@@ -321,13 +324,24 @@ class RoundExchange(CompressedRound, GroupVote):
         round_wait for a member that left (matchmaking.lower_target). And at once when a leader counted this
         worker into a group after it had given up on the leader: its members asked it for its part (it borrows
         their average). A member that is gone (killed: its record still says it trains) is found by a probe
-        and left out of the target too (membership.drop_gone). Returns (the result, why there is none)."""
-        probed = False
+        and left out of the target too (membership.drop_gone). A step past all its deadlines is cancelled
+        (`_step_overdue`: STEP_LOST). Returns (the result, why there is none)."""
+        probed, grouped = False, None  # grouped: when the step stopped looking (monotonic)
         while True:
             try:
                 return self._control.result(timeout=1.0), ""
             except TimeoutError:
                 pass
+            if self._control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+                grouped = grouped or time.monotonic()
+            if self._step_overdue(started, grouped):
+                cancel_step(self._control)
+                self.stage.faults.count(
+                    "steps_lost", "round %d: hivemind's averaging step had not ended %.0f s after it began (%s), past "
+                    "its deadlines: cancelled, and this worker takes its group's average instead", self.round,
+                    time.monotonic() - started, self._control.stage.name, level=logging.ERROR,
+                )  # fmt: skip
+                return None, STEP_LOST
             if self._control.stage != AveragingStage.LOOKING_FOR_GROUP:
                 continue
             if self.averager.counted_out(self.round):  # the others average without it, in a group it never joined
@@ -357,6 +371,16 @@ class RoundExchange(CompressedRound, GroupVote):
                 started_now = self.averager.lower_target(self.round, target)
                 logger.info("round %d: %d member(s) still train: the group's target is now %d%s", self.round,
                             len(others), target, " and this worker's group starts now" if started_now else "")
+
+    def _step_overdue(self, started: float, grouped: float | None) -> bool:
+        """Whether hivemind's step, begun at `started` and grouped at `grouped` (None: still looking), ran past every
+        deadline it has by STEP_GRACE_S: its search (round_wait + STEP_LOOK_EXTRA_S), then its all-reduce (the
+        stage's deadline). Its end never came (a result its MPFuture lost, an averager process stuck): without
+        this, the exchange thread would wait for it forever, and the peer with it."""
+        now, allreduce = time.monotonic(), self.stage.deadlines.allreduce
+        if grouped is not None and now - grouped > allreduce + STEP_GRACE_S:
+            return True
+        return now - started > self.sw.round_wait + STEP_LOOK_EXTRA_S + allreduce + STEP_GRACE_S
 
     def _hold(
         self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans = ()

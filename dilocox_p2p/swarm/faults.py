@@ -43,6 +43,8 @@ FAULTS = {
     "requests_refused": "a request from another worker failed its envelope checks (signature, run, admission, replay...), "
     "or a member record it pushed did",
     "peers_banned": "a member was banned for the rest of the run after swarm.ban_after strikes",
+    "steps_lost": "hivemind's averaging step of a round had not ended past its search and all-reduce deadlines: "
+    "cancelled, and the group's average taken instead (exchange._step_overdue)",
     "routes_lost": "this worker's DHT node lost its route to every other node (a stopped process, a network outage); "
     "it asked its initial peers and known members again until one answered (swarm/reconnect.py)",
 }

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import MPFuture
 
@@ -101,6 +102,13 @@ class GroupRound:
     _p2p: Any
     signer: Any
     gate: Any
+
+    async def _step(self, *, step: Any, future_for_init: MPFuture) -> None:
+        """hivemind's step of a round. Fault injection `lose_step`: its end never reaches the stage worker."""
+        if injection.armed("lose_step", round=self._current_round, stage=self.stage):
+            await _lost_step(step, future_for_init)
+            return
+        await super()._step(step=step, future_for_init=future_for_init)  # type: ignore[misc]
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
@@ -229,3 +237,13 @@ class GroupRound:
             future.set_result(gathered)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
+
+
+async def _lost_step(step: Any, future_for_init: MPFuture) -> None:
+    """Fault injection `lose_step`: a step that says it runs its all-reduce and never ends, as one whose result
+    hivemind's MPFuture failed to deliver (the stage worker's own deadline ends it: exchange._step_overdue)."""
+    trigger, cancel = MPFuture(), MPFuture()
+    step.attach(trigger, cancel)
+    future_for_init.set_result((trigger, cancel))
+    step.stage = AveragingStage.RUNNING_ALLREDUCE
+    await step.wait_for_cancel()  # then left pending, as lost

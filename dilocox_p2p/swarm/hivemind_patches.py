@@ -42,6 +42,9 @@ PATCHES: dict[str, str] = {
     "DecentralizedAverager._aggregate_with_group": "returns our RoundResult instead of the gathered data",
     "DecentralizedAverager._run_allreduce_inplace_": "runs ExactAllReduceRunner or the gather; keeps each round's average "
     "(swarm/group_round.py: GroupRound)",
+    "DecentralizedAverager._step": "overridden to play fault injection `lose_step` (a step that never ends) in place "
+    "of hivemind's; otherwise hivemind's, unchanged (swarm/group_round.py: GroupRound)",
+    "StepControl.attach / stage / wait_for_cancel": "used as hivemind's _step uses them, by the `lose_step` fault only",
     "DecentralizedAverager._allreduce_timeout / next_chunk_timeout": "properties over shared memory the host sets each "
     "round (swarm/deadlines.py: SharedDeadlines), read where hivemind reads them (_step's wait_for); the all-reduce's "
     "sender_timeout and reducer_timeout (allreduce_kwargs, fixed at hivemind's start) are replaced from them in "
