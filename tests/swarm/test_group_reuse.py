@@ -15,13 +15,15 @@ ROUNDS = 6
 LOOKS = range(2, 5)  # rounds in which one member looks for its group through matchmaking (fault injection)
 
 
-@pytest.mark.parametrize("compression", [(), ("--compression", "int8")], ids=["fp32", "int8"])
+@pytest.mark.parametrize("compression", [(), ("--compression", "int8"), ("--compression", "lowrank")],
+                         ids=["fp32", "int8", "lowrank"])  # fmt: skip
 def test_a_whole_group_forms_again_without_matchmaking_and_a_member_that_looked_for_it_joins_it_late(swarm, compression):
     # After a round that averaged whole, its members form the next round's group themselves from the tickets in their
     # member records: no join request, no DHT declaration. One member here looks through matchmaking in rounds 2-4 where
     # it could have reused the group (as one that had not read a record in time would): the others' first part (fp32)
     # or message request (int8) of the reused group reaches it while it looks, and it joins their group late. Every
-    # round averages whole with all three, and the three hold one theta_g after every round.
+    # round averages whole with all three, and the three hold one theta_g after every round. Low-rank: the group's
+    # ranks come from the tickets in the records (the reused group's gathered data), alike at every member.
     args = ("--mode", "sync", "--stages", "1", "--rounds", str(ROUNDS), "--min-peers", "3", *compression)
     others = [swarm.start_peer(*args) for _ in range(2)]
     looking = swarm.start_peer(*args, env={"DILOCOX_FAULTS": ";".join(f"skip_group_reuse:round={r}:stage=0" for r in LOOKS)})
