@@ -64,6 +64,7 @@ from .matchmaking import (
     lower_target,
     screen_join_requests,
     set_target_size,
+    space_queue_reads,
     track_join_requests,
 )
 from .member_push import MemberPushes
@@ -422,6 +423,7 @@ class DilocoxAverager(
             # a cancelled step unwinds, and never looks again; a reused group is taken instead of looking
             hold_matchmaking_tasks(mm, self._stale_step, self._reused_group)
             track_join_requests(mm)  # a part that comes before its leader's answer waits for it (_outside_group)
+            space_queue_reads(mm.group_key_manager)  # hivemind re-reads an empty leader queue in a tight loop
             # a follower the target did not count raises it; a refusal says why (hivemind: at debug level only)
             screen_join_requests(mm, self._count_extra)
             abandon_begun_groups(mm, self._abandons)  # fault injection only

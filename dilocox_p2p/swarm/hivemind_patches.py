@@ -73,6 +73,8 @@ PATCHES: dict[str, str] = {
     "its parts over the connections it opens); its peer_fractions are 0 (_run_allreduce_inplace_ replaces hivemind's "
     "load-balanced ones: every reducer an equal share) and AllReduceRunner takes it for AveragingMode.CLIENT",
     "GroupKeyManager.update_key_on_group_assembled": "replaced by a no-op (no key rotation)",
+    "GroupKeyManager.get_averagers": "wrapped (matchmaking.space_queue_reads): reads of the leaders' declarations begin "
+    "QUEUE_READ_S apart (PotentialLeaders re-read an empty queue in a tight loop: over 100 DHT finds a second)",
     "Matchmaking.lock_request_join_group / current_followers / current_leader / assembled_group / "
     "leader_assemble_group": "lower_target (matchmaking.py): a leader holding every member that still trains "
     "starts its group at once instead of waiting out round_wait for one that left the round",

@@ -89,6 +89,12 @@ reads the queue again every UNSURE_POLL_S while a leader due before this worker 
 (`may_meet_an_earlier_leader`); only a search that falls back to hivemind's queue reads it (a round that forms
 around its designated leader reads nothing).
 
+hivemind's queue also reads the declarations again at once whenever it holds no leader to ask (or only later ones):
+`pop_next_leader` sets `update_triggered`, the read ends, and the next pop sets it again, a loop at the DHT's round
+trip for as long as no leader comes. A member waiting for a late one sent each other node over 100 finds a second,
+refused past the DHT's limit (hivemind_patches.DHT_REQUESTS_PER_S), for seconds (CI: test_lost_step's round after
+the lost one). `space_queue_reads` spaces those reads QUEUE_READ_S apart.
+
 `hold_matchmaking_tasks` keeps a strong reference to each task inside `look_for_group` until it
 has finished, so a cancelled search always unwinds and releases its locks; and a step that is
 not the one prepared last (`stale(step)`) finds no group at once instead of looking.
@@ -113,13 +119,15 @@ from . import join_reasons
 
 __all__ = ["DesignatedLeader", "abandon_begun_groups", "asked_leaders", "asking", "cancel_step", "drop_stale_searches", "forget_lost_acceptance", "hold_matchmaking_tasks", "joining", "looking_for_group",
            "lost_acceptance", "lower_target", "pop_while_unsure",
-           "outside_every_group", "refuses_mutual_ask", "screen_join_requests", "set_target_size", "track_join_requests"]
+           "outside_every_group", "refuses_mutual_ask", "screen_join_requests", "set_target_size", "space_queue_reads",
+           "track_join_requests"]
 
 logger = logging.getLogger(__name__)
 
 ASKED_KEPT = 32  # leaders asked, kept for asked_leaders
 UNSURE_POLL_S = 0.25  # hivemind's leader queue is read again this often while an earlier leader may still declare
 LEAD_POLL_S = 0.05  # a designated leader looks this often whether its time to lead alone is up (no network)
+QUEUE_READ_S = 0.2  # hivemind's leader queue is read from the DHT at most this often (space_queue_reads)
 
 
 class DesignatedLeader:
@@ -164,6 +172,24 @@ def may_meet_an_earlier_leader(leaders: Any) -> bool:
     own `max_assured_time` also counts the expirations it has read, which say nothing of members it has not.)"""
     soonest = get_dht_time() + leaders.min_matchmaking_time - MAX_DHT_TIME_DISCREPANCY_SECONDS
     return soonest < leaders.declared_expiration_time
+
+
+def space_queue_reads(key_manager: Any, interval: float = QUEUE_READ_S) -> None:
+    """Wrap hivemind's `key_manager.get_averagers` (GroupKeyManager, once): each read of the leaders' declarations
+    begins at least `interval` after the last one began (module docstring); a first read after a pause, at once."""
+    if getattr(key_manager, "_dilocox_spaced", False):
+        return
+    get, last = key_manager.get_averagers, [-float("inf")]
+
+    async def spaced(*args: Any, **kwargs: Any) -> Any:
+        wait = last[0] + interval - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        last[0] = time.monotonic()
+        return await get(*args, **kwargs)
+
+    key_manager.get_averagers = spaced
+    key_manager._dilocox_spaced = True
 
 
 def hold_matchmaking_tasks(

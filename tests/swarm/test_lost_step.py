@@ -21,7 +21,8 @@ def test_a_step_whose_end_never_comes_is_given_up_past_its_deadlines_and_the_gro
     # in its thread) and the exchange thread waited for it forever: the peer hung. Here one member's step of round
     # LOST says it runs its all-reduce and never ends (fault injection `lose_step`). The member gives up on it past
     # the all-reduce deadline, cancels it, takes the average the others computed without it, and trains on: every
-    # peer ends the run, and all three hold one theta_g after every round.
+    # peer ends the run, and all three hold one theta_g after every round, having sent each other no flood of DHT
+    # requests while they waited for it (matchmaking.space_queue_reads).
     args = ("--mode", "sync", "--stages", "1", "--rounds", str(ROUNDS), "--min-peers", "3", "--compression", "int8",
             "--set", f"swarm.allreduce_timeout={ALLREDUCE_TIMEOUT}")  # fmt: skip
     others = [swarm.start_peer(*args) for _ in range(2)]
@@ -41,3 +42,8 @@ def test_a_step_whose_end_never_comes_is_given_up_past_its_deadlines_and_the_gro
         rounds = {r["applied_round"]: r for r in peer.metrics() if r["applied_round"] is not None}
         assert set(rounds) == set(mine) == set(range(ROUNDS))
         assert all(rounds[t]["stage_hashes"] == mine[t]["stage_hashes"] for t in rounds), "the members disagree"
+    # the others waited in matchmaking for it in the round after: hivemind's search re-read its empty leader queue in
+    # a tight loop, over 100 DHT finds a second to each other node (refused past their limit); now 1 in QUEUE_READ_S
+    for peer in [*others, stuck]:
+        refused = [line for line in peer.stage_log(0).splitlines() if "refused a DHT find" in line]
+        assert not refused, refused[:3]
