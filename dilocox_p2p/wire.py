@@ -19,7 +19,7 @@ from .proto_gen import swarm_pb2
 __all__ = ["MAX_RECORD_BYTES", "PROTOCOL_VERSION", "decode", "encode", "protocol_version", "swarm_pb2"]
 
 MAX_RECORD_BYTES = 64 * 1024
-PROTOCOL_VERSION = 7  # 7: state_hash over piece digests, states served in pieces (state.py)
+PROTOCOL_VERSION = 8  # 8: every stream reply ends with END_OF_REPLY and its caller closes the stream (stream_close.py)
 """Bumped whenever a message changes meaning; peers speaking another version are refused
 (the config hash covers it too, so such a peer is told at once that it belongs to another run)."""
 M = TypeVar("M", bound=Message)

@@ -73,6 +73,9 @@ PATCHES: dict[str, str] = {
     "its parts over the connections it opens); its peer_fractions are 0 (_run_allreduce_inplace_ replaces hivemind's "
     "load-balanced ones: every reducer an equal share) and AllReduceRunner takes it for AveragingMode.CLIENT",
     "GroupKeyManager.update_key_on_group_assembled": "replaced by a no-op (no key rotation)",
+    "P2P._add_protobuf_stream_handler / _iterate_protobuf_stream_handler": "replaced (stream_close.py): a handler "
+    "ends its reply with an END_OF_REPLY frame and leaves the stream's close to its caller, which closes it then (a "
+    "handler that closed first had its stream reset now and then, and the caller's daemon dropped the reply's tail)",
     "GroupKeyManager.get_averagers": "wrapped (matchmaking.space_queue_reads): reads of the leaders' declarations begin "
     "QUEUE_READ_S apart (PotentialLeaders re-read an empty queue in a tight loop: over 100 DHT finds a second)",
     "Matchmaking.lock_request_join_group / current_followers / current_leader / assembled_group / "
@@ -249,12 +252,16 @@ def own_process_locks() -> None:
 def patch_for_dht_node() -> None:
     """What a process patches before it makes a hivemind DHT node (a stage's HelperDHT, a bootstrap node): the DHT
     process, and an averager forked later, run the guarded reply reader, refuse stream frames too large to be ours
-    before reading them, and hold each peer's stores and finds to its rate; and tensors are shared by descriptor
-    before hivemind's first MPFuture shares its state (no torch_shm_manager). Each patch applies once per process."""
+    before reading them, hold each peer's stores and finds to its rate, and end every stream's reply explicitly
+    (stream_close.py); and tensors are shared by descriptor before hivemind's first MPFuture shares its state (no
+    torch_shm_manager). Each patch applies once per process."""
+    from .stream_close import end_replies_explicitly
+
     guard_unary_replies()
     cap_stream_frames()
     limit_dht_requests()
     share_tensors_by_descriptor()
+    end_replies_explicitly()
 
 
 def share_tensors_by_descriptor() -> None:

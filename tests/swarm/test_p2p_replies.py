@@ -1,5 +1,6 @@
-"""A process's connection to its p2p daemon outlives a call cancelled as its reply came in: two real hivemind
-P2P instances (each with its own p2p daemon) on loopback.
+"""A process's connection to its p2p daemon outlives a call cancelled as its reply came in, and a streamed reply
+ends explicitly, its caller closing the stream (stream_close.py): two real hivemind P2P instances (each with its own
+p2p daemon) on loopback.
 
     pytest tests/swarm/test_p2p_replies.py -q
 """
@@ -17,6 +18,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import dht_pb2
 
 from dilocox_p2p.swarm.hivemind_patches import guard_unary_replies
+from dilocox_p2p.swarm.stream_close import CLOSE_LINGER_S, CutShort, end_replies_explicitly
 
 pytestmark = pytest.mark.swarm
 
@@ -103,3 +105,71 @@ def test_a_reply_to_a_call_cancelled_as_it_arrives_leaves_the_daemon_connection_
     finally:
         stop.set()
         server.join(timeout=WAIT_S)
+
+
+async def _pair() -> tuple[P2P, P2P]:
+    """Two real P2P instances (two p2p daemons) on loopback, the second connected to the first."""
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddrs = await server.get_visible_maddrs()
+    caller = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[f"{m}/p2p/{server.peer_id}" for m in maddrs])
+    return server, caller
+
+
+def test_a_streamed_reply_ends_with_its_end_frame_and_its_caller_closes_the_stream_first(caplog):
+    # a handler that closed its stream after its last message had it reset now and then on the way, and the caller's
+    # daemon dropped what it had not handed on: one refused request in 200 read as a stream with nothing in it
+    # (test_allreduce's flood). The reply now ends with END_OF_REPLY; its caller closes the stream as that comes, and
+    # the handler, which kept it open until then, says so
+    end_replies_explicitly()
+    caplog.set_level(logging.DEBUG, logger="dilocox_p2p.swarm.stream_close")
+
+    async def main() -> None:
+        server, caller = await _pair()
+
+        async def count(request: dht_pb2.PingRequest, context: P2PContext):
+            for _ in range(3):
+                yield dht_pb2.PingResponse(available=True)
+
+        try:
+            await server.add_protobuf_handler("count", count, dht_pb2.PingRequest, stream_output=True)
+            started = time.monotonic()
+            replies = [r async for r in await caller.iterate_protobuf_handler(
+                server.peer_id, "count", dht_pb2.PingRequest(), dht_pb2.PingResponse)]  # fmt: skip
+            assert len(replies) == 3 and all(r.available for r in replies)
+            assert time.monotonic() - started < CLOSE_LINGER_S / 2  # it did not wait for the handler's close
+            deadline = time.monotonic() + WAIT_S
+            while "closed its count stream after the end of the reply" not in caplog.text and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert "closed its count stream after the end of the reply" in caplog.text, caplog.text[-2000:]
+        finally:
+            await caller.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_reply_stream_that_ends_before_its_end_frame_is_cut_short_not_complete():
+    # a stream ended on the way (a reset, a handler process that died) read as a complete reply, shorter: now it raises
+    end_replies_explicitly()
+
+    async def main() -> None:
+        server, caller = await _pair()
+
+        async def one_then_close(stream_info, reader, writer) -> None:  # a handler side that ends without its end frame
+            await P2P.receive_protobuf(dht_pb2.PingRequest, reader)
+            await P2P.send_protobuf(dht_pb2.PingResponse(available=True), writer)
+            writer.close()
+
+        try:
+            await server.add_binary_stream_handler("cut", one_then_close)
+            stream = await caller.iterate_protobuf_handler(server.peer_id, "cut", dht_pb2.PingRequest(), dht_pb2.PingResponse)
+            got = []
+            with pytest.raises(CutShort):
+                async for reply in stream:
+                    got.append(reply)
+            assert len(got) == 1
+        finally:
+            await caller.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())

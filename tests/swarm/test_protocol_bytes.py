@@ -13,9 +13,11 @@ import hivemind
 import pytest
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import dht_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils import get_dht_time
 
 from dilocox_p2p.swarm.protocol_bytes import SourceBytes, count_by_source
+from dilocox_p2p.swarm.stream_close import END_OF_REPLY, end_replies_explicitly
 
 pytestmark = pytest.mark.swarm
 
@@ -60,14 +62,17 @@ async def _exchange() -> tuple[int, int, int]:
 
 
 def test_each_message_counts_for_its_source_on_both_ends_of_a_real_connection():
+    end_replies_explicitly()  # as every stage's processes are patched (hivemind_patches.patch_for_dht_node)
     counter = SourceBytes()
     count_by_source(counter)
     request, part, answer = asyncio.run(_exchange())
     counts = counter.take()
     # both ends are in this process: each byte counts once as sent and once as received
     assert counts["matchmaking"] == [request + answer, request + answer]
-    # the stream: two parts, the end of the stream (an empty message) and two answers, each framed
-    stream = 2 * (HEADER + part) + HEADER + 2 * (HEADER + answer)
+    # the stream: two parts, the end of the stream (an empty message), two answers and the end of the reply
+    # (stream_close.py), each framed
+    end = RPCError(message=END_OF_REPLY).ByteSize()
+    stream = 2 * (HEADER + part) + HEADER + 2 * (HEADER + answer) + HEADER + end
     assert counts["exchange"] == [stream, stream]
     assert set(counts) == {"matchmaking", "exchange"}
     assert counter.take() == {}  # what was taken is not counted again
