@@ -326,15 +326,13 @@ class RoundExchange(CompressedRound, GroupVote):
         their average). A member that is gone (killed: its record still says it trains) is found by a probe
         and left out of the target too (membership.drop_gone). A step past all its deadlines is cancelled
         (`_step_overdue`: STEP_LOST). Returns (the result, why there is none)."""
-        probed, grouped = False, None  # grouped: when the step stopped looking (monotonic)
+        probed = False
         while True:
             try:
                 return self._control.result(timeout=1.0), ""
             except TimeoutError:
                 pass
-            if self._control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
-                grouped = grouped or time.monotonic()
-            if self._step_overdue(started, grouped):
+            if self._step_overdue(started):
                 cancel_step(self._control)
                 self.stage.faults.count(
                     "steps_lost", "round %d: hivemind's averaging step had not ended %.0f s after it began (%s), past "
@@ -372,15 +370,15 @@ class RoundExchange(CompressedRound, GroupVote):
                 logger.info("round %d: %d member(s) still train: the group's target is now %d%s", self.round,
                             len(others), target, " and this worker's group starts now" if started_now else "")
 
-    def _step_overdue(self, started: float, grouped: float | None) -> bool:
-        """Whether hivemind's step, begun at `started` and grouped at `grouped` (None: still looking), ran past every
-        deadline it has by STEP_GRACE_S: its search (round_wait + STEP_LOOK_EXTRA_S), then its all-reduce (the
-        stage's deadline). Its end never came (a result its MPFuture lost, an averager process stuck): without
-        this, the exchange thread would wait for it forever, and the peer with it."""
-        now, allreduce = time.monotonic(), self.stage.deadlines.allreduce
-        if grouped is not None and now - grouped > allreduce + STEP_GRACE_S:
-            return True
-        return now - started > self.sw.round_wait + STEP_LOOK_EXTRA_S + allreduce + STEP_GRACE_S
+    def _step_overdue(self, started: float) -> bool:
+        """Whether hivemind's step, begun at `started`, ran past every deadline it has by STEP_GRACE_S: its search
+        (round_wait + STEP_LOOK_EXTRA_S: a step whose all-reduce failed looks again while that lasts, so the end of
+        one all-reduce bounds nothing) and then one all-reduce (the stage's deadline). Its end never came (a result
+        its MPFuture lost, an averager process stuck): without this, the exchange thread would wait for it forever,
+        and the peer with it. (Cutting a step 10 s after its all-reduce began, once, stranded a slow pair's round
+        that hivemind was retrying: CI run 218, test_learned_deadlines.)"""
+        allreduce = self.stage.deadlines.allreduce
+        return time.monotonic() - started > self.sw.round_wait + STEP_LOOK_EXTRA_S + allreduce + STEP_GRACE_S
 
     def _hold(
         self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans = ()
