@@ -110,10 +110,11 @@ async def _serve_stream(
                 while True:
                     receive = asyncio.create_task(P2P.receive_protobuf(input_protobuf_type, reader))
                     await asyncio.wait({replying, receive}, return_when=asyncio.FIRST_COMPLETED)
-                    if replying.done():
-                        if replying.result():
+                    if replying.done():  # cancelled: the handler's work was (an all-reduce its deadline ended)
+                        if not replying.cancelled() and replying.result():
                             await _until_caller_closes(receive, reader, input_protobuf_type, name, stream_info.peer_id)
-                        receive.cancel()
+                        else:
+                            _drop(receive)
                         return
                     try:
                         request, _ = await receive
@@ -146,8 +147,16 @@ async def _until_caller_closes(
             logger.debug("%s closed its %s stream after the end of the reply", caller, name)
             return
         receive = asyncio.create_task(P2P.receive_protobuf(input_protobuf_type, reader))
-    receive.cancel()
+    _drop(receive)
     logger.info("%s kept its %s stream open %.0f s after the end of the reply: closed here", caller, name, CLOSE_LINGER_S)
+
+
+def _drop(task: asyncio.Task) -> None:
+    """Cancel `task`, or, done, take its exception (asyncio logs one never taken at ERROR)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 async def _call_stream(self: Any, peer_id: Any, name: str, requests: Any, output_protobuf_type: type) -> AsyncIterator[Any]:
@@ -177,7 +186,7 @@ async def _call_stream(self: Any, peer_id: Any, name: str, requests: Any, output
                         raise P2PHandlerError(f"Failed to call handler `{name}` at {peer_id}: {err.message}")
                     yield response
             finally:
-                writing.cancel()
+                _drop(writing)  # requests the handler no longer reads fail no reply
 
     writing = asyncio.create_task(write_requests())
     return read_replies()
