@@ -156,7 +156,8 @@ PATCHES: dict[str, str] = {
     # initial_peers (hivemind's p2p daemon dials them one by one and refuses to start when none answers)
     "DHTNode.protocol.routing_table.peer_id_to_uid": "read: which peers the DHT node still has a route to",
     "DHTNode.find_nearest_nodes": "the walk to a joined node's own nearest nodes, which DHTNode.create does after "
-    "its pings (dht_join._walk)",
+    "its pings (dht_join._walk); wrapped (walk_to_nodes_only): every walk asks for the nodes nearest the key's "
+    "sibling id, so that the nodes met do not answer with the records they hold under the key",
     "DHT._get / _store / _run_coroutine": "wrapped (dht_process.HelperDHT) to hold each call's task until it ends: the DHT "
     "process keeps no reference to them, and one destroyed by the cycle collector left its caller waiting for good",
     "DHTProtocol.call_ping": "pings an initial or lost peer; its answer puts each in the other's routing table",
@@ -252,8 +253,8 @@ def own_process_locks() -> None:
 def patch_for_dht_node() -> None:
     """What a process patches before it makes a hivemind DHT node (a stage's HelperDHT, a bootstrap node): the DHT
     process, and an averager forked later, run the guarded reply reader, refuse stream frames too large to be ours
-    before reading them, hold each peer's stores and finds to its rate, and end every stream's reply explicitly
-    (stream_close.py); and tensors are shared by descriptor before hivemind's first MPFuture shares its state (no
+    before reading them, hold each peer's stores and finds to its rate, end every stream's reply explicitly
+    (stream_close.py) and walk to a key's nodes without their records; and tensors are shared by descriptor before hivemind's first MPFuture shares its state (no
     torch_shm_manager). Each patch applies once per process."""
     from .stream_close import end_replies_explicitly
 
@@ -262,6 +263,7 @@ def patch_for_dht_node() -> None:
     limit_dht_requests()
     share_tensors_by_descriptor()
     end_replies_explicitly()
+    walk_to_nodes_only()
 
 
 def share_tensors_by_descriptor() -> None:
@@ -424,6 +426,40 @@ def limit_dht_requests() -> None:
 
     DHTProtocol.rpc_store, DHTProtocol.rpc_find = rpc_store, rpc_find
     DHTProtocol._dilocox_limited = True
+
+
+def walk_to_nodes_only() -> None:
+    """Make DHTNode.find_nearest_nodes (a store's walk to its key's nodes, a node's walk to its own) ask every node
+    it meets for the nodes nearest the key's sibling id (its lowest bit flipped), under which nothing is stored, and
+    hand the answers back under the key's id, in this process and those it forks after. hivemind asked for the key
+    itself, and each node met answered with all it holds under it, which a store throws away: under a stage's
+    members key every member's record, from each of the key's 5 nodes, at every store of every member (N^2 per
+    member and round, the largest part of the DHT's bytes on the lab: docs/benchmarks.md, section 5). The same nodes
+    are found: an XOR distance to the sibling differs from the one to the key in its lowest bit only, which reorders
+    no two nodes but two whose ids (hashes) differ in that bit alone. Idempotent."""
+    import functools
+
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.routing import DHTID
+
+    if getattr(DHTNode, "_dilocox_nodes_only", False):
+        return
+    find = DHTNode.find_nearest_nodes
+
+    @functools.wraps(find)
+    async def find_nearest_nodes(self: Any, queries: Any, *args: Any, found_callback: Any = None, **kwargs: Any) -> Any:
+        keys = {DHTID(int(query) ^ 1): query for query in queries}
+        report = found_callback
+        if report is not None:
+
+            async def found_callback(sibling: Any, nearest: Any, visited: Any) -> Any:
+                return await report(keys[sibling], nearest, visited)
+
+        found = await find(self, tuple(keys), *args, found_callback=found_callback, **kwargs)
+        return {keys[sibling]: nodes for sibling, nodes in found.items()}
+
+    DHTNode.find_nearest_nodes = find_nearest_nodes
+    DHTNode._dilocox_nodes_only = True
 
 
 def check_version() -> None:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import socket
 import time
@@ -13,12 +14,17 @@ import weakref
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
 from dilocox_p2p.identity import peer_id_of
 from dilocox_p2p.swarm.dht import RunRecords, node_id_of
 from dilocox_p2p.swarm.dht_join import PING_TIMEOUT_S
 from dilocox_p2p.swarm.faults import FaultCounter
+from dilocox_p2p.swarm.hivemind_patches import walk_to_nodes_only
 from dilocox_p2p.wire import swarm_pb2
 from tests.helpers.ports import free_port
 from tests.helpers.signed import signed_node
@@ -129,3 +135,45 @@ def test_a_node_joins_through_the_first_initial_peer_that_answers_though_the_oth
     finally:
         node.shutdown()
         live.shutdown()
+
+
+def test_a_stores_walk_reaches_its_keys_nodes_without_being_sent_the_records_they_hold(monkeypatch):
+    # a store walks to its key's 5 nearest nodes, and hivemind asked each node it met for the key itself: each
+    # answered with every record it held there (under a stage's members key, every member's), which the store threw
+    # away: N^2 bytes per member and round. Now it asks for the key's sibling id (hivemind_patches.walk_to_nodes_only):
+    # no node answers with a record, the record still reaches the same 5 nodes, and a read still finds every one
+    walk_to_nodes_only()
+    answered: list[int] = []  # the bytes of every value a node's find answer carried
+    find = DHTProtocol.rpc_find
+
+    @functools.wraps(find)  # hivemind reads the handler's type hints
+    async def counted(self, request, context):
+        response = await find(self, request, context)
+        answered.extend(len(r.value) for r in response.results if r.type != dht_pb2.NOT_FOUND)
+        return response
+
+    monkeypatch.setattr(DHTProtocol, "rpc_find", counted)
+    key, nodes_n, record = "members", 8, b"r" * 1000
+
+    async def main() -> None:
+        options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], num_replicas=5, cache_locally=False, cache_on_store=False)
+        nodes = [await DHTNode.create(**options)]
+        try:
+            first = [f"{m}/p2p/{nodes[0].peer_id}" for m in await nodes[0].p2p.get_visible_maddrs()]
+            nodes += [await DHTNode.create(initial_peers=first, **options) for _ in range(nodes_n - 1)]
+            for i, node in enumerate(nodes[:-1]):
+                assert await node.store(key, record, get_dht_time() + 60, subkey=f"member{i}")
+            answered.clear()
+            assert await nodes[-1].store(key, record, get_dht_time() + 60, subkey="last")
+            assert answered == [], f"the walk was sent {len(answered)} values, {sum(answered)} bytes"
+            key_id = DHTID.generate(source=key)
+            held = [node.node_id for node in nodes if (item := node.protocol.storage.get(key_id)) is not None
+                    and "last" in dict(item.value.items())]  # fmt: skip
+            assert set(held) == set(sorted((node.node_id for node in nodes), key=key_id.xor_distance)[:5])
+            found = await nodes[0].get(key, latest=True)
+            assert sorted(found.value) == sorted([f"member{i}" for i in range(nodes_n - 1)] + ["last"])
+        finally:
+            for node in nodes:
+                await node.shutdown()
+
+    asyncio.run(main())
