@@ -416,7 +416,9 @@ def test_a_peer_that_asks_faster_than_any_honest_one_is_refused_beyond_its_rate_
     refused = sum(any("too many requests" in f for f in failures) for failures in outcomes)
     taken = sum(any("NOT_READY" in f for f in failures) for failures in outcomes)
     other = [f for f in outcomes if not any("too many requests" in x or "NOT_READY" in x for x in f)]
-    assert refused + taken == flood, (refused, taken, other)  # CI run 185: 199 of 200, the other one not shown
+    # every request answered, refused or taken: one in 200 read as an empty reply (CI run 185, the swarm tier of
+    # 2026-12-03) while a handler closed its stream first; replies end explicitly now (swarm/stream_close.py)
+    assert refused + taken == flood, (refused, taken, other)
     assert REQUEST_BURST <= taken <= REQUEST_BURST + REQUESTS_PER_S * elapsed + 1, (taken, elapsed)
     time.sleep(2 / REQUESTS_PER_S)  # a quiet spell gives tokens back
     failures = asker.collect(99, [asked], start=None, wait_s=0.0, deadline_s=5.0).failures
