@@ -254,8 +254,8 @@ def patch_for_dht_node() -> None:
     """What a process patches before it makes a hivemind DHT node (a stage's HelperDHT, a bootstrap node): the DHT
     process, and an averager forked later, run the guarded reply reader, refuse stream frames too large to be ours
     before reading them, hold each peer's stores and finds to its rate, end every stream's reply explicitly
-    (stream_close.py) and walk to a key's nodes without their records; and tensors are shared by descriptor before hivemind's first MPFuture shares its state (no
-    torch_shm_manager). Each patch applies once per process."""
+    (stream_close.py) and walk to a key's nodes without their records; and tensors are shared by descriptor before
+    hivemind's first MPFuture shares its state (no torch_shm_manager). Each patch applies once per process."""
     from .stream_close import end_replies_explicitly
 
     guard_unary_replies()
