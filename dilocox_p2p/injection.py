@@ -28,6 +28,9 @@ Armed through the environment of the peer's processes, several separated by `;`:
 - `skip_group_reuse:round=R:stage=S` makes stage S look for round R's group through matchmaking where it would
   form it again without (swarm/group_reuse.py), as a member that had not read another's record in time does: the
   others of its last round's group form it without it, and it joins their group late when their first part reaches it.
+- `overlook_joiner:round=R:stage=S` makes stage S form its last round's group again without matchmaking in round R
+  (without `round`: in every round) where it would look through matchmaking because a member outside that group
+  started the round, as one that had not read that member's record in time does.
 - `lose_step:round=R:stage=S` makes stage S's averaging step of round R say it runs its all-reduce and never end,
   as one whose result hivemind's MPFuture failed to deliver: the stage worker gives up on it past its deadlines.
 - `read_averages_late:round=R:stage=S` makes stage S wait READ_LATE_S before it reads the averaged parts that
@@ -83,7 +86,7 @@ logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
     "kill_peer_in_allreduce", "kill_peer_mid_round", "withhold_average", "hoard_average", "read_averages_late", "skip_mending",
-    "abandon_accepted", "lose_begin", "skip_group_reuse", "lose_step", "corrupt_state", "nan_pseudo_gradient",
+    "abandon_accepted", "lose_begin", "skip_group_reuse", "overlook_joiner", "lose_step", "corrupt_state", "nan_pseudo_gradient",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_flipped_pseudo_gradient", "send_nan_average", "send_malformed_parts",
     "lie_to_borrowers", "flip_served_bit", "cut_served_message", "corrupt_served_piece",
     "stall_served_piece",

@@ -133,8 +133,11 @@ class CompressedRound:
                 result, group=[p for p in group if p not in banned], missing=assembled.missing, failed_reducers=refused,
                 bytes_sent=sent, bytes_received=received,
             )  # fmt: skip
-            average = dataclasses.replace(self._mend(holed, tensors=assembled.tensors), group=used,
-                                          digests=tuple(self._digests))  # fmt: skip
+            average = self._mend(holed, tensors=assembled.tensors)
+            if average.kind in (AverageKind.BORROWED, AverageKind.STRANDED):  # its group held nobody else
+                self._log(average, expected=expected)  # (exchange.splintered; its message counted as sent)
+                return self._agree(average)
+            average = dataclasses.replace(average, group=used, digests=tuple(self._digests))
         else:
             average = Average(kind=kind, tensors=assembled.tensors, missing=assembled.missing, group=used,
                               bytes_sent=sent, bytes_received=received, window=(self._window_start, time.time()),

@@ -72,6 +72,9 @@ class Collected:
     failures: list[str] = field(default_factory=list)
     lacking: list[str] = field(default_factory=list)
     """Members that answered that they have no average of the round either."""
+    elsewhere: list[str] = field(default_factory=list)
+    """Members whose copy of the round's average is another group's: they averaged the round in a group of their
+    own, never in this worker's (exchange._mend)."""
     replied: list[str] = field(default_factory=list)
     """Members that answered without a copy (not ready, lacking, gone past it): alive all the same."""
     gone: list[str] = field(default_factory=list)
@@ -139,6 +142,7 @@ class AverageService:
                     out.average = HeldAverage(round, mine.kind, tensors, missing, mine.group, mine.group_id)
             else:
                 out.failures.append(f"{peer}: holds another group's average")
+                out.elsewhere.append(peer)
             if not out.average.missing:
                 break
         if out.average is not None:
