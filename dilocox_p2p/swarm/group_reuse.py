@@ -33,6 +33,11 @@ Otherwise it is outside that group, and the paths for a member outside a group t
 (allreduce.py, gather.py), and it borrows the group's average (exchange.py). A member that joins while the others
 reuse their group (their views of the stage did not hold it yet when they started the round) is left out of that
 round the same way: it borrows, and the next round's group, no longer the last one's, is found by matchmaking.
+The other way round, a member that reuses while the others, which read a joiner's record in time, look through
+matchmaking and follow the joiner: its parts wait at them for a group that never begins there. They answer that they
+are outside it once their own group begins (it looks again, finds nobody and borrows), or its timeouts end first and
+they are failed reducers; asked for its missing spans, they answer with their group's average, and it borrows that
+(exchange.splintered): its own partial average was its pseudo-gradient alone, and applied, it split the swarm.
 """
 
 from __future__ import annotations
