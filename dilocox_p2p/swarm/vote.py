@@ -95,6 +95,8 @@ class GroupVote:
         if me in voters:
             self._announce(average, mine, voters)
         records = self._group_records(average.group_id, voters, mine if me in voters else None, grow=borrowed)
+        if me in voters and not records and (elsewhere := self._elsewhere(average, voters)) is not None:
+            return elsewhere
         convicted = self._convict_equivocators(average, records)
         hashes = {p: r.average_hash for p, r in records.items() if p not in convicted}  # a liar votes no more
         if me in voters:
@@ -120,6 +122,35 @@ class GroupVote:
         if me in voters:  # members still deciding count this worker in the majority now; the digests it got stay
             self._announce(dataclasses.replace(adopted, digests=average.digests), winner, voters, digests_too=False)
         return adopted
+
+    def _elsewhere(self, average: Average, voters: set[str]) -> Average | None:
+        """Where every other member of this worker's group announced a copy of another group's average of the round
+        (none was ever in this one: its copy is its own pseudo-gradient's, a group of one), the copy most of them
+        hold, downloaded as a borrower's, or off the majority if it could not be had (a repair at the boundary); None
+        otherwise. The vote's side of exchange.splintered, for a worker that could not tell at mending (the others'
+        copies not ready yet, or no mending: the compressed butterfly's spans nobody reduced)."""
+        others = voters - {self.stage.peer_id}
+        try:
+            opened = self.stage.records.opened_averages(self.round)
+        except Exception as e:  # noqa: BLE001 - read again at the boundary's hash check
+            self.stage.faults.count("lookups_failed", "round %d: the average records could not be read: %r", self.round, e)
+            return None
+        theirs = {p: o.message for p, o in opened.items() if p in others and o.message.group_id != average.group_id}
+        if not others or set(theirs) != others:
+            return None
+        winner = majority_hash({p: r.average_hash for p, r in theirs.items()}, self.stage.records.rank)
+        if winner is None:
+            return None
+        holders = sorted(p for p, r in theirs.items() if r.average_hash == winner)
+        adopted = self._downloaded(average, holders, winner)
+        if adopted is None:
+            logger.warning("round %d: the others of this worker's group averaged the round in another group, whose "
+                           "average could not be had: taking the swarm's state at the boundary", self.round)  # fmt: skip
+            return dataclasses.replace(average, off_majority=True)
+        self.stage.faults.count("averages_adopted", "round %d: the others of this worker's group (%s) averaged the "
+                                "round in another group: took its average (%s)", self.round,
+                                ", ".join(p[-8:] for p in sorted(others)), winner[:12])  # fmt: skip
+        return dataclasses.replace(adopted, kind=AverageKind.BORROWED)
 
     def _tie(self, average: Average, hashes: dict[str, str]) -> Average:
         """No copy is held by more members than another: nobody adopts another's copy (a key generated to rank first

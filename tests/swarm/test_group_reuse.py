@@ -65,7 +65,8 @@ def _identities_with_the_last_smallest(root: Path, count: int) -> None:
         path.unlink()
 
 
-def test_a_member_whose_reused_group_lost_its_partner_to_a_joiners_group_borrows_that_groups_average(swarm):
+@pytest.mark.parametrize("found_at", ["mending", "vote"])
+def test_a_member_whose_reused_group_lost_its_partner_to_a_joiners_group_borrows_that_groups_average(swarm, found_at):
     # A pair forms its group again every round; a third peer joins. One of the pair reads the joiner's record in time
     # and looks for the round's group through matchmaking: the joiner leads it (the smallest peer id), and it follows.
     # The other had not read the record (fault injection: overlook_joiner) and forms the pair's group again. Its
@@ -74,14 +75,17 @@ def test_a_member_whose_reused_group_lost_its_partner_to_a_joiners_group_borrows
     # again, finds nobody and borrows) or a failed reducer: its all-reduce ends with its own pseudo-gradient on its own
     # span, and, asked for the rest, the partner answers with the joiner's group's average. Its group held nobody
     # else: it borrows that average too. Applied, its own split the swarm until the next hash check (CI, test_elastic).
+    # "vote": the reuser does not mend (fault injection skip_mending, as one whose partner's copy was not ready yet):
+    # in phase 5 its partner announced a copy of another group, and it takes that one (vote.GroupVote._elsewhere).
     _identities_with_the_last_smallest(swarm.root, 3)
     args = ("--mode", "sync", "--stages", "1", "--rounds", "60", "--min-peers", "2")
     follower = swarm.start_peer(*args)
-    reuser = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "overlook_joiner:stage=0"})
-    follower.wait_for_round(3, timeout=180)
+    faults = "overlook_joiner:stage=0" + (";skip_mending:stage=0" if found_at == "vote" else "")
+    reuser = swarm.start_peer(*args, env={"DILOCOX_FAULTS": faults})
+    follower.wait_for_round(2, timeout=180)  # round 1's group was round 0's, formed again
     joiner = swarm.start_peer(*args)
-    _wait_for(lambda: sum(r["group_sizes"] == [3] for r in joiner.metrics()) >= 2, 240,
-              lambda: f"the joiner never averaged with the pair twice:\n{joiner.output()}")  # fmt: skip
+    _wait_for(lambda: any(r["group_sizes"] == [3] for r in joiner.metrics()), 240,
+              lambda: f"the joiner never averaged with the pair:\n{joiner.output()}")  # fmt: skip
     for peer in (follower, reuser, joiner):
         peer.signal(signal.SIGTERM)
     for peer in (follower, reuser, joiner):
