@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,6 +53,19 @@ def _start_forger(swarm, out):
     )  # fmt: skip
 
 
+def _wait_for_passes(out, passes, forger, timeout=120.0):
+    """Wait until the forger has written `passes` passes of its attack to `out` (its JSON counts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if json.loads(out.read_text())["passes"] >= passes:
+                return
+        except (OSError, ValueError):  # not written yet, or half written
+            pass
+        assert forger.poll() is None and time.monotonic() < deadline, out.with_suffix(".out").read_text()[-3000:]
+        time.sleep(0.2)
+
+
 def test_forged_records_and_nan_or_outsized_contributions_are_refused_their_sender_banned_and_honest_peers_agree(
     swarm, tmp_path
 ):
@@ -66,6 +80,9 @@ def test_forged_records_and_nan_or_outsized_contributions_are_refused_their_send
     ])  # fmt: skip
     honest = [swarm.start_peer(*args), swarm.start_peer(*args)]
     forger = _start_forger(swarm, tmp_path / "forger.json")
+    # the run begins (the honest peers wait for the third) once the forger attacks: started with the run, it made two
+    # passes in all of its 8 rounds once, beside a busy core (it imports hivemind and joins the DHT meanwhile)
+    _wait_for_passes(tmp_path / "forger.json", 2, forger)
     broken = swarm.start_peer(*args, env={"DILOCOX_FAULTS": hostile})
     try:
         for peer in honest:
