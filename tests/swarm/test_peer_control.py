@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ from dilocox_p2p.proto_gen import control_pb2, control_pb2_grpc
 
 pytestmark = pytest.mark.swarm
 
-ROUNDS = 7
+ROUNDS = 200  # never reached: the peers are stopped once the checks are done (a run of 7 rounds, 8 s, ended before
+# them once, beside a busy core: each `dilocox-peer status` starts an interpreter)
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:
@@ -83,11 +85,13 @@ def test_a_live_peer_reports_its_round_hashes_health_and_metrics_and_logs_json_l
     shared = [r for r in a.metrics() if r["round"] in rounds_b and r["group_size"] == 2]
     assert shared and all(r["stage_hashes"] == rounds_b[r["round"]]["stage_hashes"] for r in shared[-1:])
 
-    assert a.wait(180) == 0 and b.wait(180) == 0
+    for peer in (a, b):
+        peer.signal(signal.SIGTERM)
+    assert a.wait(180) == 128 + signal.SIGTERM and b.wait(180) == 128 + signal.SIGTERM
     # one JSON object per log line, naming peer, stage and round
     lines = [json.loads(line) for line in a.stage_log(0).splitlines()]
     assert lines and all({"time", "level", "logger", "message", "stage"} <= set(line) for line in lines)
-    final = [line for line in lines if line["message"] == "peer state: finished"]
-    assert final and final[0]["round"] == ROUNDS - 1 and final[0]["peer"] == status["peer_id"]
+    final = [line for line in lines if line["message"] == "peer state: stopped"]
+    assert final and final[0]["round"] >= status["round"] and final[0]["peer"] == status["peer_id"]
     gone = _status(str(a.run_dir))
     assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1 and "not running" in gone.stderr
