@@ -135,7 +135,7 @@ class CompressedRound:
             )  # fmt: skip
             average = self._mend(holed, tensors=assembled.tensors)
             if average.kind in (AverageKind.BORROWED, AverageKind.STRANDED):  # its group held nobody else
-                self._log(average, expected=expected)  # (exchange.splintered; its message counted as sent)
+                self._log(average, expected=expected)  # (alone_with_outsiders; its message counted as sent)
                 return self._agree(average)
             average = dataclasses.replace(average, group=used, digests=tuple(self._digests))
         else:

@@ -71,17 +71,6 @@ def mending_order(result: RoundResult, me: str) -> list[str]:
     return sorted(others, key=lambda p: (p in clients, p in failed))  # a client member answers over its own links only
 
 
-def splintered(result: RoundResult, me: str, elsewhere: Iterable[str]) -> bool:
-    """Whether this worker's group held nobody but itself: every other member was outside it (an outsider) or, asked
-    for the spans its all-reduce missed, answered with the round's average of another group (`elsewhere`). A pair
-    that formed its last group again without matchmaking (group_reuse.py) while one of them, which had read a
-    joiner's record, followed the joiner: the part streams of the reused group waited in hivemind for a group that
-    never began at that member, past the reuser's timeouts, which took it for a failed reducer and held a partial
-    average of its own pseudo-gradient; applied, it split the swarm (CI, test_elastic, a late joiner's rounds)."""
-    others = {p for p in result.group if p != me} - set(result.outsiders)
-    return bool(others) and others <= set(elsewhere)
-
-
 def suspects_after(result: RoundResult, answered: Iterable[str], *, mended: bool) -> list[str]:
     """The members of `result`'s group that failed in its all-reduce and gave no sign of life since: not
     expected in the next groups until they heartbeat again (membership.suspect). A reducer that answered
@@ -426,7 +415,7 @@ class RoundExchange(CompressedRound, GroupVote):
         skip = injection.armed("skip_mending", round=self.round, stage=self.stage.stage)
         if result.missing and not skip and not reduced_by_nobody(result.failed_reducers, result.outsiders):
             collected = self._collect(mending_order(result, self.stage.peer_id), start=raw)
-            if splintered(result, self.stage.peer_id, collected.elsewhere):
+            if collected.elsewhere and result.alone_with_outsiders(self.stage.peer_id, collected.elsewhere):
                 return self._borrow(f"the others of its group ({', '.join(p[-8:] for p in collected.elsewhere)}) "
                                     "averaged the round in another group")  # fmt: skip
             raw, mended_from = collected.average or raw, collected.mended_from

@@ -16,7 +16,7 @@ before hivemind's DecentralizedAverager, whose `_run_allreduce_inplace_` it repl
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,11 +74,17 @@ class RoundResult:
         """The members that reduce a span, in group order: all but the client members."""
         return reducers_of(self.group, self.clients)
 
-    def alone_with_outsiders(self, me: str) -> bool:
-        """Whether every other member of `me`'s group was counted in after it had given up on the leader: those
-        joined other groups of the round, and this "average" is `me`'s own. `me` borrows theirs instead (kept, it
-        would be a minority state: repaired a round later), and never serves it as the group's."""
-        return bool(self.outsiders) and set(self.group) - set(self.outsiders) <= {me}
+    def alone_with_outsiders(self, me: str, elsewhere: Iterable[str] = ()) -> bool:
+        """Whether every other member of `me`'s group was counted in after it had given up on the leader, or, asked
+        for the spans `me`'s all-reduce missed, answered with the round's average of another group (`elsewhere`):
+        those joined other groups of the round, and this "average" is `me`'s own. `me` borrows theirs instead (kept,
+        it would be a minority state: repaired a round later), and never serves it as the group's. `elsewhere`: a
+        pair that formed its last group again without matchmaking (group_reuse.py) while one of them, which had read
+        a joiner's record, followed the joiner; the reused group's part streams waited in hivemind for a group that
+        never began at that member, past the reuser's timeouts, which took it for a failed reducer and held a partial
+        average of its own pseudo-gradient; applied, it split the swarm (CI, test_elastic, a late joiner's rounds)."""
+        outside = {*self.outsiders, *elsewhere}
+        return bool(outside) and set(self.group) - outside <= {me}
 
 
 class GroupRound:

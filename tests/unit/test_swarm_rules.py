@@ -7,6 +7,7 @@ how a config difference is named, how faults are armed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -148,6 +149,10 @@ def test_a_member_whose_every_other_member_was_in_no_such_group_holds_no_average
     assert pair.alone_with_outsiders("a")  # b averaged in another group of the round: a borrows from it
     assert not trio.alone_with_outsiders("a")  # a and c averaged together without b
     assert not RoundResult(round=2, group=["a", "b"], group_id=b"g", missing=()).alone_with_outsiders("a")
+    # b was a failed reducer, and asked for its span it answered with another group's average of the round
+    failed = RoundResult(round=2, group=["a", "b", "c"], group_id=b"g", missing=((0, 4),), failed_reducers=["b"])
+    assert dataclasses.replace(failed, outsiders=["c"]).alone_with_outsiders("a", elsewhere=["b"])
+    assert not failed.alone_with_outsiders("a", elsewhere=["b"])  # c averaged with a
 
 
 def test_a_strict_majority_is_counted_from_the_hash_held_most_often():
