@@ -96,11 +96,15 @@ def test_a_member_whose_reused_group_lost_its_partner_to_a_joiners_group_borrows
         assert rounds[0][t]["stage_hashes"] == rounds[1][t]["stage_hashes"], f"round {t}: the pair disagree"
     for t in sorted(set(rounds[0]) & set(rounds[2])):
         assert rounds[0][t]["stage_hashes"] == rounds[2][t]["stage_hashes"], f"round {t}: the joiner differs"
-    log = reuser.stage_log(0)
-    # the fault fires in the first round the joiner started: the reuser's last group is not whole afterwards
-    split = [int(m) for m in re.findall(r"fault injection: overlook_joiner \(round=(\d+)", log)]
-    assert len(split) == 1, split
+    # the round the pair split: the follower and the joiner averaged as a pair, once (the reuser's last group is not
+    # whole afterwards). The reuser formed its old group again there as the fault made it, or as it does unaided when
+    # it had not read the joiner's record in time (seen: the fault never fired, the split came all the same)
+    split = [t for t, r in rounds[2].items() if r["kinds"] == ["averaged"] and r["group_size"] == 2]
+    assert len(split) == 1, [(t, r["kinds"], r["group_sizes"]) for t, r in sorted(rounds[2].items())]
     t = split[0]
+    fired = [int(m) for m in re.findall(r"fault injection: overlook_joiner \(round=(\d+)", reuser.stage_log(0))]
+    assert all(f <= t for f in fired), (fired, t)
     assert rounds[1][t]["kinds"] == ["borrowed"], rounds[1][t]["kinds"]
-    assert rounds[0][t]["kinds"] == rounds[2][t]["kinds"] == ["averaged"] and rounds[0][t]["group_size"] == 2
-    assert rounds[1][t]["groups"] == rounds[0][t]["groups"], "the reuser took another group's average than the others'"
+    assert rounds[0][t]["kinds"] == ["averaged"] and rounds[0][t]["group_size"] == 2
+    assert rounds[1][t]["groups"] == rounds[0][t]["groups"] == rounds[2][t]["groups"], \
+        "the reuser took another group's average than the others'"  # fmt: skip
