@@ -1,6 +1,7 @@
 """Pipeline correctness: M stage processes compute the loss and gradients of the whole model.
 
-For M = 1, 2, 4 (1F1B; GPipe at 4; bf16 boundaries at 2) this spawns M real processes joined by a gloo process group on loopback
+For M = 1, 2, 4 (1F1B; GPipe at 4; bf16 boundaries at 2) this starts M real processes (forked from a server that
+imported this module: helpers/niced.py) joined by a gloo process group on loopback
 (TCPStore on port 0), each running one `InnerTrainer.train_step` of its stage on the same
 fixed batch, and compares every gradient with a single-process `GPT` reference.
 
@@ -16,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dilocox_p2p.config import load_config
 from dilocox_p2p.inner import InnerTrainer
@@ -78,9 +78,15 @@ def _reference(n_stages: int):
     return loss.item(), grads
 
 
-def _run_stages(n_stages: int, schedule: str = "1f1b", precision: str = "fp32"):
+@pytest.fixture(scope="module")
+def warm():
+    """The context the stage processes start from: forked from one server that imported this module (torch with it)"""
+    with niced.warm_context(__name__) as ctx:
+        yield ctx
+
+
+def _run_stages(ctx, n_stages: int, schedule: str = "1f1b", precision: str = "fp32"):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     args = [(__name__, "_stage_process", r, n_stages, store.port, results, schedule, precision) for r in range(n_stages)]
     procs = [ctx.Process(target=niced.call, args=a) for a in args]  # below the swarm tier's peers (helpers/niced.py)
@@ -107,9 +113,9 @@ def _run_stages(n_stages: int, schedule: str = "1f1b", precision: str = "fp32"):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("n_stages, schedule", [(1, "1f1b"), (2, "1f1b"), (4, "1f1b"), (4, "gpipe")])
-def test_pipeline_stages_reproduce_the_whole_models_loss_and_every_gradient(n_stages, schedule):
+def test_pipeline_stages_reproduce_the_whole_models_loss_and_every_gradient(warm, n_stages, schedule):
     ref_loss, ref_grads = _reference(n_stages)
-    results = _run_stages(n_stages, schedule)
+    results = _run_stages(warm, n_stages, schedule)
 
     losses = [loss for _, loss, _, _, _ in results]
     assert all(loss is None for loss in losses[:-1]), "only the last stage knows the loss"
@@ -131,11 +137,11 @@ def test_pipeline_stages_reproduce_the_whole_models_loss_and_every_gradient(n_st
 
 
 @pytest.mark.timeout(180)
-def test_bf16_stages_hand_each_other_bf16_activations_and_still_follow_the_whole_models_gradients():
+def test_bf16_stages_hand_each_other_bf16_activations_and_still_follow_the_whole_models_gradients(warm):
     # inner.precision=bf16 (a GPU's default, allowed on CPU): every boundary carries bf16 both ways, the last
     # stage included, and the loss and gradients stay those of the fp32 model up to bf16 rounding
     ref_loss, ref_grads = _reference(2)
-    results = _run_stages(2, "1f1b", "bf16")
+    results = _run_stages(warm, 2, "1f1b", "bf16")
 
     assert results[-1][1] == pytest.approx(ref_loss, rel=2e-2)
     for _, _, _, grads, _ in results:
@@ -172,7 +178,7 @@ def _replica_process(rank: int, replicas: int, n_stages: int, port: int, results
 
 
 @pytest.mark.timeout(180)
-def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_on_the_whole_batch():
+def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_on_the_whole_batch(warm):
     # issue 36, DP x PP: 4 processes (2 replicas x 2 stages, gloo); each replica trains half of the batch and the
     # replicas average their gradients, so each step is the whole batch's, as one process training all of it
     replicas, n_stages = 2, 2
@@ -184,9 +190,8 @@ def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_on_the_whole_
     ref_losses.append(reference.train_step(1, inputs, targets).loss)
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue_ = ctx.Queue()
-    procs = [ctx.Process(target=niced.call, args=(__name__, "_replica_process", r, replicas, n_stages, store.port, queue_))
+    queue_ = warm.Queue()
+    procs = [warm.Process(target=niced.call, args=(__name__, "_replica_process", r, replicas, n_stages, store.port, queue_))
              for r in range(replicas * n_stages)]  # fmt: skip
     for p in procs:
         p.start()
