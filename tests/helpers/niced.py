@@ -22,8 +22,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch.multiprocessing as mp
-
 NICE = 19  # below the peers' settled level: a unit test beside a swarm test takes only the CPU the peers leave
 
 
@@ -43,7 +41,7 @@ def warm_context(module: str) -> Iterator[multiprocessing.context.BaseContext]:
     from multiprocessing import forkserver
 
     forkserver._forkserver._stop()  # private (CPython 3.8+): the only way to ask for a server with other imports
-    ctx = mp.get_context("forkserver")
+    ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.helpers.niced_server", module])
     try:
         yield ctx
