@@ -41,7 +41,7 @@ def _batch():
     return inputs, targets
 
 
-def _stage_process(rank: int, n_stages: int, port: int, results, schedule: str, precision: str) -> None:
+def _stage_process(rank: int, port: int, results, n_stages: int, schedule: str, precision: str) -> None:
     """One stage: evaluate, then one train step; send back loss and gradients as numpy."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -85,11 +85,13 @@ def warm():
         yield ctx
 
 
-def _run_stages(ctx, n_stages: int, schedule: str = "1f1b", precision: str = "fp32"):
+def _run_ranks(ctx, function: str, world: int, *args) -> list:
+    """`world` processes of `function(rank, port, results, *args)`, joined by a TCPStore on `port`; what each put in
+    `results`, by rank."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
-    args = [(__name__, "_stage_process", r, n_stages, store.port, results, schedule, precision) for r in range(n_stages)]
-    procs = [ctx.Process(target=niced.call, args=a) for a in args]  # below the swarm tier's peers (helpers/niced.py)
+    calls = [(__name__, function, r, store.port, results, *args) for r in range(world)]
+    procs = [ctx.Process(target=niced.call, args=a) for a in calls]  # below the swarm tier's peers (helpers/niced.py)
     for p in procs:
         p.start()
     try:
@@ -99,16 +101,20 @@ def _run_stages(ctx, n_stages: int, schedule: str = "1f1b", precision: str = "fp
                 out.append(results.get(timeout=_TIMEOUT_S))
             except queue.Empty:
                 codes = [p.exitcode for p in procs]
-                raise AssertionError(f"a stage process sent nothing in {_TIMEOUT_S}s; exit codes {codes}") from None
+                raise AssertionError(f"a {function} sent nothing in {_TIMEOUT_S}s; exit codes {codes}") from None
         for p in procs:
             p.join(timeout=30)
-        assert [p.exitcode for p in procs] == [0] * n_stages
+        assert [p.exitcode for p in procs] == [0] * world
         return sorted(out, key=lambda item: item[0])
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _run_stages(ctx, n_stages: int, schedule: str = "1f1b", precision: str = "fp32") -> list:
+    return _run_ranks(ctx, "_stage_process", n_stages, n_stages, schedule, precision)
 
 
 @pytest.mark.timeout(180)
@@ -151,7 +157,7 @@ def test_bf16_stages_hand_each_other_bf16_activations_and_still_follow_the_whole
             assert np.isfinite(grad).all() and cosine > 0.98, (key, cosine)
 
 
-def _replica_process(rank: int, replicas: int, n_stages: int, port: int, results) -> None:
+def _replica_process(rank: int, port: int, results, replicas: int, n_stages: int) -> None:
     """Rank = replica * n_stages + stage: two steps of its replica's share of the batch, through its pipeline;
     sends back the losses, its averaged gradients of the first step and its weights after the second."""
     torch.set_num_threads(1)
@@ -189,22 +195,7 @@ def test_two_replicas_of_a_two_stage_pipeline_train_as_one_process_on_the_whole_
                  for n, p in layer.named_parameters()}  # fmt: skip
     ref_losses.append(reference.train_step(1, inputs, targets).loss)
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    queue_ = warm.Queue()
-    procs = [warm.Process(target=niced.call, args=(__name__, "_replica_process", r, replicas, n_stages, store.port, queue_))
-             for r in range(replicas * n_stages)]  # fmt: skip
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((queue_.get(timeout=_TIMEOUT_S) for _ in procs), key=lambda item: item[0])
-        for p in procs:
-            p.join(timeout=30)
-        assert [p.exitcode for p in procs] == [0] * len(procs)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = _run_ranks(warm, "_replica_process", replicas * n_stages, replicas, n_stages)
 
     by_rank = {rank: (losses, grads, weights) for rank, losses, grads, weights in results}
     for replica in range(replicas):
