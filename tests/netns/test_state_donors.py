@@ -18,13 +18,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from benchmarks.netlab import NetLab
 from benchmarks.soak import worker_peer_id
 from dilocox_p2p.metrics import read_metrics
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.netns
 
@@ -43,13 +43,6 @@ def _join(host: int, boot: str, run_dir, *extra: str) -> list[str]:
 def _records(run_dir) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return read_metrics(path) if path.exists() else []
-
-
-def _wait_for(condition, timeout: float, message) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, message()
-        time.sleep(0.5)
 
 
 def test_four_joiners_at_once_take_the_state_in_pieces_from_every_donor_and_drop_the_liar_and_the_stalled_one(tmp_path):
@@ -71,12 +64,12 @@ def test_four_joiners_at_once_take_the_state_in_pieces_from_every_donor_and_drop
 
         for host in donors:
             start(host, "--min-peers", str(len(donors)))
-        _wait_for(lambda: any(r["round"] >= 1 for r in _records(tmp_path / "peer1")), 300,
-                  lambda: f"the donors never trained two rounds:\n{outputs()}")  # fmt: skip
+        wait_for(lambda: any(r["round"] >= 1 for r in _records(tmp_path / "peer1")), 300,
+                 lambda: f"the donors never trained two rounds:\n{outputs()}", every=0.5)  # fmt: skip
         for host in JOINERS:  # all at once
             start(host)
-        _wait_for(lambda: all(len(_records(tmp_path / f"peer{h}")) >= 2 for h in JOINERS), 300,
-                  lambda: f"a joiner never trained two rounds:\n{outputs()}")  # fmt: skip
+        wait_for(lambda: all(len(_records(tmp_path / f"peer{h}")) >= 2 for h in JOINERS), 300,
+                 lambda: f"a joiner never trained two rounds:\n{outputs()}", every=0.5)  # fmt: skip
         for p in procs.values():
             p.send_signal(signal.SIGTERM)
         codes = {h: p.wait(timeout=120) for h, p in procs.items()}

@@ -15,6 +15,7 @@ import pytest
 from benchmarks.soak import worker_peer_id
 from dilocox_p2p.proto_gen import envelope_pb2, swarm_pb2
 from dilocox_p2p.swarm.record_rules import MEMBER_TTL_S
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -31,13 +32,6 @@ def _wait_until_dead(peer, timeout):
         assert time.monotonic() < deadline, f"peer still alive after {timeout}s:\n{peer.output()}"
         time.sleep(0.1)
     return time.time()
-
-
-def _wait_for(condition, timeout, message):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, message()
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("compression", [("--compression", "none"), ("--compression", "int8")], ids=["fp32", "int8"])
@@ -111,13 +105,13 @@ def test_a_peer_frozen_for_two_rounds_catches_up_with_the_swarm(swarm):
     frozen_at = time.monotonic()
     try:
         stopped_at = max(r["round"] for r in frozen.metrics())
-        _wait_for(lambda: max(r["round"] for r in others[0].metrics()) >= stopped_at + 3, 180,
+        wait_for(lambda: max(r["round"] for r in others[0].metrics()) >= stopped_at + 3, 180,
                   lambda: f"the others stalled while a peer was frozen:\n{others[0].output()}")
         time.sleep(max(0.0, frozen_at + MEMBER_TTL_S + 2 - time.monotonic()))
     finally:
         frozen.thaw()
     thawed_at = max(r["round"] for r in others[0].metrics())
-    _wait_for(lambda: any(r["round"] > thawed_at and r["group_sizes"] == [3] for r in frozen.metrics()), 180,
+    wait_for(lambda: any(r["round"] > thawed_at and r["group_sizes"] == [3] for r in frozen.metrics()), 180,
               lambda: f"the thawed peer never averaged with both others again:\n{frozen.output()}")
     for peer in [*others, frozen]:
         peer.signal(signal.SIGTERM)
@@ -160,7 +154,7 @@ def test_a_two_peer_swarm_survives_a_crash_and_the_restarted_peer_resumes_into_i
     def back():
         return {r["round"]: r for r in resumed.metrics() if r["time"] > restarted_at}
 
-    _wait_for(lambda: sum(r["group_sizes"] == [2] for r in back().values()) >= 3, 300,
+    wait_for(lambda: sum(r["group_sizes"] == [2] for r in back().values()) >= 3, 300,
               lambda: f"the resumed peer never averaged with the survivor again:\n{resumed.output()}")
     agreed_until = max(back())
     for peer in (survivor, resumed):
@@ -216,7 +210,7 @@ def test_an_overlapped_swarm_loses_a_killed_peer_and_takes_in_a_late_joiner_in_a
     # twice in a group of 3 after round 2: the joiner's first record may apply round 2's average, which it took
     # with the state it downloaded (the victim's group, of 3 too); counted, it let the test stop the survivors
     # before the first of them had recorded a later round (busy CI run: `later` was empty)
-    _wait_for(lambda: sum(r["group_sizes"] == [3] and (r["applied_round"] or 0) > 2 for r in joiner.metrics()) >= 2,
+    wait_for(lambda: sum(r["group_sizes"] == [3] and (r["applied_round"] or 0) > 2 for r in joiner.metrics()) >= 2,
               360, lambda: f"the joiner never averaged with the survivors twice:\n{joiner.output()}")  # fmt: skip
     for peer in [*survivors, joiner]:
         peer.signal(signal.SIGTERM)

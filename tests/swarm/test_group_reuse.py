@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dilocox_p2p.identity import peer_id_of, worker_identity
-from tests.swarm.test_elastic import _wait_for
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -84,7 +84,7 @@ def test_a_member_whose_reused_group_lost_its_partner_to_a_joiners_group_borrows
     reuser = swarm.start_peer(*args, env={"DILOCOX_FAULTS": faults})
     follower.wait_for_round(2, timeout=180)  # round 1's group was round 0's, formed again
     joiner = swarm.start_peer(*args)
-    _wait_for(lambda: any(r["group_sizes"] == [3] for r in joiner.metrics()), 240,
+    wait_for(lambda: any(r["group_sizes"] == [3] for r in joiner.metrics()), 240,
               lambda: f"the joiner never averaged with the pair:\n{joiner.output()}")  # fmt: skip
     for peer in (follower, reuser, joiner):
         peer.signal(signal.SIGTERM)

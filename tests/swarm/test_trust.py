@@ -13,7 +13,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -21,6 +20,7 @@ from dilocox_p2p.cli.__main__ import main as cli
 from dilocox_p2p.identity import peer_id_of, worker_identity
 from dilocox_p2p.wire import PROTOCOL_VERSION
 from tests.helpers.peers import Swarm
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -53,17 +53,13 @@ def _start_forger(swarm, out):
     )  # fmt: skip
 
 
-def _wait_for_passes(out, passes, forger, timeout=120.0):
-    """Wait until the forger has written `passes` passes of its attack to `out` (its JSON counts)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if json.loads(out.read_text())["passes"] >= passes:
-                return
-        except (OSError, ValueError):  # not written yet, or half written
-            pass
-        assert forger.poll() is None and time.monotonic() < deadline, out.with_suffix(".out").read_text()[-3000:]
-        time.sleep(0.2)
+def _passes(out, forger) -> int:
+    """The passes of its attack the forger has written to `out` (its JSON counts) so far; it must still run."""
+    assert forger.poll() is None, out.with_suffix(".out").read_text()[-3000:]
+    try:
+        return json.loads(out.read_text())["passes"]
+    except (OSError, ValueError):  # not written yet, or half written
+        return 0
 
 
 def test_forged_records_and_nan_or_outsized_contributions_are_refused_their_sender_banned_and_honest_peers_agree(
@@ -82,7 +78,8 @@ def test_forged_records_and_nan_or_outsized_contributions_are_refused_their_send
     forger = _start_forger(swarm, tmp_path / "forger.json")
     # the run begins (the honest peers wait for the third) once the forger attacks: started with the run, it made two
     # passes in all of its 8 rounds once, beside a busy core (it imports hivemind and joins the DHT meanwhile)
-    _wait_for_passes(tmp_path / "forger.json", 2, forger)
+    wait_for(lambda: _passes(tmp_path / "forger.json", forger) >= 2, 120,
+             lambda: f"the forger made fewer than 2 passes:\n{(tmp_path / 'forger.out').read_text()[-3000:]}")
     broken = swarm.start_peer(*args, env={"DILOCOX_FAULTS": hostile})
     try:
         for peer in honest:
