@@ -37,7 +37,8 @@ The other way round, a member that reuses while the others, which read a joiner'
 matchmaking and follow the joiner: its parts wait at them for a group that never begins there. They answer that they
 are outside it once their own group begins (it looks again, finds nobody and borrows), or its timeouts end first and
 they are failed reducers; asked for its missing spans, they answer with their group's average, and it borrows that
-(RoundResult.alone_with_outsiders, group_round.py): its own partial average was its pseudo-gradient alone, and applied, it split the swarm.
+(RoundResult.alone_with_outsiders, group_round.py): its own partial average was its pseudo-gradient alone, and
+applied, it split the swarm.
 """
 
 from __future__ import annotations

@@ -127,8 +127,9 @@ class GroupVote:
         """Where every other member of this worker's group announced a copy of another group's average of the round
         (none was ever in this one: its copy is its own pseudo-gradient's, a group of one), the copy most of them
         hold, downloaded as a borrower's, or off the majority if it could not be had (a repair at the boundary); None
-        otherwise. The vote's side of RoundResult.alone_with_outsiders with `elsewhere`, for a worker that could not tell at mending (the others'
-        copies not ready yet, or no mending: the compressed butterfly's spans nobody reduced)."""
+        otherwise. The vote's side of RoundResult.alone_with_outsiders with `elsewhere`, for a worker that could not
+        tell at mending (the others' copies not ready yet, or no mending: the compressed butterfly's spans nobody
+        reduced)."""
         others = voters - {self.stage.peer_id}
         try:
             opened = self.stage.records.opened_averages(self.round)
