@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,7 @@ __all__ = ["EnvelopeValidator", "Member", "RunRecords", "dht_result", "node_id_o
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
-JOIN_S = 8.0  # how long a node waits for one of its initial peers to answer (one still starting or restarting)
+JOIN_S = 8.0  # how long a node waits for one of its initial peers to listen (one still starting or restarting)
 # A record is stored on its key's REPLICAS nearest DHT nodes (hivemind's num_replicas), and a walk to them asks
 # each node it meets for the key's value: every member's record under it. hivemind walks a beam of 20 nodes
 # (its bucket size) for a store and a get alike, so every node of a swarm of up to 20 answered every walk with
@@ -91,7 +92,7 @@ def start_dht(
     """Start this worker's DHT node (libp2p key: `identity_path`, identity.worker_identity) and join the swarm
     through whichever of its initial peers answers first (dht_join.py), linking `extra_peers` (this peer's own
     stage-0 node) at the same time (without initial peers: through `extra_peers`); errors name the failing
-    address: SwarmUnreachable when none answered within `join_s`."""
+    address: SwarmUnreachable when none answered a try begun within `join_s` (dht_join.join_any)."""
     kwargs: dict[str, Any] = dict(
         initial_peers=None,  # joined by dht_join.join_any once the node runs: all at once, never refused a start
         host_maddrs=[stage_maddr(m, stage) for m in cfg.host_maddrs],
@@ -124,12 +125,14 @@ def start_dht(
     # the swarm is reached through an initial peer (the peer's own stage 0 is linked on the way); without any,
     # through `extra_peers` alone
     targets, also = (cfg.initial_peers, extra_peers) if cfg.initial_peers else (tuple(extra_peers), ())
+    started = time.monotonic()
     try:
         if targets and not join_any(dht, targets, timeout=join_s, also=also):
             raise SwarmUnreachable(
                 f"could not join the swarm through --initial-peers {' '.join(targets)}: none answered "
-                f"within {join_s:.0f} s. Check that each address is complete (/ip4/HOST/tcp/PORT/p2p/PEER_ID), that "
-                "the peer is running, and that its TCP port is open from this machine"
+                f"within {time.monotonic() - started:.0f} s. Check that each address is complete "
+                "(/ip4/HOST/tcp/PORT/p2p/PEER_ID), that the peer is running, and that its TCP port is open from this "
+                "machine"
             )
     except BaseException:  # or a stop asked for while joining (stage_process: SystemExit)
         shutdown_whole(dht)

@@ -32,13 +32,14 @@ from multiaddr import Multiaddr
 
 from .dht_process import dht_result
 
-__all__ = ["LISTEN_POLL_S", "PING_TIMEOUT_S", "join_any", "ping_missing", "wait_until_listening"]
+__all__ = ["LISTEN_POLL_S", "PING_TIMEOUT_S", "TRY_S", "join_any", "ping_missing", "wait_until_listening"]
 
 logger = logging.getLogger(__name__)
 
 LISTEN_POLL_S = 0.1  # how often initial peers that do not listen yet are probed
 PROBE_S = 1.0  # a TCP probe that neither connects nor is refused within this is tried again
 PING_TIMEOUT_S = 5.0
+TRY_S = PING_TIMEOUT_S * 2 + 1  # one try of a join: a dial and a ping, and the call into the DHT process
 MAX_PINGS = 16  # at most this many missing peers are asked per look (the initial peers first)
 
 
@@ -179,8 +180,11 @@ async def _join(_dht: Any, node: Any, maddrs: Sequence[str], wanted: Collection[
 def join_any(dht: Any, maddrs: Sequence[str], *, timeout: float, also: Sequence[str] = ()) -> list[str]:
     """Join `dht` (a node started without initial peers) to the DHT of `maddrs` (full multiaddrs): the moment one
     of them listens, dial and ping them all, and `also` (this peer's own stage-0 node: linked, but not the swarm),
-    at once; returns the peers that answered by the time one of `maddrs` did ([] if none did within `timeout`).
-    A peer whose daemon listens a moment before its DHT node serves fails a ping: it is asked again."""
+    at once; returns the peers that answered by the time one of `maddrs` did ([] if none did).
+    `timeout` bounds the wait for one of `maddrs` to listen and the start of each try; a try begun in time runs to
+    its own bound (a dial and a ping, PING_TIMEOUT_S each), so a busy peer's answer is not cut off by the wait:
+    the whole join takes at most `timeout` plus one try. A peer whose daemon listens a moment before its DHT node
+    serves fails a ping: it is asked again."""
     deadline = time.monotonic() + timeout
     wanted = tuple(Multiaddr(m).value_for_protocol("p2p") for m in maddrs)
     join = functools.partial(_join, maddrs=(*maddrs, *also), wanted=wanted)
@@ -188,8 +192,8 @@ def join_any(dht: Any, maddrs: Sequence[str], *, timeout: float, also: Sequence[
         if wait_until_listening(maddrs, timeout=max(0.0, deadline - time.monotonic())):
             try:
                 answered = dht_result(dht, dht.run_coroutine(join, return_future=True), "joining the DHT",
-                                      deadline=min(deadline, time.monotonic() + PING_TIMEOUT_S * 2 + 1))  # fmt: skip
-            except TimeoutError:  # pings that took their whole time (a busy machine): asked again until the deadline
+                                      deadline=time.monotonic() + TRY_S)  # fmt: skip
+            except TimeoutError:  # pings that took their whole time: asked again until the deadline
                 answered = []
             if answered:
                 return answered

@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 from dilocox_p2p.endpoints import free_ports
 from dilocox_p2p.errors import SwarmError
 from dilocox_p2p.identity import peer_id_of, worker_identity
+from dilocox_p2p.swarm.dht_join import TRY_S, join_any
 from dilocox_p2p.swarm.faults import FaultCounter
 from dilocox_p2p.swarm.reconnect import RouteKeeper, join_lead
 
@@ -146,6 +147,28 @@ def test_a_stage_started_beside_its_stage_0_joins_it_the_moment_it_listens_and_r
     finally:
         stage1.shutdown()
         lead.shutdown()
+
+
+def test_a_join_begun_in_time_waits_for_a_slow_answer_past_the_wait_for_a_listener():
+    # a restart beside busy peers: the initial peer's daemon listens at once, its DHT process answers late
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    joiner = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    address = _maddr(first)  # asked of its DHT process: before it stops
+    os.kill(first.pid, signal.SIGSTOP)  # its p2p daemon (another process) still accepts and relays the ping
+    thaw = threading.Timer(2.5, os.kill, (first.pid, signal.SIGCONT))
+    try:
+        thaw.start()
+        started = time.monotonic()
+        answered = join_any(joiner, [address], timeout=1.0)
+        took = time.monotonic() - started
+        assert answered == [first.peer_id.to_base58()], "the answer that came after the wait was cut off"
+        assert 2.5 <= took < 1.0 + TRY_S, took
+        assert joiner.run_coroutine(_routes) == [first.peer_id.to_base58()]
+    finally:
+        thaw.cancel()
+        os.kill(first.pid, signal.SIGCONT)
+        joiner.shutdown()
+        first.shutdown()
 
 
 def test_a_stage_whose_stage_0_never_answers_says_where_it_looked_and_where_to_read_why():
