@@ -55,7 +55,7 @@ from .topk import Kept, SparseChunks, TopKLayout, pack_topk, unpack_topk
 from .transport import reduced_config
 
 __all__ = ["REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "low_rank_average", "low_rank_second", "part_spans",
-           "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "span_unit", "unpadded"]  # fmt: skip
+           "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "settle", "span_unit", "unpadded"]  # fmt: skip
 
 REDUCED = 3
 """The phase of a reduced part (phases 1 and 2 are a message's own: codec.py)."""
@@ -182,6 +182,10 @@ class Assembled:
     """Reducer index -> why its reduced part was refused (codec.NOT_RECEIVED: it never came)."""
     empty: int = 0
     """Reducers whose span averaged no member's part (every part left out): their spans are missing too."""
+    counted: Spans = ()
+    """Spans of the phase's message (its padded layout) whose reducer averaged this worker's part: what leaves its
+    error-feedback buffer once the average it applies is this one (`settle`)."""
+    phase: int = 1
     digest: bytes = b""
     """Names the reduced parts assembled (lowrank.basis_digest over those present; low-rank's phase 1 only):
     low-rank's phase-2 basis. A reduced part no member could get (its reducer died before serving it) is zeros
@@ -252,8 +256,9 @@ def assemble(
     group_size: int | None = None,
 ) -> Assembled:
     """Member side: the reduced parts of every reducer of `phase` (in group order, None: never came) to the mean
-    of the phase's pieces, and this worker's message leaves its buffer on the spans whose reducer averaged it
-    (`own`: its group index; `group_size`: default one reducer per member)."""
+    of the phase's pieces, with the spans whose reducer averaged this worker's part (`own`: its group index;
+    `group_size`: default one reducer per member). The buffer is left alone: the caller settles once it knows
+    which average it applies (`settle`), this one or another (a borrowed one: RoundCodec.settle) or none."""
     codec, ranks = rc.codec, expected_ranks(rc, phase)
     layout = FlatLayout(codec.pieces(phase, ranks), codec.pad)
     out = [torch.zeros(s, dtype=torch.float32) for s in layout.shapes]
@@ -288,15 +293,21 @@ def assemble(
         for a in range(0, hi - lo, step):
             b = min(a + step, hi - lo)
             layout.write(out, lo + a, lo + b, reader.read(a, b))
-    if phase == 1:
-        rc.settle_spans(counted)
-    else:
-        rc.settle_factor_spans(counted)
     present = [i for i, blob in enumerate(reduced) if blob is not None and i not in refused]
     # what a low-rank basis of this mean came from (members that hold the same agree); nothing else reads it, and
     # hashing a quantized stage's reduced parts cost a sixth of its assembly
     digest = basis_digest(reduced, present) if phase == 1 and codec.factored else b""
-    return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty, digest)
+    return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty, tuple(counted), phase, digest)
+
+
+def settle(rc: RoundCodec, *steps: Assembled) -> None:
+    """This worker applies the average its `steps` assembled (low-rank: both phases'): its message leaves its
+    error-feedback buffer on the spans each step's reducers averaged, and stays on the rest, to be sent again."""
+    for step in steps:
+        if step.phase == 1:
+            rc.settle_spans(step.counted)
+        else:
+            rc.settle_factor_spans(step.counted)
 
 
 def low_rank_second(rc: RoundCodec, phase1: Assembled) -> bytes:

@@ -33,6 +33,7 @@ from ..compression.butterfly import (
     part_spans,
     reduce,
     reduced_phase,
+    settle,
 )
 from ..compression.codec import NO_FAULT, NOT_RECEIVED, RoundCodec
 from .client_member import reducers_of
@@ -122,7 +123,7 @@ class CompressedRound:
         assembled, _, sent, received = self._reduce_step(round_codec, message, result, group=group, clients=result.clients,
                                                          group_id=result.group_id, phase=1, marks=("phase2", "decode"))  # fmt: skip
         if not assembled.used and not assembled.refused:  # every reducer's span averaged nobody, alike everywhere
-            return self._none_averaged(len(group), expected)
+            return self._none_averaged(len(group), expected)  # applies nothing: the buffer keeps the whole message
         used = tuple(group[i] for i in assembled.used)
         kind = AverageKind.PARTIAL if assembled.missing else AverageKind.AVERAGED
         self._hold(assembled.tensors, kind, used, result.group_id, missing=assembled.missing)
@@ -135,10 +136,15 @@ class CompressedRound:
             )  # fmt: skip
             average = self._mend(holed, tensors=assembled.tensors)
             if average.kind in (AverageKind.BORROWED, AverageKind.STRANDED):  # its group held nobody else
-                self._log(average, expected=expected)  # (alone_with_outsiders; its message counted as sent)
+                # (alone_with_outsiders) it applies another group's average or none: its message leaves the
+                # buffer only if that average counted it, not on the spans its own group's reducers averaged
+                round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
+                self._log(average, expected=expected)  # (its message counted as sent)
                 return self._agree(average)
+            settle(round_codec, assembled)
             average = dataclasses.replace(average, group=used, digests=tuple(self._digests))
         else:
+            settle(round_codec, assembled)
             average = Average(kind=kind, tensors=assembled.tensors, missing=assembled.missing, group=used,
                               bytes_sent=sent, bytes_received=received, window=(self._window_start, time.time()),
                               group_id=result.group_id, digests=tuple(self._digests))  # fmt: skip
@@ -170,7 +176,8 @@ class CompressedRound:
         self.clock.mark("decode")
         used = tuple(group[i] for i in sorted(set(step[0].used) & set(step[1].used)))
         if not used:
-            return self._none_averaged(len(group), expected)
+            return self._none_averaged(len(group), expected)  # applies nothing: the buffer keeps the whole message
+        settle(round_codec, *step)
         holes = sum(len(s.refused) + s.empty for s in step)
         self._hold(tensors, AverageKind.AVERAGED, used, result.group_id)
         average = Average(kind=AverageKind.AVERAGED, tensors=tensors, group=used, bytes_sent=sent, bytes_received=received,

@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from dilocox_p2p.compression.butterfly import assemble, cut, cut_all, part_spans, reduce, reducer_spans, rides_butterfly
+from dilocox_p2p.compression.butterfly import (
+    assemble,
+    cut,
+    cut_all,
+    part_spans,
+    reduce,
+    reducer_spans,
+    rides_butterfly,
+    settle,
+)
 from dilocox_p2p.average import AGAINST, against_the_group
 from dilocox_p2p.compression.codec import NO_FAULT, NOT_RECEIVED, StageCodec
 from dilocox_p2p.compression.payload import FlatLayout, PayloadReader, frame, unframe
@@ -45,7 +54,10 @@ def _butterfly(codecs, deltas, *, round=0, lose=(), tamper=None, clients=()):
             mine = tamper(mine)
         reduced.append(reduce(rounds[member], mine, span=spans[reducer], reducers=len(reducers)))
     blobs = [r.blob for r in reduced]
-    return [assemble(r, blobs, spans=spans, own=i, group_size=n) for i, r in enumerate(rounds)], reduced, spans
+    results = [assemble(r, blobs, spans=spans, own=i, group_size=n) for i, r in enumerate(rounds)]
+    for r, assembled in zip(rounds, results):  # every member applies the average it assembled
+        settle(r, assembled)
+    return results, reduced, spans
 
 
 def test_reducer_spans_cover_the_vector_in_whole_units_as_evenly_as_they_can():
@@ -153,6 +165,36 @@ def test_a_part_that_never_reached_its_reducer_stays_in_its_senders_buffer_on_th
     lo, hi = spans[2]
     assert torch.equal(buffer[lo:hi], delta[lo:hi])  # never averaged: kept whole, to be sent again
     assert float(buffer[:lo].abs().max()) < 0.02 * float(delta[:lo].abs().max())  # averaged: only its rounding
+
+
+@pytest.mark.parametrize("its_own", [True, False])
+def test_a_member_gives_up_only_what_the_average_it_applies_counted_not_what_its_group_assembled(its_own):
+    # a member whose group assembled an average with holes nobody else could mend (its group was itself and
+    # outsiders) borrows another group's average, which did not count it, or applies none: its message stays
+    # whole in its buffer, though its own group's reducers averaged it
+    n = 3
+    codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    deltas = [_deltas(seed) for seed in range(n)]
+    rounds = [c.begin(0, d) for c, d in zip(codecs, deltas)]
+    messages = [r.message(1) for r in rounds]
+    spans = part_spans(messages[0], n)
+    blobs = [reduce(rounds[k], [cut_all(m, n)[k] for m in messages], span=spans[k]).blob for k in range(n)]
+    assembled = assemble(rounds[0], [blobs[0], None, blobs[2]], spans=spans, own=0)
+    assert assembled.counted == (spans[0], spans[2]) and assembled.missing
+    layout = FlatLayout(SHAPES, CompressionConfig(kind="int8").block)
+    buffer = layout.read(codecs[0].feedback.buffers, 0, layout.numel)
+    delta = layout.read(deltas[0], 0, layout.numel)
+    lo, hi = spans[2]  # reduced by member 2 (member 0's own span holds its reduce's rounding)
+    assert torch.equal(buffer[lo:], delta[lo:]), "assembling took the message out of the buffer before the member chose"
+    if its_own:
+        settle(rounds[0], assembled)
+    else:  # another group's average (compressed_round: settled whole if that one counted it; it did not), or none
+        rounds[0].settle(False)
+    buffer = layout.read(codecs[0].feedback.buffers, 0, layout.numel)
+    given_up = float(buffer[lo:hi].abs().max()) < 0.02 * float(delta[lo:hi].abs().max())
+    assert given_up == its_own
+    a, b = spans[1]
+    assert torch.equal(buffer[a:b], delta[a:b])  # its reduced part never came: counted by no average it holds
 
 
 def test_a_reducer_leaves_out_an_outsized_part_and_every_member_applies_its_decision():
@@ -272,6 +314,8 @@ def _low_rank_butterfly(codecs, deltas, *, round=0, tamper2=None, clients=(), ra
                for i, x in enumerate(rounds)]  # fmt: skip
     energies = [reduced2[reducers.index(i)].energies if i in reducers else [] for i in range(n)]  # a client saw none
     averages = [low_rank_average(x, q, energies[i]) for i, (x, q) in enumerate(zip(rounds, q_means))]
+    for x, p, q in zip(rounds, p_means, q_means):
+        settle(x, p, q)
     return averages, reduced2
 
 
