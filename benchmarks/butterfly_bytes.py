@@ -22,7 +22,8 @@ Per run, over the steady rounds (1 .. R-2, every member averaged in one group of
   traffic, TCP payload: swarm/wire_meter.py), and its share of the interface's bytes;
 - time: an exchange's seconds (metrics.jsonl `exchange_phases`, its `wait` for slower members left out), its
   fixed cost (those seconds minus its counted bytes at the link's rate: what is not moving the message) and
-  the median of each phase.
+  the median of each phase, and of each phase the median spread of the members' ends (`exchange_phase_ends`):
+  how long the first to end a step waited there for the last.
 Writes benchmarks/results/<name>.json, .md and .png. Quantized kinds and top-k ride the compressed butterfly
 (compression/butterfly.py), low-rank both its phases; `topk:butterfly` and `topk:gather` set
 compression.topk_transport, side by side (`topk` alone: its default, auto).
@@ -122,6 +123,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
         if len(ends) == 2:
             rx, tx = run.wire(host, ends[0], ends[1])
             wire.append((rx + tx) / 2 / len(steady))  # per direction and round
+    spreads = end_spreads(run.records, steady)
     hashes = {tuple(r["stage_hashes"]) for records in run.records for r in records if r["round"] == args.rounds - 1}
     shutil.rmtree(tmp / f"{kind}-{n}", ignore_errors=True)  # checkpoints: a `small` peer's is 0.7 GB
     counted = statistics.median(sent) if sent else None
@@ -144,10 +146,29 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
         "phases_median_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},
         # each member's medians: a phase that one member spends waiting for the others (skew) shows here
         "phases_median_s_by_member": [{k: round(statistics.median(v), 3) for k, v in m.items()} for m in by_member],
+        # per phase, the median over the steady rounds of the time between the first and the last member's end of it
+        "phase_end_spread_median_s": spreads,
         "wire_metered_per_direction": statistics.median(metered) if metered else None,
         "metered_vs_wire": statistics.median(metered) / wire_per_round if metered and wire_per_round else None,
         "sources_per_direction": sources_per_direction(by_source, len(sent), metered, wire_per_round),
     }  # fmt: skip
+
+
+def end_spreads(records: list[list[dict]], rounds: range) -> dict[str, float]:
+    """Per phase, the median over `rounds` of the seconds between the first and the last member's end of it
+    (metrics.jsonl `exchange_phase_ends`, stage 0; the lab's members share one clock): how long the first to
+    end a step waited there for the last. A round counts for a phase where every member recorded it."""
+    by_phase: dict[str, list[float]] = {}
+    for t in rounds:
+        ends = []
+        for member in records:
+            r = next((r for r in member if r["round"] == t), None)
+            ends.append(((r or {}).get("exchange_phase_ends") or [None])[0] or {})
+        for phase in ends[0] if ends else ():
+            if all(phase in e for e in ends):
+                times = [e[phase] for e in ends]
+                by_phase.setdefault(phase, []).append(max(times) - min(times))
+    return {phase: round(statistics.median(v), 3) for phase, v in by_phase.items()}
 
 
 def sources_per_direction(by_source: dict[str, list[float]], member_rounds: int, metered: list[float],
@@ -263,7 +284,8 @@ def main() -> int:
                 print(f"[bytes] {kind} N={n}: counted {row['counted_vs_butterfly']} x 2(N-1)/N, wire "
                       f"{row['wire_vs_butterfly']} x, {row['wire_vs_fp32_ring']} x fp32 ring, metered {row['metered_vs_wire']} "
                       f"x the interface's, exchange "
-                      f"{row['exchange_s']} s, fixed {row['fixed_s']} s {row['phases_median_s']}, groups reused "
+                      f"{row['exchange_s']} s, fixed {row['fixed_s']} s {row['phases_median_s']}, members' ends apart "
+                      f"{row['phase_end_spread_median_s']}, groups reused "
                       f"{row['groups_reused_share']}, hashes equal "
                       f"{row['hashes_equal']} ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
                 write_all(args, params, rows)  # after every run: a run that fails later keeps what was measured

@@ -109,6 +109,8 @@ class Average:
     takes the swarm's state before it uses theta_g (a repair) instead of training on a split."""
     phases: tuple[tuple[str, float], ...] = ()
     """Seconds of each phase of the exchange, in order (swarm/phase_clock.py)."""
+    phase_ends: tuple[tuple[str, float], ...] = ()
+    """Unix time each phase of the exchange last ended, in the same order."""
     group_reused: bool = False
     """The group formed again without matchmaking: the last round's whole group (swarm/group_reuse.py)."""
     digests: tuple[bytes, ...] = ()

@@ -478,6 +478,9 @@ class StageWorker:
             "allreduce_windows": [o.window for o in outcomes],
             # per stage, seconds of each phase of the exchange applied (swarm/phase_clock.py)
             "exchange_phases": [dict(o.last.phases) if o.last is not None and o.last.phases else None for o in outcomes],
+            # per stage, the unix time each of those phases last ended: members' side by side show who waited for whom
+            "exchange_phase_ends": [dict(o.last.phase_ends) if o.last is not None and o.last.phase_ends else None
+                                    for o in outcomes],
             "coverage": min(o.coverage for o in outcomes),
             "replaced_stages": [i for i, s in enumerate(stages) if s["replaced"]],
             # per stage, {donor peer id: bytes} of the states it took from the swarm since the last record (a joiner's,

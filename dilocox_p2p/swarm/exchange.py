@@ -112,12 +112,14 @@ class RoundExchange(CompressedRound, GroupVote):
             cancel_step(control)
 
     def run(self) -> Average:
-        """The exchange, its seconds per phase in `Average.phases` (phase_clock.py)."""
+        """The exchange, its seconds per phase in `Average.phases` and their ends in `Average.phase_ends`
+        (phase_clock.py)."""
         average = self._run()
         self.stage.whole_group = whole_group(self.round, average, self._result)  # the next round may reuse it
         self.clock.mark("other")  # what no phase claimed
         reused = bool(self._reused_id) and average.group_id == self._reused_id
-        return dataclasses.replace(average, phases=tuple(self.clock.seconds().items()), group_reused=reused)
+        return dataclasses.replace(average, phases=tuple(self.clock.seconds().items()),
+                                   phase_ends=tuple(self.clock.ends().items()), group_reused=reused)  # fmt: skip
 
     def _run(self) -> Average:
         finite = self.finite  # stage.all_reduce looked (and told the others if not: MemberRecord.sitting_out)

@@ -40,3 +40,18 @@ def test_what_the_wire_carried_beside_the_payload_is_split_by_source_per_member_
     row = {"sources_per_direction": sources, "counted_sent": 990_000, "counted_received": 990_000}
     assert _not_counted(row) == "tcp/ip 70k, dht 20k, exchange 10k, libp2p 10k"
     assert sources_per_direction({}, 0, [], None) == {}
+
+
+def test_the_spread_of_a_phases_end_is_the_first_members_wait_for_the_last_over_rounds_every_member_recorded():
+    from benchmarks.butterfly_bytes import end_spreads
+
+    def record(round, ends):
+        return {"round": round, "exchange_phase_ends": [ends]}
+
+    records = [  # two members, three rounds; the second member's round 2 has no phase2 (it borrowed)
+        [record(1, {"encode": 10.0, "phase2": 10.5}), record(2, {"encode": 20.0, "phase2": 20.4}), record(3, {})],
+        [record(1, {"encode": 10.1, "phase2": 10.8}), record(2, {"encode": 20.3}), record(3, {"encode": 30.0})],
+    ]
+    assert end_spreads(records, range(1, 4)) == {"encode": 0.2, "phase2": 0.3}
+    assert end_spreads([[record(1, {})]], range(1, 2)) == {}
+    assert end_spreads([[{"round": 1}], [{"round": 1, "exchange_phase_ends": [None]}]], range(1, 2)) == {}
