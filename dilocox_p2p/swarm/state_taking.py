@@ -26,6 +26,7 @@ __all__ = ["RESYNC_ATTEMPTS", "StateTaking"]
 logger = logging.getLogger(__name__)
 
 RESYNC_ATTEMPTS = 6
+DONOR_POLL_S = 0.5  # while no donor has reached the boundary yet, their records are read again this often
 
 
 class StateTaking:
@@ -53,7 +54,7 @@ class StateTaking:
             None, self.outer.hash()
         )
 
-    def _resync(self, boundary: int, *, reason: str) -> int | None:
+    def _resync(self, boundary: int, *, reason: str, patience_s: float = 0.0) -> int | None:
         """All stages of this peer take the swarm's state at one common boundary >= `boundary`.
 
         The stages first agree on the target: the newest boundary any of their donors announced. Each
@@ -67,11 +68,17 @@ class StateTaking:
         other, round after round, until the run ended). If a stage could not get the target, all ask again. Returns the boundary the peer
         continues from, or None if nobody could serve a state. `reason` is the fault counter it counts
         as: "repairs" or "catch_ups".
+
+        While no donor has reached `boundary` yet, the stages wait for one up to `patience_s` before they count
+        attempts (`_resync_aside`: as long as a member still in the round's exchange may take). A member stranded
+        when its leader died resynced at once, gave up after its attempts a second before its partner ended that
+        exchange, and the two trained on split for good (a tie: CI run 229, test_elastic).
         """
         result: StateDownload | None = None
         rechecked = newer = chased = False
-        ahead, target = 0, -1
-        for attempt in range(RESYNC_ATTEMPTS):
+        ahead, target, attempt = 0, -1, 0
+        patience = time.monotonic() + patience_s
+        while attempt < RESYNC_ATTEMPTS:
             if attempt and not newer and not ahead:
                 time.sleep(0.5 * attempt)
             self.swarm.membership.refresh()
@@ -87,8 +94,13 @@ class StateTaking:
                 newest, ahead, chased = max(told, newest), 0, True
             elif told > newest:
                 newest, ahead = told, 0
-            if newest < boundary:
-                continue  # the others' records may not show this boundary yet
+            if newest < boundary:  # no donor there yet, or the others' records do not show it yet
+                if any(self._all_gather(time.monotonic() < patience)):  # alike on every stage of this peer
+                    time.sleep(DONOR_POLL_S)
+                else:
+                    attempt += 1
+                continue
+            attempt += 1
             target = min(newest + ahead, self.rounds)
             if result is None or result.boundary != target:
                 result = self.swarm.agreement.fetch_state(target, self._donor_order(donors, newest))
@@ -164,7 +176,10 @@ class StateTaking:
         """`_resync`, out of the stage's groups meanwhile (nobody should wait for a worker that resyncs);
         back in them if it failed."""
         self.swarm.set_state(boundary, ready=False, training=False)
-        new = self._resync(boundary, reason=reason)
+        # the others may still be in the round's exchange (a stranded worker's partners): they reach the boundary
+        # within its deadlines
+        deadlines = self.swarm.deadlines
+        new = self._resync(boundary, reason=reason, patience_s=deadlines.allreduce + deadlines.chunk)
         if new is None:
             self.swarm.set_state(boundary, ready=False, training=True)
         return new
