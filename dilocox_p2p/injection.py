@@ -35,6 +35,10 @@ Armed through the environment of the peer's processes, several separated by `;`:
   as one whose result hivemind's MPFuture failed to deliver: the stage worker gives up on it past its deadlines.
 - `read_averages_late:round=R:stage=S` makes stage S wait READ_LATE_S before it reads the averaged parts that
   reach it in round R's fp32 butterfly, as a member on a loaded machine does: they pile up in its p2p daemon.
+- `drop_average:round=R:stage=S` makes stage S end round R's exchange stranded (nothing applied, not alike),
+  after it took part in it, as a member whose leader's last answer was lost while the group went on with it.
+- `hold_exchange_end:round=R:stage=S` makes stage S end round R's exchange HOLD_END_S late, its average in
+  hand, as a member still waiting out a dead member's parts does: it reaches the next boundary that much later.
 - `corrupt_state:round=R:stage=S` flips the lowest bit of theta_g's first value on stage S
   right after round R's outer step, as a memory error or a buggy peer would.
 - `nan_pseudo_gradient:round=R:stage=S` puts a NaN into stage S's pseudo-gradient of round R,
@@ -87,6 +91,7 @@ ENV = "DILOCOX_FAULTS"
 KNOWN = (
     "kill_peer_in_allreduce", "kill_peer_mid_round", "withhold_average", "hoard_average", "read_averages_late", "skip_mending",
     "abandon_accepted", "lose_begin", "skip_group_reuse", "overlook_joiner", "lose_step", "corrupt_state", "nan_pseudo_gradient",
+    "drop_average", "hold_exchange_end",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_flipped_pseudo_gradient", "send_nan_average", "send_malformed_parts",
     "lie_to_borrowers", "flip_served_bit", "cut_served_message", "corrupt_served_piece",
     "stall_served_piece",

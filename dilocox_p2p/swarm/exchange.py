@@ -51,6 +51,8 @@ __all__ = ["RoundExchange", "gather_suspects", "mending_order", "suspects_after"
 
 logger = logging.getLogger(__name__)
 
+HOLD_END_S = 15.0  # fault injection `hold_exchange_end`: how late a member ends its exchange
+
 COUNTED_OUT = "a leader counted this worker into a group after it had given up on the leader"
 FOLLOWER_LAG_S = 2.5  # a follower of a designated leader declares this much later than the leader (_scheduled_time)
 ALONE_WITH_OUTSIDERS = "every other member of its group had given up on this group's leader"
@@ -115,6 +117,10 @@ class RoundExchange(CompressedRound, GroupVote):
         """The exchange, its seconds per phase in `Average.phases` and their ends in `Average.phase_ends`
         (phase_clock.py)."""
         average = self._run()
+        if injection.armed("drop_average", round=self.round, stage=self.stage.stage):
+            average = applies_nothing(AverageKind.STRANDED, "fault injection drop_average", self._window_start)
+        if injection.armed("hold_exchange_end", round=self.round, stage=self.stage.stage):
+            time.sleep(HOLD_END_S)
         self.stage.whole_group = whole_group(self.round, average, self._result)  # the next round may reuse it
         self.clock.mark("other")  # what no phase claimed
         reused = bool(self._reused_id) and average.group_id == self._reused_id
