@@ -186,6 +186,7 @@ class Assembled:
     """Spans of the phase's message (its padded layout) whose reducer averaged this worker's part: what leaves its
     error-feedback buffer once the average it applies is this one (`settle`)."""
     phase: int = 1
+    """The phase assembled: 1 (the message's spans) or 2 (low-rank's factors), for `settle`."""
     digest: bytes = b""
     """Names the reduced parts assembled (lowrank.basis_digest over those present; low-rank's phase 1 only):
     low-rank's phase-2 basis. A reduced part no member could get (its reducer died before serving it) is zeros

@@ -29,8 +29,9 @@ Per kind, what travels: one vector per message, the stage's pieces flattened and
 
 Error feedback gives up only what was averaged: a message's values leave the buffer when the average
 this worker applies counted it (`average` with `own`, `butterfly.settle` with the spans its reducers averaged,
-or `settle(True)` for an average borrowed from a group that counted it), never when it is encoded or assembled. A message that was never received, refused or
-screened out, or whose round stranded, stays in the buffer whole and is sent again in later rounds.
+or `settle(True)` for an average borrowed from a group that counted it), never when it is encoded or
+assembled. A message that was never received, refused or screened out, or whose round stranded, stays in
+the buffer whole and is sent again in later rounds.
 
 Local state (error-feedback buffers; low-rank's Q and ranks) is this peer's own: kept in its
 checkpoints, never hashed or shared. A peer that joins or jumps starts from an empty buffer

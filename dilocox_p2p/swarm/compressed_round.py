@@ -109,8 +109,7 @@ class CompressedRound:
             # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
             # average rather than strand this worker (members that failed too answer at once that they lack it)
             average = self._agree(self._borrow(failure, wait_s=self.stage.deadlines.allreduce))
-            # its message leaves the error-feedback buffer only if the average it took counted it
-            round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
+            self._settle_taken(round_codec, average)
             return average
         if codec.rides_butterfly(len(result.group)):
             return self._butterfly(round_codec, message, result, expected)
@@ -136,9 +135,9 @@ class CompressedRound:
             )  # fmt: skip
             average = self._mend(holed, tensors=assembled.tensors)
             if average.kind in (AverageKind.BORROWED, AverageKind.STRANDED):  # its group held nobody else
-                # (alone_with_outsiders) it applies another group's average or none: its message leaves the
-                # buffer only if that average counted it, not on the spans its own group's reducers averaged
-                round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
+                # (alone_with_outsiders) it applies another group's average or none, not the spans its own
+                # group's reducers averaged
+                self._settle_taken(round_codec, average)
                 self._log(average, expected=expected)  # (its message counted as sent)
                 return self._agree(average)
             settle(round_codec, assembled)
@@ -266,6 +265,11 @@ class CompressedRound:
         )  # fmt: skip
         self._log(average, expected=expected)
         return self._agree(average, voters=result.group)  # the whole group votes, also members left out
+
+    def _settle_taken(self, round_codec: RoundCodec, average: Average) -> None:
+        """This worker applies `average`, not one it assembled (borrowed, or none: stranded): its message leaves the
+        error-feedback buffer, whole, only if that average counted it."""
+        round_codec.settle(average.kind.applies and self.stage.peer_id in average.group)
 
     def _left_out(self, group: Sequence[str], rejected: Mapping[int, str], *, what: str) -> None:
         """Count what was left out; strike the authors of what came intact (signed) and cannot be averaged."""
