@@ -116,6 +116,13 @@ class Average:
     digests: tuple[bytes, ...] = ()
     """The compressed butterfly: the reducers' signed digests of the reduced parts this copy was assembled
     from, announced in phase 5, where two that one reducer signed for the same part prove it equivocated."""
+    counted_by: tuple[tuple[str, ...] | None, ...] = ()
+    """The compressed butterfly: per reducer, the peer ids of the members its reduced part averaged (None: not
+    known to this copy, a span it misses or filled from a copy that did not say). A member settles its error
+    feedback on the spans whose reducer counted it, whichever copy it applies (swarm/compressed_round.py)."""
+    counted_share: float | None = None
+    """Compressed rounds: the share of this worker's message that the average it applied counted, and so left
+    its error-feedback buffer (the rest is sent again); None without compression."""
 
     @property
     def group_size(self) -> int:

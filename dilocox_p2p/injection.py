@@ -16,6 +16,9 @@ Armed through the environment of the peer's processes, several separated by `;`:
 - `hoard_average:round=R:stage=S` makes stage S's reducer keep the averaged parts of round R
   from every other member and lend its copy of that round to nobody (a reducer whose uplink
   collapses once it has everyone's data): it holds the whole average, the others miss its span.
+- `withhold_reduced:round=R:stage=S` makes stage S's reducer keep its reduced parts of round R's compressed
+  butterfly from every other member (it answers that it does not hold them) and lend its copy of the average:
+  the others miss its span, relay it from nobody, and fill it from its copy.
 - `skip_mending:round=R:stage=S` makes stage S keep round R's average with the spans that
   missed it, without asking the other members for them (its requests would all time out).
 - `abandon_accepted:round=R:stage=S` makes stage S drop every group its leader began with it in
@@ -89,7 +92,7 @@ __all__ = ["FOLLOWER_FAULTS", "KNOWN", "armed", "first_armed", "flip_last_bit", 
 logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
-    "kill_peer_in_allreduce", "kill_peer_mid_round", "withhold_average", "hoard_average", "read_averages_late", "skip_mending",
+    "kill_peer_in_allreduce", "kill_peer_mid_round", "withhold_average", "withhold_reduced", "hoard_average", "read_averages_late", "skip_mending",
     "abandon_accepted", "lose_begin", "skip_group_reuse", "overlook_joiner", "lose_step", "corrupt_state", "nan_pseudo_gradient",
     "drop_average", "hold_exchange_end",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_flipped_pseudo_gradient", "send_nan_average", "send_malformed_parts",

@@ -71,6 +71,9 @@ def round_record(peer: StageWorker, t: int, stages: list[dict[str, Any]]) -> dic
         "exchange_phase_ends": [dict(o.last.phase_ends) if o.last is not None and o.last.phase_ends else None
                                 for o in outcomes],
         "coverage": min(o.coverage for o in outcomes),
+        # per stage, compressed: the share of its message the applied average counted, which left its error-feedback
+        # buffer (the rest is sent again); null without compression or an average (swarm/compressed_round.py)
+        "counted_shares": [o.last.counted_share if o.last is not None else None for o in outcomes],
         "replaced_stages": [i for i, s in enumerate(stages) if s["replaced"]],
         # per stage, {donor peer id: bytes} of the states it took from the swarm since the last record (a joiner's,
         # a repair's, a catch-up's; in pieces from several donors at once: swarm/state_pieces.py)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..average import Spans, against_the_group, bound
+from ..average import Spans, against_the_group, bound, intersect_spans
 from ..proto_gen import compression_pb2 as pb
 from .codec import NOT_RECEIVED, OTHER_BASIS, Decoded, MessageRejected, RoundCodec, StageCodec
 from .lowrank import basis_digest
@@ -55,7 +55,7 @@ from .topk import Kept, SparseChunks, TopKLayout, pack_topk, unpack_topk
 from .transport import reduced_config
 
 __all__ = ["REDUCED", "Assembled", "Reduced", "assemble", "cut", "cut_all", "low_rank_average", "low_rank_second", "part_spans",
-           "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "settle", "span_unit", "unpadded"]  # fmt: skip
+           "receive_part", "reduce", "reduced_phase", "reducer_spans", "rides_butterfly", "settle", "settle_applied", "span_unit", "unpadded"]  # fmt: skip
 
 REDUCED = 3
 """The phase of a reduced part (phases 1 and 2 are a message's own: codec.py)."""
@@ -187,6 +187,10 @@ class Assembled:
     error-feedback buffer once the average it applies is this one (`settle`)."""
     phase: int = 1
     """The phase assembled: 1 (the message's spans) or 2 (low-rank's factors), for `settle`."""
+    by_reducer: tuple[tuple[int, ...] | None, ...] = ()
+    """Per reducer (in the order of `spans`): the group indices of the members its reduced part averaged; None
+    where that part never came or was refused. What a copy of this average tells a member that fills its holes
+    from it: whether each span it takes counted that member's part (`settle` of swarm/compressed_round.py)."""
     digest: bytes = b""
     """Names the reduced parts assembled (lowrank.basis_digest over those present; low-rank's phase 1 only):
     low-rank's phase-2 basis. A reduced part no member could get (its reducer died before serving it) is zeros
@@ -265,11 +269,13 @@ def assemble(
     out = [torch.zeros(s, dtype=torch.float32) for s in layout.shapes]
     used: set[int] = set()
     counted: list[tuple[int, int]] = []
+    by_reducer: list[tuple[int, ...] | None] = [None] * len(spans)
     missing: list[tuple[int, int]] = []
     refused: dict[int, str] = {}
     empty = 0
     for index, (blob, (lo, hi)) in enumerate(zip(reduced, spans, strict=True)):
         if lo == hi:
+            by_reducer[index] = ()
             continue
         try:
             if blob is None:
@@ -283,6 +289,7 @@ def assemble(
             missing.append((lo, hi))
             continue
         members = list(message.used)
+        by_reducer[index] = tuple(members)
         if not members:  # alike on every member: applied nowhere (the mean of none is no zero step)
             empty += 1
             missing.append((lo, hi))
@@ -298,17 +305,36 @@ def assemble(
     # what a low-rank basis of this mean came from (members that hold the same agree); nothing else reads it, and
     # hashing a quantized stage's reduced parts cost a sixth of its assembly
     digest = basis_digest(reduced, present) if phase == 1 and codec.factored else b""
-    return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty, tuple(counted), phase, digest)
+    return Assembled(out, sorted(used), unpadded(layout, missing), refused, empty, tuple(counted), phase,
+                     tuple(by_reducer), digest)
 
 
 def settle(rc: RoundCodec, *steps: Assembled) -> None:
     """This worker applies the average its `steps` assembled (low-rank: both phases'): its message leaves its
     error-feedback buffer on the spans each step's reducers averaged, and stays on the rest, to be sent again."""
     for step in steps:
+        total = FlatLayout(rc.codec.pieces(step.phase, expected_ranks(rc, step.phase)), rc.codec.pad).numel
         if step.phase == 1:
-            rc.settle_spans(step.counted)
+            rc.settle_spans(step.counted, total)
         else:
-            rc.settle_factor_spans(step.counted)
+            rc.settle_factor_spans(step.counted, total)
+
+
+def settle_applied(
+    rc: RoundCodec, spans: Sequence[tuple[int, int]], counted_by: Sequence[tuple[str, ...] | None], *, me: str,
+    missing: Spans,
+) -> None:  # fmt: skip
+    """This worker applies a copy of its group's average (its own assembly, mended or not, or the majority's in
+    phase 5) whose reducers of the phase-1 message's `spans` averaged the members `counted_by` says (None: not
+    known), less its `missing` coordinates: its message leaves its error-feedback buffer on the spans that
+    counted `me` and were applied, and stays on the rest, to be sent again. A span filled from a copy that did
+    not say whom it counted stays (it may be sent twice, never lost)."""
+    layout = FlatLayout(rc.codec.pieces(1, expected_ranks(rc, 1)), rc.codec.pad)
+    counted = [
+        (lo, hi) for (lo, hi), members in zip(spans, counted_by, strict=True)
+        if lo < hi and members is not None and me in members and not intersect_spans(unpadded(layout, [(lo, hi)]), missing)
+    ]  # fmt: skip
+    rc.settle_spans(counted, layout.numel)
 
 
 def low_rank_second(rc: RoundCodec, phase1: Assembled) -> bytes:

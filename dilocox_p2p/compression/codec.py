@@ -4,7 +4,7 @@
     round_codec = codec.begin(round, delta)          # delta joins the error-feedback buffer
     m1 = round_codec.message(1)                       # bytes for the stage group (butterfly.py cuts it, or all-gathered)
     m2 = round_codec.message(2, gathered_1)           # low-rank only: from the group's phase-1 messages
-    average = round_codec.average(gathered_last, own=i)  # the decoded mean of the group's last messages
+    average = round_codec.average(gathered_last, own=i)  # the decoded mean of the group's last messages, settled
     round_codec.settle(counted)                       # without an average of its own (borrowed, stranded)
 
 Every member decodes the same set of messages (the gather relays what a member missed) in the
@@ -28,10 +28,10 @@ Per kind, what travels: one vector per message, the stage's pieces flattened and
   another basis.
 
 Error feedback gives up only what was averaged: a message's values leave the buffer when the average
-this worker applies counted it (`average` with `own`, `butterfly.settle` with the spans its reducers averaged,
-or `settle(True)` for an average borrowed from a group that counted it), never when it is encoded or
-assembled. A message that was never received, refused or screened out, or whose round stranded, stays in
-the buffer whole and is sent again in later rounds.
+this worker applies, as phase 5 chose it, counted it (`settle_decoded` on `mean`, `butterfly.settle_applied` with
+the spans whose reducers counted it, as its copy says, or `settle(True)` for an average borrowed from a group that
+counted it), never when it is encoded or assembled. A message that was never received, refused or screened out,
+or whose round stranded or tied, stays in the buffer whole and is sent again in later rounds.
 
 Local state (error-feedback buffers; low-rank's Q and ranks) is this peer's own: kept in its
 checkpoints, never hashed or shared. A peer that joins or jumps starts from an empty buffer
@@ -58,6 +58,8 @@ from .lowrank import (
     adapt_rank,
     basis,
     basis_digest,
+    energy,
+    factorable,
     fit_rank,
     group_energy,
     group_rank,
@@ -73,7 +75,6 @@ from .payload import (
     encode_payload,
     encoding_of,
     frame,
-    rows_per_slice,
     slice_step,
     streamed_mean,
     unframe,
@@ -127,7 +128,7 @@ class StageCodec:
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         decay = cfg.effective_feedback_decay
         self.feedback = ErrorFeedback([torch.empty(s, device="meta") for s in self.shapes], decay=decay) if decay > 0 else None
-        self.lowrank = [cfg.kind == "lowrank" and _factorable(s, cfg) for s in self.shapes]
+        self.lowrank = [cfg.kind == "lowrank" and factorable(s, cfg.rank_min) for s in self.shapes]
         self.factored = [i for i, f in enumerate(self.lowrank) if f]
         self.ranks = {i: max(1, min(cfg.rank, self.rank_cap(i))) for i in self.factored}
         self.qs: dict[int, torch.Tensor] = {}  # the last averaged Q per low-rank matrix (warm start)
@@ -330,6 +331,7 @@ class RoundCodec(Settlement):
         self.generation = codec.generation
         self.settled = False
         self.settled_factors = False  # the compressed butterfly settles phase 2 on its own (settle_factor_spans)
+        self.shares: dict[int, float] = {}
 
     def use_ranks(self, ranks: Sequence[int]) -> None:
         """Encode at the group's `ranks` (one per factored matrix, agreed before phase 1: the compressed butterfly
@@ -353,17 +355,16 @@ class RoundCodec(Settlement):
     def average(self, gathered: Sequence[bytes | None], *, own: int | None) -> Decoded:
         """The decoded mean of the group's messages of the last phase, in the given (group) order;
         None stands for a message never received. `own`: this worker's index among them (None: it sent
-        none); its message leaves the error-feedback buffer if the mean counted it (`settle`)."""
+        none); its message leaves the error-feedback buffer if the mean counted it (`settle_decoded`)."""
         with self.codec.lock:
-            if self.codec.phases == 1:
-                decoded = self._mean_of_first(gathered)
-                self.settle(own is not None and own in decoded.used)
-            else:
-                decoded = self._low_rank_average(gathered)
-                assert self.phase1 is not None
-                # the tensors sent whole count with phase 1, the factored matrices with phase 2
-                self.settle(own is not None and own in self.phase1.used, factors=own is not None and own in decoded.used)
+            decoded = self.mean(gathered)
+            self.settle_decoded(decoded, own)
             return decoded
+
+    def mean(self, gathered: Sequence[bytes | None]) -> Decoded:
+        """`average` without settling: the caller settles once it knows which average it applies."""
+        with self.codec.lock:
+            return self._mean_of_first(gathered) if self.codec.phases == 1 else self._low_rank_average(gathered)
 
     # ----- phase 1 -------------------------------------------------------------------------
     def _first(self) -> bytes:
@@ -418,7 +419,7 @@ class RoundCodec(Settlement):
         for i in codec.factored:
             self.bases[i] = basis(self.phase1.tensors[i])
             bs.append(local_basis(self.bases[i]))
-            energy_total.append(_energy(self.target[i]))
+            energy_total.append(energy(self.target[i]))
         qts = [(self.target[i].T @ b).T.contiguous() for i, b in zip(codec.factored, bs)]
         message = pb.CompressedMessage(codec=codec.cfg.kind, round=self.round, phase=2, energy_total=energy_total,
                                        ranks=[self.bases[i].rank for i in codec.factored], basis=self.basis)  # fmt: skip
@@ -426,7 +427,7 @@ class RoundCodec(Settlement):
         assert decoded is not None
         self.sent_factors = list(zip(bs, decoded))  # B B^T M_i leaves the buffer once averaged (settle)
         for qt in decoded:
-            message.energy_kept.append(_energy(qt))
+            message.energy_kept.append(energy(qt))
         return frame(message, sections)
 
     def _low_rank_average(self, gathered: Sequence[bytes | None]) -> Decoded:
@@ -494,13 +495,3 @@ def _said(encoded: pb.EncodedTensor) -> str:
     which = encoded.WhichOneof("encoding")
     fields = getattr(encoded, which).ListFields() if which else []
     return f"{which or 'nothing'}({', '.join(f'{f.name}={v}' for f, v in fields)})"
-
-
-def _energy(matrix: torch.Tensor) -> float:
-    """Sum of squares in float64, a slice of rows at a time (this peer's own number: any rounding will do)."""
-    return math.fsum(float(torch.sum(rows.double() ** 2)) for rows in matrix.split(rows_per_slice(matrix)))
-
-
-def _factorable(shape: torch.Size, cfg: CompressionConfig) -> bool:
-    """A matrix worth factoring: its factors at the lowest rank are well below its size."""
-    return len(shape) == 2 and min(shape) > 1 and cfg.rank_min * (shape[0] + shape[1]) * 4 <= shape[0] * shape[1]

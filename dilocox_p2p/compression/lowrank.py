@@ -48,9 +48,10 @@ import numpy as np
 import torch
 
 from ..model import portable_normal
+from .payload import rows_per_slice
 
 __all__ = [
-    "Basis", "adapt_rank", "agreed_ranks", "basis", "basis_digest", "fit_rank", "group_energy", "group_rank", "initial_q", "local_basis",
+    "Basis", "adapt_rank", "agreed_ranks", "basis", "basis_digest", "energy", "factorable", "fit_rank", "group_energy", "group_rank", "initial_q", "local_basis",
     "reconstruct",
 ]  # fmt: skip
 
@@ -226,3 +227,13 @@ def fit_rank(factor: torch.Tensor, rank: int) -> torch.Tensor:
     if factor.shape[1] > rank:
         return factor[:, :rank]
     return torch.cat([factor, torch.zeros(factor.shape[0], rank - factor.shape[1])], dim=1)
+
+
+def energy(matrix: torch.Tensor) -> float:
+    """Sum of squares in float64, a slice of rows at a time (this peer's own number: any rounding will do)."""
+    return math.fsum(float(torch.sum(rows.double() ** 2)) for rows in matrix.split(rows_per_slice(matrix)))
+
+
+def factorable(shape: torch.Size, rank_min: int) -> bool:
+    """A matrix worth factoring: its factors at the lowest rank (`rank_min`) are well below its size."""
+    return len(shape) == 2 and min(shape) > 1 and rank_min * (shape[0] + shape[1]) * 4 <= shape[0] * shape[1]

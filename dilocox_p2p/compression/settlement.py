@@ -19,7 +19,7 @@ import torch
 from .payload import FlatLayout, rows_per_slice, slice_step
 
 if TYPE_CHECKING:
-    from .codec import StageCodec
+    from .codec import Decoded, StageCodec
 
 __all__ = ["Settlement"]
 
@@ -35,6 +35,15 @@ class Settlement:
     settled_factors: bool
     sent: bytes | None
     sent_factors: list[tuple[torch.Tensor, torch.Tensor]]
+    phase1: Decoded | None
+    shares: dict[int, float]
+    """Phase -> the share of this worker's message of that phase that the applied average counted."""
+
+    @property
+    def counted_share(self) -> float | None:
+        """The share of this worker's message that the average it applies counted (low-rank: the mean of its two
+        phases'), as settled; None before it settled."""
+        return sum(self.shares.values()) / len(self.shares) if self.shares else None
 
     def settle(self, counted: bool, *, factors: bool | None = None) -> None:
         """Once per round: if the average this worker applies `counted` its message, what the message carried
@@ -46,6 +55,9 @@ class Settlement:
             if self.settled or self.generation != codec.generation:
                 return
             self.settled = True
+            self.shares[1] = float(counted)
+            if codec.phases == 2:
+                self.shares[2] = float(counted if factors is None else factors)
             if not self.from_buffer:  # no error feedback, or a delta that never entered the buffer
                 return
             if counted:
@@ -57,25 +69,37 @@ class Settlement:
                 for lo in range(0, buffer.shape[0], rows):
                     buffer[lo : lo + rows].sub_(b[lo : lo + rows] @ qt)
 
-    def settle_spans(self, spans: Sequence[tuple[int, int]]) -> None:
-        """`settle` per span of the message's vector (the compressed butterfly, compression/butterfly.py: each
-        reducer averaged this worker's part of its span or left it out): the values of the spans counted leave
-        the error-feedback buffer, the rest stays whole, to be sent again."""
+    def settle_decoded(self, decoded: Decoded, own: int | None) -> None:
+        """`settle` on the all-gather's decoded mean (RoundCodec.mean) that this worker applies, `own` its index in
+        the group (None: it sent nothing): low-rank's tensors sent whole count with phase 1, its factored matrices
+        with phase 2."""
+        if self.codec.phases == 1:
+            self.settle(own is not None and own in decoded.used)
+        else:
+            assert self.phase1 is not None
+            self.settle(own is not None and own in self.phase1.used, factors=own is not None and own in decoded.used)
+
+    def settle_spans(self, spans: Sequence[tuple[int, int]], total: int) -> None:
+        """`settle` per span of the message's vector of `total` values (the compressed butterfly,
+        compression/butterfly.py: each reducer averaged this worker's part of its span or left it out): the values
+        of the spans counted leave the error-feedback buffer, the rest stays whole, to be sent again."""
         with self.codec.lock:
             if self.settled or self.generation != self.codec.generation:
                 return
             self.settled = True
+            self.shares[1] = _share(spans, total)
             if self.from_buffer:
                 self._give_back(spans)
 
-    def settle_factor_spans(self, spans: Sequence[tuple[int, int]]) -> None:
-        """`settle_spans` for low-rank's phase-2 message (its factors Q^T, in `pieces(2, ranks)`'s layout): on the
-        spans counted, this worker's part B B^T M_i of the average leaves the buffer."""
+    def settle_factor_spans(self, spans: Sequence[tuple[int, int]], total: int) -> None:
+        """`settle_spans` for low-rank's phase-2 message (its factors Q^T, in `pieces(2, ranks)`'s layout, `total`
+        values): on the spans counted, this worker's part B B^T M_i of the average leaves the buffer."""
         codec = self.codec
         with codec.lock:
             if self.settled_factors or self.generation != codec.generation:
                 return
             self.settled_factors = True
+            self.shares[2] = _share(spans, total)
             if not self.from_buffer or not self.sent_factors:
                 return
             layout = FlatLayout([qt.shape for _, qt in self.sent_factors], codec.pad)
@@ -104,3 +128,8 @@ class Settlement:
             for a in range(lo, hi, step):  # lo on a span unit: a slice starts on a block
                 b = min(a + step, hi)
                 mine.layout.subtract(buffers, a, b, mine.reader.read(a, b))
+
+
+def _share(spans: Sequence[tuple[int, int]], total: int) -> float:
+    """The share of `total` values that `spans` (disjoint) cover."""
+    return sum(hi - lo for lo, hi in spans) / total if total else 1.0

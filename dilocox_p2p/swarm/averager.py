@@ -370,12 +370,13 @@ class DilocoxAverager(
         return self._outbox[:size].numpy().tobytes()
 
     def hold_buffers(
-        self, round: int, kind: AverageKind, group: Sequence[str], group_id: bytes, missing: Spans = ()
-    ) -> None:
+        self, round: int, kind: AverageKind, group: Sequence[str], group_id: bytes, missing: Spans = (),
+        counted_by: Sequence[tuple[str, ...] | None] = (),
+    ) -> None:  # fmt: skip
         """Keep (and serve to the group) the average the worker wrote into the averaged tensors; called holding
         their lock (`get_tensors()`), which the averager process does not take for it (held.py)."""
-        kwargs = dict(round=round, kind=kind, group=tuple(group), group_id=group_id, missing=tuple(missing))
-        self._call("_hold_buffers", 30.0, **kwargs)
+        self._call("_hold_buffers", 30.0, round=round, kind=kind, group=tuple(group), group_id=group_id,
+                   missing=tuple(missing), counted_by=tuple(counted_by))  # fmt: skip
 
     def adopt(self, round: int, peers: Sequence[str], average_hash: str, *, wait_s: float, deadline_s: float) -> Collected:
         """Download round `round`'s average from `peers` in order until one's copy hashes to `average_hash`

@@ -13,6 +13,11 @@ member decodes alike (codec.py).
 Either way a refused contribution strikes its author: a part or message that came intact (behind
 its author's signed digest) and cannot be averaged, or a reduced part a reducer signed that does
 not decode. A member whose message or part never came is suspected gone (`gather_suspects`).
+
+The error feedback settles last, on the copy phase 5 chose (`_settled`): this worker's message leaves its buffer
+where that copy counted it. A copy of a butterfly round says per reducer whom it counted (Average.counted_by),
+also for the spans mended from another member's copy or adopted with the majority's; a tie applies nothing and
+gives up nothing. The record's `counted_shares` says how much of the message left.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..average import Average, AverageKind, applies_nothing
@@ -34,6 +39,7 @@ from ..compression.butterfly import (
     reduce,
     reduced_phase,
     settle,
+    settle_applied,
 )
 from ..compression.codec import NO_FAULT, NOT_RECEIVED, RoundCodec
 from .client_member import reducers_of
@@ -87,10 +93,17 @@ class CompressedRound:
     abandoned: Any
 
     def _compressed(self, expected: int) -> Average:
-        """Phases 2-4 with compression: gather the group's messages, decode, hold what was applied."""
+        """Phases 2-4 with compression: gather the group's messages, decode, hold what was applied; the average
+        says what share of this worker's message it counted (and so left the error-feedback buffer)."""
         codec = self.stage.codec_for(self.round)
         assert codec is not None
         round_codec = codec.begin(self.round, self.tensors)
+        average = self._compressed_round(round_codec, expected)
+        share = round_codec.counted_share  # None: nothing settled, the buffer kept the whole message
+        return dataclasses.replace(average, counted_share=0.0 if share is None else share)
+
+    def _compressed_round(self, round_codec: RoundCodec, expected: int) -> Average:
+        codec = round_codec.codec
         self._digests: list[bytes] = []  # the reducers' signed digests of the reduced parts assembled (phase 5)
         self._outsiders: set[str] = set()  # members that answered they are in no such group (gather.OUTSIDE)
         low_rank = codec.cfg.kind == "lowrank"  # encoded once the group formed, at the ranks most members named
@@ -109,6 +122,9 @@ class CompressedRound:
             # the group may still be gathering (up to allreduce_timeout, both phases): wait that long for its
             # average rather than strand this worker (members that failed too answer at once that they lack it)
             average = self._agree(self._borrow(failure, wait_s=self.stage.deadlines.allreduce))
+            if message and average.counted_by:  # a butterfly's copy: its reducers cut every message alike
+                by_reducers = self._by_reducers(round_codec, part_spans(message, len(average.counted_by)))
+                return self._settled(round_codec, average, average.group_id, by_reducers)
             self._settle_taken(round_codec, average)
             return average
         if codec.rides_butterfly(len(result.group)):
@@ -117,38 +133,64 @@ class CompressedRound:
 
     def _butterfly(self, round_codec: RoundCodec, message: bytes, result: RoundResult, expected: int) -> Average:
         """Reduce this worker's span of the group's parts (the step gathered them), all-gather the reduced parts,
-        assemble the average; mend the spans whose reduced part never came from members that hold them."""
+        assemble the average; mend the spans whose reduced part never came from members that hold them. The error
+        feedback settles on the copy this worker applies, after phase 5: the spans whose reducer counted it."""
         group = result.group
         assembled, _, sent, received = self._reduce_step(round_codec, message, result, group=group, clients=result.clients,
                                                          group_id=result.group_id, phase=1, marks=("phase2", "decode"))  # fmt: skip
         if not assembled.used and not assembled.refused:  # every reducer's span averaged nobody, alike everywhere
             return self._none_averaged(len(group), expected)  # applies nothing: the buffer keeps the whole message
         used = tuple(group[i] for i in assembled.used)
+        counted_by = tuple(None if c is None else tuple(group[i] for i in c) for c in assembled.by_reducer)
         kind = AverageKind.PARTIAL if assembled.missing else AverageKind.AVERAGED
-        self._hold(assembled.tensors, kind, used, result.group_id, missing=assembled.missing)
+        self._hold(assembled.tensors, kind, used, result.group_id, missing=assembled.missing, counted_by=counted_by)
         refused = [result.reducers[i] for i in assembled.refused]
+        spans = part_spans(message, len(reducers_of(group, result.clients)))
         if assembled.missing and not reduced_by_nobody(refused, self._outsiders):
             banned = set(self.membership.banned())  # mended from the others' copies, never from a member banned meanwhile
             holed = dataclasses.replace(
                 result, group=[p for p in group if p not in banned], missing=assembled.missing, failed_reducers=refused,
                 bytes_sent=sent, bytes_received=received,
             )  # fmt: skip
-            average = self._mend(holed, tensors=assembled.tensors)
+            average = self._mend(holed, tensors=assembled.tensors, counted_by=counted_by)
             if average.kind in (AverageKind.BORROWED, AverageKind.STRANDED):  # its group held nobody else
                 # (alone_with_outsiders) it applies another group's average or none, not the spans its own
                 # group's reducers averaged
-                self._settle_taken(round_codec, average)
                 self._log(average, expected=expected)  # (its message counted as sent)
-                return self._agree(average)
-            settle(round_codec, assembled)
+                agreed = self._agree(average)
+                return self._settled(round_codec, agreed, result.group_id, self._by_reducers(round_codec, spans))
             average = dataclasses.replace(average, group=used, digests=tuple(self._digests))
         else:
-            settle(round_codec, assembled)
             average = Average(kind=kind, tensors=assembled.tensors, missing=assembled.missing, group=used,
                               bytes_sent=sent, bytes_received=received, window=(self._window_start, time.time()),
-                              group_id=result.group_id, digests=tuple(self._digests))  # fmt: skip
+                              group_id=result.group_id, digests=tuple(self._digests), counted_by=counted_by)  # fmt: skip
         self._log(average, expected=expected)
-        return self._agree(average, voters=group)  # the whole group votes, also members left out
+        agreed = self._agree(average, voters=group)  # the whole group votes, also members left out
+        return self._settled(round_codec, agreed, result.group_id, self._by_reducers(round_codec, spans))
+
+    def _settled(
+        self, round_codec: RoundCodec, average: Average, group_id: bytes, of_group: Callable[[Average], None]
+    ) -> Average:
+        """Settle the error feedback on the copy of the round's average this worker applies, once phase 5 chose it:
+        `of_group(average)` where it is its group's (`group_id`: its own, or the majority's), else whole if that
+        copy counted this worker or not at all (a tie: nothing applied; another group's: `_settle_taken`)."""
+        if average.kind.applies and average.group_id == group_id:
+            of_group(average)
+        else:
+            self._settle_taken(round_codec, average)
+        return average
+
+    def _by_reducers(self, round_codec: RoundCodec, spans: Sequence[tuple[int, int]]) -> Callable[[Average], None]:
+        """`_settled`'s rule for a copy of a butterfly round's average (`spans`: this worker's message's reducer
+        spans): span by span, where the copy says whom each reducer counted; else whole if it counted this worker."""
+
+        def settle_copy(average: Average) -> None:
+            if len(average.counted_by) == len(spans):
+                settle_applied(round_codec, spans, average.counted_by, me=self.stage.peer_id, missing=average.missing)
+            else:
+                self._settle_taken(round_codec, average)
+
+        return settle_copy
 
     def _low_rank_butterfly(self, round_codec: RoundCodec, result: RoundResult, expected: int) -> Average:
         """Low-rank through the butterfly: P at the group's ranks, reduced and assembled, then Q' in the basis of
@@ -176,7 +218,6 @@ class CompressedRound:
         used = tuple(group[i] for i in sorted(set(step[0].used) & set(step[1].used)))
         if not used:
             return self._none_averaged(len(group), expected)  # applies nothing: the buffer keeps the whole message
-        settle(round_codec, *step)
         holes = sum(len(s.refused) + s.empty for s in step)
         self._hold(tensors, AverageKind.AVERAGED, used, result.group_id)
         average = Average(kind=AverageKind.AVERAGED, tensors=tensors, group=used, bytes_sent=sent, bytes_received=received,
@@ -184,7 +225,8 @@ class CompressedRound:
                           note=f"{holes} reduced part(s) missing (zeros)" if holes else "",
                           digests=tuple(self._digests))  # fmt: skip
         self._log(average, expected=expected)
-        return self._agree(average, voters=group)
+        return self._settled(round_codec, self._agree(average, voters=group), result.group_id,
+                             lambda _: settle(round_codec, *step))  # fmt: skip
 
     def _reduce_step(
         self, round_codec: RoundCodec, message: bytes, scattered: Any, *, group: list[str], clients: Sequence[str],
@@ -246,7 +288,7 @@ class CompressedRound:
             for peer, reason in second.offenders.items():
                 self.stage.strike(peer, f"round {self.round} phase 2: {reason}")
             self.clock.mark("phase2")
-        decoded = round_codec.average(messages, own=result.group.index(self.stage.peer_id))
+        decoded = round_codec.mean(messages)
         self.clock.mark("decode")
         used = tuple(result.group[i] for i in decoded.used)
         self._left_out(result.group, decoded.rejected, what="message")
@@ -264,7 +306,9 @@ class CompressedRound:
             note=f"{len(decoded.rejected)} of {len(result.group)} messages left out" if decoded.rejected else "",
         )  # fmt: skip
         self._log(average, expected=expected)
-        return self._agree(average, voters=result.group)  # the whole group votes, also members left out
+        agreed = self._agree(average, voters=result.group)  # the whole group votes, also members left out
+        own = result.group.index(self.stage.peer_id)
+        return self._settled(round_codec, agreed, result.group_id, lambda _: round_codec.settle_decoded(decoded, own))
 
     def _settle_taken(self, round_codec: RoundCodec, average: Average) -> None:
         """This worker applies `average`, not one it assembled (borrowed, or none: stranded): its message leaves the

@@ -393,8 +393,9 @@ class RoundExchange(CompressedRound, GroupVote):
         return time.monotonic() - started > self.sw.round_wait + STEP_LOOK_EXTRA_S + allreduce + STEP_GRACE_S
 
     def _hold(
-        self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans = ()
-    ) -> None:
+        self, tensors: list[torch.Tensor], kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans = (),
+        counted_by: tuple[tuple[str, ...] | None, ...] = (),
+    ) -> None:  # fmt: skip
         """Keep `tensors` as this round's average, served to members that ask for it. The buffers' lock is held
         until the averager has its copy: an all-reduce of a step cancelled after its group formed still runs (it
         writes its output into the buffers at its end, and waits for the lock to start), and it must not overwrite
@@ -402,21 +403,25 @@ class RoundExchange(CompressedRound, GroupVote):
         with self.averager.get_tensors() as buffers:
             for buf, t in zip(self._buffers(buffers), tensors, strict=True):
                 buf.copy_(t)
-            self.averager.hold_buffers(self.round, kind, group, group_id, missing)
+            self.averager.hold_buffers(self.round, kind, group, group_id, missing, counted_by)
 
     def _buffers(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """The averager's buffers of the tensors this round averages (a streaming fragment's, or all)."""
         return [buffers[i] for i in self.stage.fragment_indices(self.round)]
 
     # ----- phase 3 -------------------------------------------------------------------------
-    def _mend(self, result: RoundResult, tensors: list[torch.Tensor] | None = None) -> Average:
+    def _mend(
+        self, result: RoundResult, tensors: list[torch.Tensor] | None = None,
+        counted_by: tuple[tuple[str, ...] | None, ...] = (),
+    ) -> Average:  # fmt: skip
         """Fill the spans of `result` that missed this worker from the group's other members (`tensors`: the
-        average with those holes; None: the averager's buffers, where the fp32 butterfly left it)."""
+        average with those holes; None: the averager's buffers, where the fp32 butterfly left it; `counted_by`:
+        the compressed butterfly's, per reducer, filled in from the copies that fill its spans)."""
         if tensors is None:
             with self.averager.get_tensors() as buffers:
                 tensors = [b.clone() for b in self._buffers(buffers)]
         kind = AverageKind.PARTIAL if result.missing else AverageKind.AVERAGED
-        raw = HeldAverage(self.round, kind, tensors, result.missing, tuple(result.group), result.group_id)
+        raw = HeldAverage(self.round, kind, tensors, result.missing, tuple(result.group), result.group_id, counted_by)
         bytes_received = result.bytes_received
         answered: list[str] = []
         mended_from: list[str] = []

@@ -386,7 +386,8 @@ class MessageGather:
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
         held = self._inbox.get(key, {}).get(which)
-        if held is None:
+        if held is None or (request.sender == self._my_id and request.phase >= REDUCED and injection.armed(
+                "withhold_reduced", round=getattr(self, "_current_round", -1), stage=self.stage)):  # fmt: skip
             header.status, header.reason = swarm_pb2.STATE_NOT_READY, "not held here"
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return

@@ -46,11 +46,15 @@ class HeldAverage:
     missing: Spans
     group: tuple[str, ...]
     group_id: bytes
+    counted_by: tuple[tuple[str, ...] | None, ...] = ()
+    """The compressed butterfly: per reducer, the members its reduced part averaged (None: not known here);
+    what a member that fills its holes from this copy settles its error feedback by (Average.counted_by)."""
 
     def to_average(self, **extra: Any) -> Average:
         return Average(
-            kind=self.kind, tensors=self.tensors, missing=self.missing, group=self.group, group_id=self.group_id, **extra
-        )
+            kind=self.kind, tensors=self.tensors, missing=self.missing, group=self.group, group_id=self.group_id,
+            counted_by=self.counted_by, **extra,
+        )  # fmt: skip
 
     def info(self) -> swarm_pb2.AverageInfo:
         return swarm_pb2.AverageInfo(
@@ -59,7 +63,15 @@ class HeldAverage:
             missing=[swarm_pb2.Span(start=a, end=b) for a, b in self.missing],
             group=list(self.group),
             group_id=self.group_id,
+            counted_by=[swarm_pb2.ReducerCount(known=c is not None, members=c or ()) for c in self.counted_by],
         )
+
+    def filled_from(self, other: HeldAverage) -> tuple[tuple[str, ...] | None, ...]:
+        """`counted_by` once this copy's holes are filled from `other` (a copy of the same group's average): what
+        this copy does not know and `other` does, taken from `other`."""
+        if len(other.counted_by) != len(self.counted_by):
+            return self.counted_by
+        return tuple(mine if mine is not None else theirs for mine, theirs in zip(self.counted_by, other.counted_by))
 
 
 @dataclass
@@ -92,13 +104,14 @@ class AverageService:
     """The averager's (DilocoxAverager's) held averages: kept, served, collected and adopted."""
 
     async def _hold_buffers(
-        self, round: int, kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans, future: MPFuture
-    ) -> None:
+        self, round: int, kind: AverageKind, group: tuple[str, ...], group_id: bytes, missing: Spans,
+        counted_by: tuple[tuple[str, ...] | None, ...], future: MPFuture,
+    ) -> None:  # fmt: skip
         try:  # the host holds the buffers' lock meanwhile (exchange._hold): taken here, in the event loop, it
             # blocked the loop for good whenever an all-reduce of this process held it (a step cancelled after its
             # group formed), and with it every request this averager serves (seen: a survivor of a crash stalled)
             tensors = [t.clone() for t in self._of_round(round, self._averaged_tensors)]
-            self._hold(HeldAverage(round, kind, tensors, missing, group, group_id))
+            self._hold(HeldAverage(round, kind, tensors, missing, group, group_id, counted_by))
             future.set_result(None)
         except Exception as e:  # pragma: no cover - reported to the caller
             future.set_exception(e)
@@ -139,7 +152,8 @@ class AverageService:
                 tensors, missing = fill_missing(mine.tensors, mine.missing, got.tensors, got.missing)
                 if missing != mine.missing:
                     out.mended_from.append(peer)
-                    out.average = HeldAverage(round, mine.kind, tensors, missing, mine.group, mine.group_id)
+                    out.average = HeldAverage(round, mine.kind, tensors, missing, mine.group, mine.group_id,
+                                              mine.filled_from(got))  # fmt: skip
             else:
                 out.failures.append(f"{peer}: holds another group's average")
                 out.elsewhere.append(peer)
@@ -255,7 +269,9 @@ class AverageService:
         missing = tuple((s.start, s.end) for s in info.missing)
         if (why := malformed_average(info.kind, missing, sum(t.numel() for t in tensors))) is not None:
             return None, f"refused: the signed header's {why}", size
-        return HeldAverage(round, AverageKind(info.kind), tensors, missing, tuple(info.group), info.group_id), "", size
+        counted_by = tuple(tuple(c.members) if c.known else None for c in info.counted_by)
+        held = HeldAverage(round, AverageKind(info.kind), tensors, missing, tuple(info.group), info.group_id, counted_by)
+        return held, "", size
 
     @limit_per_peer(swarm_pb2.AverageHeader)
     async def rpc_download_average(

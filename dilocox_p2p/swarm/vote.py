@@ -340,7 +340,7 @@ class GroupVote:
         if average_hash(tensors, target) != winner:
             return None
         kind = AverageKind(record.kind)
-        self._hold(tensors, kind, average.group, average.group_id, target)
+        self._hold(tensors, kind, average.group, average.group_id, target, average.counted_by)
         return dataclasses.replace(average, kind=kind, tensors=tensors, missing=target)
 
     def _downloaded(self, average: Average, holders: list[str], winner: str) -> Average | None:

@@ -165,3 +165,30 @@ def test_a_low_rank_joiner_at_its_initial_ranks_takes_the_ranks_most_of_its_grou
     for t in together:
         assert records[0][t]["stage_hashes"] == records[1][t]["stage_hashes"] == records[2][t]["stage_hashes"], t
         assert records[2][t]["compression"][0]["ranks"] == records[0][t]["compression"][0]["ranks"], t
+
+
+def test_a_span_mended_from_a_reducers_copy_leaves_each_members_buffer_where_that_reducer_counted_it(swarm):
+    # the third peer's reducer keeps its reduced part of round 1 from both others, and lends its copy of the
+    # average: they miss its span, fill it from that copy, and its copy says the reducer averaged their parts. Before,
+    # a member could not tell from a copy whom a span's reducer had counted: its message stayed in its buffer on that
+    # span (a third of it), applied now and sent again later
+    rounds = 3
+    args = ("--mode", "sync", "--rounds", str(rounds), "--min-peers", "3", "--stages", "1", "--inner-steps", "5",
+            "--compression", "int8")  # fmt: skip
+    peers = [swarm.start_peer(*args) for _ in range(2)]
+    reducer = swarm.start_peer(*args, env={"DILOCOX_FAULTS": "withhold_reduced:round=1:stage=0"})
+    for peer in [*peers, reducer]:
+        assert peer.wait(timeout=300) == 0, peer.output()
+
+    records = [{r["round"]: r for r in p.metrics()} for p in [*peers, reducer]]
+    for t in range(rounds):
+        assert len({tuple(r[t]["stage_hashes"]) for r in records}) == 1, f"the peers differ at round {t}"
+    for peer, by_round in zip(peers, records):
+        mended = by_round[1]
+        assert mended["kinds"] == ["mended"] and mended["coverage"] == 1.0 and mended["group_sizes"] == [3], mended
+        assert mended["counted_shares"] == [1.0], mended["counted_shares"]
+        assert "parts that missed this worker were taken from" in peer.stage_log(0)
+    assert records[2][1]["kinds"] == ["averaged"] and records[2][1]["counted_shares"] == [1.0]
+    # a round that averaged all three whole counted each member's whole message
+    assert all(r["counted_shares"] == [1.0] for by_round in records for r in by_round.values()
+               if r["kinds"] == ["averaged"] and r["group_sizes"] == [3])  # fmt: skip

@@ -18,6 +18,8 @@ from dilocox_p2p.compression.butterfly import (
     reducer_spans,
     rides_butterfly,
     settle,
+    settle_applied,
+    unpadded,
 )
 from dilocox_p2p.average import AGAINST, against_the_group
 from dilocox_p2p.compression.codec import NO_FAULT, NOT_RECEIVED, StageCodec
@@ -195,6 +197,58 @@ def test_a_member_gives_up_only_what_the_average_it_applies_counted_not_what_its
     assert given_up == its_own
     a, b = spans[1]
     assert torch.equal(buffer[a:b], delta[a:b])  # its reduced part never came: counted by no average it holds
+
+
+@pytest.mark.parametrize("copy_says", ["counted", "left_out", "nothing"])
+def test_a_span_filled_from_a_copy_leaves_the_buffer_only_where_that_copys_reducer_counted_this_member(copy_says):
+    # a member misses reducer 1's reduced part and fills that span from another member's copy: its message leaves
+    # the buffer there only if the copy says reducer 1 counted it (its own assembly could not tell). Before, the
+    # span always stayed, and where reducer 1 had counted it, it was applied now and sent again later (twice)
+    n = 3
+    names = ("a", "b", "c")
+    codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    deltas = [_deltas(seed) for seed in range(n)]
+    rounds = [c.begin(0, d) for c, d in zip(codecs, deltas)]
+    messages = [r.message(1) for r in rounds]
+    spans = part_spans(messages[0], n)
+    blobs = [reduce(rounds[k], [cut_all(m, n)[k] for m in messages], span=spans[k]).blob for k in range(n)]
+    mine = assemble(rounds[0], [blobs[0], None, blobs[2]], spans=spans, own=0)
+    theirs = assemble(rounds[2], blobs, spans=spans, own=2)
+    assert mine.by_reducer == ((0, 1, 2), None, (0, 1, 2)) and theirs.by_reducer == ((0, 1, 2),) * 3
+    copy = {"counted": ("a", "b", "c"), "left_out": ("b", "c"), "nothing": None}[copy_says]
+    counted_by = [tuple(names[i] for i in c) if c is not None else c for c in mine.by_reducer]
+    counted_by[1] = copy  # what the copy that filled reducer 1's span says of it
+    settle_applied(rounds[0], spans, counted_by, me="a", missing=())  # the hole filled: nothing missing
+    layout = FlatLayout(SHAPES, CompressionConfig(kind="int8").block)
+    buffer = layout.read(codecs[0].feedback.buffers, 0, layout.numel)
+    delta = layout.read(deltas[0], 0, layout.numel)
+    lo, hi = spans[1]
+    given_up = float(buffer[lo:hi].abs().max()) < 0.02 * float(delta[lo:hi].abs().max())
+    assert given_up == (copy_says == "counted")
+    a, b = spans[2]
+    assert float(buffer[a:b].abs().max()) < 0.02 * float(delta[a:b].abs().max()), "its own assembly's span stays"
+    share = rounds[0].counted_share
+    assert share == pytest.approx(1.0 if copy_says == "counted" else 1 - (hi - lo) / layout.numel)
+
+
+def test_a_span_still_missing_in_the_copy_applied_stays_in_the_buffer_though_its_reducer_counted_this_member():
+    # phase 5 restricted this member's copy to the majority's: a span its reducer counted it on is not applied
+    n = 3
+    codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]
+    deltas = [_deltas(seed) for seed in range(n)]
+    rounds = [c.begin(0, d) for c, d in zip(codecs, deltas)]
+    messages = [r.message(1) for r in rounds]
+    spans = part_spans(messages[0], n)
+    blobs = [reduce(rounds[k], [cut_all(m, n)[k] for m in messages], span=spans[k]).blob for k in range(n)]
+    whole = assemble(rounds[0], blobs, spans=spans, own=0)
+    layout = FlatLayout(SHAPES, CompressionConfig(kind="int8").block)
+    gap = unpadded(layout, [spans[1]])
+    settle_applied(rounds[0], spans, [("a", "b", "c")] * n, me="a", missing=gap)
+    assert whole.by_reducer == ((0, 1, 2),) * 3
+    buffer = layout.read(codecs[0].feedback.buffers, 0, layout.numel)
+    delta = layout.read(deltas[0], 0, layout.numel)
+    lo, hi = spans[1]
+    assert torch.equal(buffer[lo:hi], delta[lo:hi])
 
 
 def test_a_reducer_leaves_out_an_outsized_part_and_every_member_applies_its_decision():

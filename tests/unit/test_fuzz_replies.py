@@ -31,10 +31,13 @@ REQUEST = ASKER.signer.seal_message(swarm_pb2.AverageRequest(run_id=RUN, stage=0
                                     topic=DONOR.signer.worker_id, round=ROUND)  # fmt: skip
 
 
+COUNTED_BY = ((DONOR.signer.worker_id,), None)  # reducer 0 averaged the donor alone; reducer 1's span: not known
+
+
 def _served() -> list[bytes]:
     """The donor's reply to REQUEST, chunk by chunk, as its rpc_download_average streams it."""
     held = HeldAverage(ROUND, AverageKind.PARTIAL, TENSORS, ((3, 9),), (ASKER.signer.worker_id, DONOR.signer.worker_id),
-                       b"group")  # fmt: skip
+                       b"group", COUNTED_BY)  # fmt: skip
     chunks, digest = DONOR._tensor_chunks(held.tensors)
     header = swarm_pb2.AverageHeader(status=swarm_pb2.STATE_OK, average=held.info(), n_tensors=len(TENSORS), sha256=digest)
     return [c.SerializeToString() for c in [DONOR._head(header, nonce=claimed_nonce(REQUEST)), *chunks]]
@@ -60,6 +63,7 @@ def _verdict(chunks: list[bytes]) -> tuple[bool, str]:
     if got is not None:
         assert all(torch.equal(a, b) for a, b in zip(got.tensors, TENSORS)) and len(got.tensors) == len(TENSORS)
         assert got.kind is AverageKind.PARTIAL and got.missing == ((3, 9),) and got.group_id == b"group"
+        assert got.counted_by == COUNTED_BY
     return got is not None, reason
 
 
@@ -67,10 +71,11 @@ def test_the_donors_reply_as_served_is_taken_whole():
     got, reason = _asked(SERVED)
     assert got is not None, reason
     assert all(torch.equal(a, b) for a, b in zip(got.tensors, TENSORS)) and got.missing == ((3, 9),)
+    assert got.counted_by == COUNTED_BY, "whom each reducer counted travels with the copy"
 
 
 def test_every_single_bit_flip_of_the_served_reply_is_refused_or_changes_nothing_signed():
-    # exhaustive, not sampled: each of the reply's 711 bytes with its lowest and its highest bit flipped (1,422
+    # exhaustive, not sampled: each of the reply's 771 bytes with its lowest and its highest bit flipped (1,542
     # cases, a plain loop: a case costs a fraction of a hypothesis example's)
     cases, refused = sweep_bit_flips(SERVED, _verdict)
     assert cases == 2 * sum(map(len, SERVED)) and refused > 0.9 * cases, (cases, refused)
