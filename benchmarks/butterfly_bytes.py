@@ -94,7 +94,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
                     peers=n, rate_mbit=args.rate, run_dirs=dirs, announces=True, timeout=args.timeout, env=env)  # fmt: skip
     steady = range(1, args.rounds - 1)
     sent, received, wire, full = [], [], [], True
-    exchange, fixed, phases, metered, reused = [], [], {}, [], []
+    exchange, fixed, phases, metered, reused, shares = [], [], {}, [], [], []
     by_member: list[dict[str, list[float]]] = []  # per member, its seconds of each phase over the steady rounds
     by_source: dict[str, list[float]] = {}  # per direction and steady round of a member (swarm/protocol_bytes.py)
     for host, records in enumerate(run.records):
@@ -106,6 +106,7 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
                 full = False
                 continue
             sent.append(r["bytes_sent"])
+            shares.append((r.get("counted_shares") or [None])[0])
             reused.append(bool((r.get("groups_reused") or [False])[0]))
             received.append(r["bytes_received"])
             clock = (r.get("exchange_phases") or [None])[0] or {}
@@ -141,6 +142,8 @@ def measure(args: argparse.Namespace, kind: str, n: int, message: int, fp32_ring
         "counted_vs_fp32_ring": counted / fp32_ring if counted else None,
         "every_steady_round_full": full, "hashes_equal": len(hashes) == 1, "seconds": run.seconds,
         "groups_reused_share": sum(reused) / len(reused) if reused else None,
+        # the least share of a member's message a steady round's average counted (1.0: every message whole)
+        "counted_share_min": min(shares) if shares and None not in shares else None,
         "exchange_s": statistics.median(exchange) if exchange else None,
         "fixed_s": statistics.median(fixed) if fixed else None,
         "phases_median_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},
@@ -286,7 +289,7 @@ def main() -> int:
                       f"x the interface's, exchange "
                       f"{row['exchange_s']} s, fixed {row['fixed_s']} s {row['phases_median_s']}, members' ends apart "
                       f"{row['phase_end_spread_median_s']}, groups reused "
-                      f"{row['groups_reused_share']}, hashes equal "
+                      f"{row['groups_reused_share']}, least share counted {row['counted_share_min']}, hashes equal "
                       f"{row['hashes_equal']} ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
                 write_all(args, params, rows)  # after every run: a run that fails later keeps what was measured
     print(table(rows))
