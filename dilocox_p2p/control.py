@@ -114,11 +114,12 @@ class StatusBoard:
             del s.stage_status[:]
             members = members or [[] for _ in record["stage_hashes"]]
             clients = record.get("clients") or ["" for _ in record["stage_hashes"]]
-            for stage, (state_hash, size, kind, names, client) in enumerate(
-                zip(record["stage_hashes"], record["group_sizes"], record["kinds"], members, clients)
+            shares = record.get("counted_shares") or [None for _ in record["stage_hashes"]]
+            for stage, (state_hash, size, kind, names, client, share) in enumerate(
+                zip(record["stage_hashes"], record["group_sizes"], record["kinds"], members, clients, shares)
             ):
                 s.stage_status.add(stage=stage, state_hash=state_hash, group_size=size or 0, kind=kind or "",
-                                   group_members=names, client=client)  # fmt: skip
+                                   group_members=names, client=client, counted_share=share)  # fmt: skip
             s.recent_rounds.add(
                 round=record["round"], stage_hashes=record["stage_hashes"], group_size=record.get("group_size") or 0,
                 val_loss=record["val_loss"],
@@ -248,11 +249,16 @@ class StatusCollector:
         group = GaugeMetricFamily("dilocox_group_size", "peers in the stage's last all-reduce", labels=["stage"])
         client = GaugeMetricFamily("dilocox_client_member", "1 where the stage averages as a client member (the swarm "
                                    "cannot dial it: it reduces nothing, leads no group)", labels=["stage"])  # fmt: skip
+        counted = GaugeMetricFamily("dilocox_counted_share", "share of the stage's last compressed message the applied "
+                                    "average counted (the rest waits in its error-feedback buffer)", labels=["stage"])  # fmt: skip
         for st in s.stage_status:
             group.add_metric([str(st.stage)], st.group_size)
             client.add_metric([str(st.stage)], 1 if st.client else 0)
+            if st.HasField("counted_share"):
+                counted.add_metric([str(st.stage)], st.counted_share)
         yield group
         yield client
+        yield counted
         yield CounterMetricFamily("dilocox_tokens", "tokens trained by this peer", value=s.tokens)
         yield CounterMetricFamily("dilocox_bytes_sent", "bytes this peer sent averaging, since it started", value=s.bytes_sent)
         yield CounterMetricFamily(

@@ -125,8 +125,9 @@ def render(s: control_pb2.PeerStatus) -> str:
     for st in s.stage_status:
         members = f": {', '.join(st.group_members)}" if st.group_members else ""
         client = f"  client member: {st.client}" if st.client else ""
+        counted = f", {100 * st.counted_share:.0f}% of its message counted" if st.HasField("counted_share") else ""
         lines.append(
-            f"stage {st.stage}: hash {st.state_hash[:16]}  group {st.group_size or '-'} ({st.kind or '-'})"
+            f"stage {st.stage}: hash {st.state_hash[:16]}  group {st.group_size or '-'} ({st.kind or '-'}{counted})"
             f"  {len(st.group_members)} live members{members}{client}"
         )
     faults = {k: v for k, v in sorted(s.faults.items()) if v}

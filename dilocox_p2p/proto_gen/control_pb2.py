@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ilocox/v1/control.proto\x12\ndilocox.v1\"\x0f\n\rStatusRequest\"y\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x15\n\rgroup_members\x18\x05 \x03(\t\x12\x0e\n\x06\x63lient\x18\x06 \x01(\t\"\xb2\x05\n\nPeerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x10\n\x08peer_key\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x13\n\x0b\x63ompression\x18\x07 \x01(\t\x12\x0e\n\x06stages\x18\x08 \x01(\x05\x12\r\n\x05round\x18\t \x01(\x03\x12\x0e\n\x06rounds\x18\n \x01(\x03\x12\x0c\n\x04step\x18\x0b \x01(\x03\x12\x17\n\x0fsteps_per_round\x18\x0c \x01(\x03\x12\x12\n\ntrain_loss\x18\r \x01(\x01\x12\x10\n\x08val_loss\x18\x0e \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0f \x01(\x01\x12\x0e\n\x06tokens\x18\x10 \x01(\x03\x12\x12\n\nbytes_sent\x18\x11 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x12 \x01(\x03\x12\x19\n\x11\x63ompression_ratio\x18\x13 \x01(\x01\x12\x19\n\x11seconds_comm_wait\x18\x14 \x01(\x01\x12-\n\x0cstage_status\x18\x15 \x03(\x0b\x32\x17.dilocox.v1.StageStatus\x12\x14\n\x0cstage_hashes\x18\x16 \x03(\t\x12\x32\n\x06\x66\x61ults\x18\x17 \x03(\x0b\x32\".dilocox.v1.PeerStatus.FaultsEntry\x12\x12\n\nstarted_at\x18\x18 \x01(\x01\x12\x12\n\nupdated_at\x18\x19 \x01(\x01\x12\x12\n\nmultiaddrs\x18\x1a \x03(\t\x12/\n\rrecent_rounds\x18\x1b \x03(\x0b\x32\x18.dilocox.v1.RoundSummary\x12\x15\n\rlast_round_at\x18\x1c \x01(\x01\x1a-\n\x0b\x46\x61ultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"Y\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x14\n\x0cstage_hashes\x18\x02 \x03(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x10\n\x08val_loss\x18\x04 \x01(\x01\"\'\n\x0cWatchRequest\x12\x17\n\x0finclude_current\x18\x01 \x01(\x08\"\\\n\nRoundEvent\x12\r\n\x05\x65vent\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0c\n\x04time\x18\x04 \x01(\x01\x12\x13\n\x0brecord_json\x18\x05 \x01(\t\"\x1c\n\x0cHelloRequest\x12\x0c\n\x04time\x18\x01 \x01(\x01\"m\n\nHelloReply\x12\x10\n\x08software\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\x05\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x0c\n\x04time\x18\x05 \x01(\x01\x12\x0e\n\x06run_id\x18\x06 \x01(\t\" \n\x0f\x44ialBackRequest\x12\r\n\x05ports\x18\x01 \x03(\r\";\n\tPortReach\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"L\n\rDialBackReply\x12\x15\n\robserved_host\x18\x01 \x01(\t\x12$\n\x05ports\x18\x02 \x03(\x0b\x32\x15.dilocox.v1.PortReach2\x8a\x01\n\x0bPeerControl\x12>\n\tGetStatus\x12\x19.dilocox.v1.StatusRequest\x1a\x16.dilocox.v1.PeerStatus\x12;\n\x05Watch\x12\x18.dilocox.v1.WatchRequest\x1a\x16.dilocox.v1.RoundEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ilocox/v1/control.proto\x12\ndilocox.v1\"\x0f\n\rStatusRequest\"\xa7\x01\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x15\n\rgroup_members\x18\x05 \x03(\t\x12\x0e\n\x06\x63lient\x18\x06 \x01(\t\x12\x1a\n\rcounted_share\x18\x07 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_counted_share\"\xb2\x05\n\nPeerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x10\n\x08peer_key\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x13\n\x0b\x63ompression\x18\x07 \x01(\t\x12\x0e\n\x06stages\x18\x08 \x01(\x05\x12\r\n\x05round\x18\t \x01(\x03\x12\x0e\n\x06rounds\x18\n \x01(\x03\x12\x0c\n\x04step\x18\x0b \x01(\x03\x12\x17\n\x0fsteps_per_round\x18\x0c \x01(\x03\x12\x12\n\ntrain_loss\x18\r \x01(\x01\x12\x10\n\x08val_loss\x18\x0e \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0f \x01(\x01\x12\x0e\n\x06tokens\x18\x10 \x01(\x03\x12\x12\n\nbytes_sent\x18\x11 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x12 \x01(\x03\x12\x19\n\x11\x63ompression_ratio\x18\x13 \x01(\x01\x12\x19\n\x11seconds_comm_wait\x18\x14 \x01(\x01\x12-\n\x0cstage_status\x18\x15 \x03(\x0b\x32\x17.dilocox.v1.StageStatus\x12\x14\n\x0cstage_hashes\x18\x16 \x03(\t\x12\x32\n\x06\x66\x61ults\x18\x17 \x03(\x0b\x32\".dilocox.v1.PeerStatus.FaultsEntry\x12\x12\n\nstarted_at\x18\x18 \x01(\x01\x12\x12\n\nupdated_at\x18\x19 \x01(\x01\x12\x12\n\nmultiaddrs\x18\x1a \x03(\t\x12/\n\rrecent_rounds\x18\x1b \x03(\x0b\x32\x18.dilocox.v1.RoundSummary\x12\x15\n\rlast_round_at\x18\x1c \x01(\x01\x1a-\n\x0b\x46\x61ultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"Y\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x14\n\x0cstage_hashes\x18\x02 \x03(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x10\n\x08val_loss\x18\x04 \x01(\x01\"\'\n\x0cWatchRequest\x12\x17\n\x0finclude_current\x18\x01 \x01(\x08\"\\\n\nRoundEvent\x12\r\n\x05\x65vent\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0c\n\x04time\x18\x04 \x01(\x01\x12\x13\n\x0brecord_json\x18\x05 \x01(\t\"\x1c\n\x0cHelloRequest\x12\x0c\n\x04time\x18\x01 \x01(\x01\"m\n\nHelloReply\x12\x10\n\x08software\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\x05\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x0c\n\x04time\x18\x05 \x01(\x01\x12\x0e\n\x06run_id\x18\x06 \x01(\t\" \n\x0f\x44ialBackRequest\x12\r\n\x05ports\x18\x01 \x03(\r\";\n\tPortReach\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"L\n\rDialBackReply\x12\x15\n\robserved_host\x18\x01 \x01(\t\x12$\n\x05ports\x18\x02 \x03(\x0b\x32\x15.dilocox.v1.PortReach2\x8a\x01\n\x0bPeerControl\x12>\n\tGetStatus\x12\x19.dilocox.v1.StatusRequest\x1a\x16.dilocox.v1.PeerStatus\x12;\n\x05Watch\x12\x18.dilocox.v1.WatchRequest\x1a\x16.dilocox.v1.RoundEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,28 +36,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERSTATUS_FAULTSENTRY']._serialized_options = b'8\001'
   _globals['_STATUSREQUEST']._serialized_start=40
   _globals['_STATUSREQUEST']._serialized_end=55
-  _globals['_STAGESTATUS']._serialized_start=57
-  _globals['_STAGESTATUS']._serialized_end=178
-  _globals['_PEERSTATUS']._serialized_start=181
-  _globals['_PEERSTATUS']._serialized_end=871
-  _globals['_PEERSTATUS_FAULTSENTRY']._serialized_start=826
-  _globals['_PEERSTATUS_FAULTSENTRY']._serialized_end=871
-  _globals['_ROUNDSUMMARY']._serialized_start=873
-  _globals['_ROUNDSUMMARY']._serialized_end=962
-  _globals['_WATCHREQUEST']._serialized_start=964
-  _globals['_WATCHREQUEST']._serialized_end=1003
-  _globals['_ROUNDEVENT']._serialized_start=1005
-  _globals['_ROUNDEVENT']._serialized_end=1097
-  _globals['_HELLOREQUEST']._serialized_start=1099
-  _globals['_HELLOREQUEST']._serialized_end=1127
-  _globals['_HELLOREPLY']._serialized_start=1129
-  _globals['_HELLOREPLY']._serialized_end=1238
-  _globals['_DIALBACKREQUEST']._serialized_start=1240
-  _globals['_DIALBACKREQUEST']._serialized_end=1272
-  _globals['_PORTREACH']._serialized_start=1274
-  _globals['_PORTREACH']._serialized_end=1333
-  _globals['_DIALBACKREPLY']._serialized_start=1335
-  _globals['_DIALBACKREPLY']._serialized_end=1411
-  _globals['_PEERCONTROL']._serialized_start=1414
-  _globals['_PEERCONTROL']._serialized_end=1552
+  _globals['_STAGESTATUS']._serialized_start=58
+  _globals['_STAGESTATUS']._serialized_end=225
+  _globals['_PEERSTATUS']._serialized_start=228
+  _globals['_PEERSTATUS']._serialized_end=918
+  _globals['_PEERSTATUS_FAULTSENTRY']._serialized_start=873
+  _globals['_PEERSTATUS_FAULTSENTRY']._serialized_end=918
+  _globals['_ROUNDSUMMARY']._serialized_start=920
+  _globals['_ROUNDSUMMARY']._serialized_end=1009
+  _globals['_WATCHREQUEST']._serialized_start=1011
+  _globals['_WATCHREQUEST']._serialized_end=1050
+  _globals['_ROUNDEVENT']._serialized_start=1052
+  _globals['_ROUNDEVENT']._serialized_end=1144
+  _globals['_HELLOREQUEST']._serialized_start=1146
+  _globals['_HELLOREQUEST']._serialized_end=1174
+  _globals['_HELLOREPLY']._serialized_start=1176
+  _globals['_HELLOREPLY']._serialized_end=1285
+  _globals['_DIALBACKREQUEST']._serialized_start=1287
+  _globals['_DIALBACKREQUEST']._serialized_end=1319
+  _globals['_PORTREACH']._serialized_start=1321
+  _globals['_PORTREACH']._serialized_end=1380
+  _globals['_DIALBACKREPLY']._serialized_start=1382
+  _globals['_DIALBACKREPLY']._serialized_end=1458
+  _globals['_PEERCONTROL']._serialized_start=1461
+  _globals['_PEERCONTROL']._serialized_end=1599
 # @@protoc_insertion_point(module_scope)

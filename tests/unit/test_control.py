@@ -99,6 +99,25 @@ def test_a_client_member_stage_is_named_so_in_status_and_in_prometheus():
     assert 'dilocox_client_member{stage="0"} 0.0' in text and 'dilocox_client_member{stage="1"} 1.0' in text
 
 
+def test_the_share_of_a_compressed_message_the_average_counted_is_shown_per_stage_in_status_and_prometheus():
+    from dilocox_p2p.cli.status import render
+
+    board = StatusBoard(Config(), rounds=10, steps=5)
+    board.round_done({**_record(0, sent=1000), "counted_shares": [1.0, 2 / 3]}, members=[["a"], ["a"]])
+    lines = render(board.snapshot()).splitlines()
+    stage0, stage1 = (next(line for line in lines if line.startswith(f"stage {i}:")) for i in (0, 1))
+    assert "(exact, 100% of its message counted)" in stage0 and "(exact, 67% of its message counted)" in stage1
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(board))
+    text = generate_latest(registry).decode()
+    assert 'dilocox_counted_share{stage="1"} 0.666' in text
+    board.round_done({**_record(1, sent=1000), "counted_shares": [None, None]})  # fp32: nothing to count
+    assert "counted" not in render(board.snapshot())
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(board))
+    assert "dilocox_counted_share{" not in generate_latest(registry).decode()
+
+
 def _one_line_error(capsys, argv: list[str]) -> str:
     try:
         code = main(argv)

@@ -270,7 +270,7 @@ def _exposition(registry) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def peer_series() -> dict[str, set[str]]:
-    """Sample name -> label names, as a peer's /metrics shows them after a round with faults."""
+    """Sample name -> label names, as a peer's /metrics shows them after a compressed round with faults."""
     from prometheus_client import CollectorRegistry
 
     from dilocox_p2p.control import StatusBoard, StatusCollector
@@ -282,6 +282,7 @@ def peer_series() -> dict[str, set[str]]:
         "round": 0, "train_loss": 3.0, "val_loss": 3.1, "tokens": 100, "tokens_per_s": 10.0, "bytes_sent": 50,
         "bytes_received": 50, "seconds_comm_wait": 0.1, "stage_hashes": ["a" * 64, "b" * 64], "group_sizes": [2, 2],
         "group_size": 2, "kinds": ["averaged", "averaged"], "fp32_bytes": [400, 400], "faults": {"repairs": 1},
+        "counted_shares": [1.0, 0.5],
     }  # fmt: skip
     board.round_done(record, members=[["a", "b"], ["a", "b"]])
     registry = CollectorRegistry()
