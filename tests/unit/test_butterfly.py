@@ -169,11 +169,8 @@ def test_a_part_that_never_reached_its_reducer_stays_in_its_senders_buffer_on_th
     assert float(buffer[:lo].abs().max()) < 0.02 * float(delta[:lo].abs().max())  # averaged: only its rounding
 
 
-@pytest.mark.parametrize("its_own", [True, False])
-def test_a_member_gives_up_only_what_the_average_it_applies_counted_not_what_its_group_assembled(its_own):
-    # a member whose group assembled an average with holes nobody else could mend (its group was itself and
-    # outsiders) borrows another group's average, which did not count it, or applies none: its message stays
-    # whole in its buffer, though its own group's reducers averaged it
+def _three_int8_members_reduced():
+    """Three int8 members' codecs, deltas and rounds, their message's reducer spans and each reducer's reduced part."""
     n = 3
     codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]
     deltas = [_deltas(seed) for seed in range(n)]
@@ -181,6 +178,15 @@ def test_a_member_gives_up_only_what_the_average_it_applies_counted_not_what_its
     messages = [r.message(1) for r in rounds]
     spans = part_spans(messages[0], n)
     blobs = [reduce(rounds[k], [cut_all(m, n)[k] for m in messages], span=spans[k]).blob for k in range(n)]
+    return codecs, deltas, rounds, spans, blobs
+
+
+@pytest.mark.parametrize("its_own", [True, False])
+def test_a_member_gives_up_only_what_the_average_it_applies_counted_not_what_its_group_assembled(its_own):
+    # a member whose group assembled an average with holes nobody else could mend (its group was itself and
+    # outsiders) borrows another group's average, which did not count it, or applies none: its message stays
+    # whole in its buffer, though its own group's reducers averaged it
+    codecs, deltas, rounds, spans, blobs = _three_int8_members_reduced()
     assembled = assemble(rounds[0], [blobs[0], None, blobs[2]], spans=spans, own=0)
     assert assembled.counted == (spans[0], spans[2]) and assembled.missing
     layout = FlatLayout(SHAPES, CompressionConfig(kind="int8").block)
@@ -204,14 +210,8 @@ def test_a_span_filled_from_a_copy_leaves_the_buffer_only_where_that_copys_reduc
     # a member misses reducer 1's reduced part and fills that span from another member's copy: its message leaves
     # the buffer there only if the copy says reducer 1 counted it (its own assembly could not tell). Before, the
     # span always stayed, and where reducer 1 had counted it, it was applied now and sent again later (twice)
-    n = 3
     names = ("a", "b", "c")
-    codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]
-    deltas = [_deltas(seed) for seed in range(n)]
-    rounds = [c.begin(0, d) for c, d in zip(codecs, deltas)]
-    messages = [r.message(1) for r in rounds]
-    spans = part_spans(messages[0], n)
-    blobs = [reduce(rounds[k], [cut_all(m, n)[k] for m in messages], span=spans[k]).blob for k in range(n)]
+    codecs, deltas, rounds, spans, blobs = _three_int8_members_reduced()
     mine = assemble(rounds[0], [blobs[0], None, blobs[2]], spans=spans, own=0)
     theirs = assemble(rounds[2], blobs, spans=spans, own=2)
     assert mine.by_reducer == ((0, 1, 2), None, (0, 1, 2)) and theirs.by_reducer == ((0, 1, 2),) * 3
@@ -233,17 +233,11 @@ def test_a_span_filled_from_a_copy_leaves_the_buffer_only_where_that_copys_reduc
 
 def test_a_span_still_missing_in_the_copy_applied_stays_in_the_buffer_though_its_reducer_counted_this_member():
     # phase 5 restricted this member's copy to the majority's: a span its reducer counted it on is not applied
-    n = 3
-    codecs = [StageCodec(CompressionConfig(kind="int8"), NAMES, SHAPES, run_id="r") for _ in range(n)]
-    deltas = [_deltas(seed) for seed in range(n)]
-    rounds = [c.begin(0, d) for c, d in zip(codecs, deltas)]
-    messages = [r.message(1) for r in rounds]
-    spans = part_spans(messages[0], n)
-    blobs = [reduce(rounds[k], [cut_all(m, n)[k] for m in messages], span=spans[k]).blob for k in range(n)]
+    codecs, deltas, rounds, spans, blobs = _three_int8_members_reduced()
     whole = assemble(rounds[0], blobs, spans=spans, own=0)
     layout = FlatLayout(SHAPES, CompressionConfig(kind="int8").block)
     gap = unpadded(layout, [spans[1]])
-    settle_applied(rounds[0], spans, [("a", "b", "c")] * n, me="a", missing=gap)
+    settle_applied(rounds[0], spans, [("a", "b", "c")] * 3, me="a", missing=gap)
     assert whole.by_reducer == ((0, 1, 2),) * 3
     buffer = layout.read(codecs[0].feedback.buffers, 0, layout.numel)
     delta = layout.read(deltas[0], 0, layout.numel)
