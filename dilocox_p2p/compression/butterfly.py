@@ -190,7 +190,7 @@ class Assembled:
     by_reducer: tuple[tuple[int, ...] | None, ...] = ()
     """Per reducer (in the order of `spans`): the group indices of the members its reduced part averaged; None
     where that part never came or was refused. What a copy of this average tells a member that fills its holes
-    from it: whether each span it takes counted that member's part (`settle` of swarm/compressed_round.py)."""
+    from it: whether each span it takes counted that member's part (`settle_applied`)."""
     digest: bytes = b""
     """Names the reduced parts assembled (lowrank.basis_digest over those present; low-rank's phase 1 only):
     low-rank's phase-2 basis. A reduced part no member could get (its reducer died before serving it) is zeros
@@ -313,7 +313,7 @@ def settle(rc: RoundCodec, *steps: Assembled) -> None:
     """This worker applies the average its `steps` assembled (low-rank: both phases'): its message leaves its
     error-feedback buffer on the spans each step's reducers averaged, and stays on the rest, to be sent again."""
     for step in steps:
-        total = FlatLayout(rc.codec.pieces(step.phase, expected_ranks(rc, step.phase)), rc.codec.pad).numel
+        total = _phase_layout(rc, step.phase).numel
         if step.phase == 1:
             rc.settle_spans(step.counted, total)
         else:
@@ -329,12 +329,17 @@ def settle_applied(
     known), less its `missing` coordinates: its message leaves its error-feedback buffer on the spans that
     counted `me` and were applied, and stays on the rest, to be sent again. A span filled from a copy that did
     not say whom it counted stays (it may be sent twice, never lost)."""
-    layout = FlatLayout(rc.codec.pieces(1, expected_ranks(rc, 1)), rc.codec.pad)
+    layout = _phase_layout(rc, 1)
     counted = [
         (lo, hi) for (lo, hi), members in zip(spans, counted_by, strict=True)
         if lo < hi and members is not None and me in members and not intersect_spans(unpadded(layout, [(lo, hi)]), missing)
     ]  # fmt: skip
     rc.settle_spans(counted, layout.numel)
+
+
+def _phase_layout(rc: RoundCodec, phase: int) -> FlatLayout:
+    """The padded layout of this worker's `phase` message at the ranks it must carry: what its spans index."""
+    return FlatLayout(rc.codec.pieces(phase, expected_ranks(rc, phase)), rc.codec.pad)
 
 
 def low_rank_second(rc: RoundCodec, phase1: Assembled) -> bytes:

@@ -136,6 +136,7 @@ class MessageGather:
     signer: Signer
     gate: Gate
     _p2p: Any
+    _current_round: int = -1  # the round the averager's step is in (averager.py sets it); fault injection reads it
 
     def _init_gather(self, max_message_bytes: int) -> None:
         self._my_id = ""  # this worker's peer id, known once the averager process runs
@@ -387,7 +388,7 @@ class MessageGather:
             return
         held = self._inbox.get(key, {}).get(which)
         if held is None or (request.sender == self._my_id and request.phase >= REDUCED and injection.armed(
-                "withhold_reduced", round=getattr(self, "_current_round", -1), stage=self.stage)):  # fmt: skip
+                "withhold_reduced", round=self._current_round, stage=self.stage)):  # fmt: skip
             header.status, header.reason = swarm_pb2.STATE_NOT_READY, "not held here"
             yield self._head(header, nonce=nonce)  # type: ignore[attr-defined]
             return
