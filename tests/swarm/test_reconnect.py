@@ -157,8 +157,8 @@ def test_a_join_begun_in_time_waits_for_a_slow_answer_past_the_wait_for_a_listen
     os.kill(first.pid, signal.SIGSTOP)  # its p2p daemon (another process) still accepts and relays the ping
     thaw = threading.Timer(2.5, os.kill, (first.pid, signal.SIGCONT))
     try:
+        started = time.monotonic()  # before the thaw's timer starts: the answer cannot come sooner than 2.5 s after
         thaw.start()
-        started = time.monotonic()
         answered = join_any(joiner, [address], timeout=1.0)
         took = time.monotonic() - started
         assert answered == [first.peer_id.to_base58()], "the answer that came after the wait was cut off"
