@@ -220,8 +220,10 @@ class RoundExchange(CompressedRound, GroupVote):
         (the follower first waits for its own join requests in flight: group_admission._outside_group). Where the others
         did average, the worker borrows their average as before. A compressed round (`payload`, `ranks`) looks
         again the same way: without it, a pair split so in its first round stranded both (CI, test_trust)."""
-        result, failure = self._all_reduce(expected, payload, ranks, leader=self._leader(), reused=self._reused())
-        if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup():
+        reused = self._reused()
+        result, failure = self._all_reduce(expected, payload, ranks, leader=self._leader(), reused=reused)
+        if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup() and not (
+                reused and injection.armed("skip_regroup", round=self.round, stage=self.stage.stage)):  # fmt: skip
             logger.info("round %d: %s; looking for a group once more", self.round, failure)
             result, failure = self._all_reduce(expected, payload, ranks)  # hivemind's search alone
         return result, failure
