@@ -34,8 +34,11 @@ TOOK = re.compile(r"took the state of round \d+ from (\d+) donor")
 
 
 def _join(host: int, boot: str, run_dir, *extra: str) -> list[str]:
+    # 15 inner steps a round: a donor keeps a state one round past, and with 5 the donors' rounds (1-6 s while the
+    # joiners start) outran the joiners' downloads (2-8 s on 2 cores): every joiner's first download saw 3 of 5
+    # donors move on, and one's second too, which then took a whole state from one donor (CI run 239)
     return [sys.executable, "-m", "dilocox_p2p.cli", "join", "--run-id", "donors", "--preset", "tiny", "--stages", "1",
-            "--rounds", "500", "--inner-steps", "5", "--mode", "delayed", "--device", "cpu", "--progress", "lines",
+            "--rounds", "500", "--inner-steps", "15", "--mode", "delayed", "--device", "cpu", "--progress", "lines",
             "--set", "inner.threads=1", "--data-seed", str(host), "--initial-peers", boot, "--run-dir", str(run_dir),
             *extra]  # fmt: skip
 
