@@ -34,9 +34,10 @@ Armed through the environment of the peer's processes, several separated by `;`:
 - `overlook_joiner:round=R:stage=S` makes stage S form its last round's group again without matchmaking in round R
   (without `round`: in every round) where it would look through matchmaking because a member outside that group
   started the round, as one that had not read that member's record in time does.
-- `skip_regroup:round=R:stage=S` makes stage S, where its group formed again without matchmaking in round R
-  (without `round`: in any round) held only outsiders, not look for a group once more, as one that learnt it after
-  its round's wait was up does: it borrows the others' average.
+- `skip_regroup:round=R:stage=S` makes stage S, where it formed its last round's group again in round R because
+  `overlook_joiner` left a member out (without `round`: in any such round) and that group held only outsiders, not
+  look for a group once more, as one that learnt it after its round's wait was up does: it borrows the others'
+  average. Elsewhere (a pair whose views of each other's tickets differed) it looks again as usual.
 - `lose_step:round=R:stage=S` makes stage S's averaging step of round R say it runs its all-reduce and never end,
   as one whose result hivemind's MPFuture failed to deliver: the stage worker gives up on it past its deadlines.
 - `read_averages_late:round=R:stage=S` makes stage S wait READ_LATE_S before it reads the averaged parts that

@@ -103,6 +103,7 @@ class RoundExchange(CompressedRound, GroupVote):
         self._records: dict[str, Any] = {}  # the expected members' records as phase 1 ended (group_reuse.py)
         self._result: RoundResult | None = None  # what the last all-reduce of the round returned
         self._reused_id = b""  # the id of the round's group formed without matchmaking, if it was (group_reuse.py)
+        self._overlooked = False  # fault injection overlook_joiner left a member out of this round's records
         self.clock = PhaseClock()
 
     def abandoned(self) -> bool:
@@ -223,7 +224,7 @@ class RoundExchange(CompressedRound, GroupVote):
         reused = self._reused()
         result, failure = self._all_reduce(expected, payload, ranks, leader=self._leader(), reused=reused)
         if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup() and not (
-                reused and injection.armed("skip_regroup", round=self.round, stage=self.stage.stage)):  # fmt: skip
+                reused and self._overlooked and injection.armed("skip_regroup", round=self.round, stage=self.stage.stage)):  # fmt: skip
             logger.info("round %d: %s; looking for a group once more", self.round, failure)
             result, failure = self._all_reduce(expected, payload, ranks)  # hivemind's search alone
         return result, failure
@@ -238,6 +239,7 @@ class RoundExchange(CompressedRound, GroupVote):
         if last is not None and set(records) - set(last.members) and injection.armed(
                 "overlook_joiner", round=self.round, stage=self.stage.stage):  # fmt: skip
             records = {p: r for p, r in records.items() if p in last.members}
+            self._overlooked = True
         group, why = reused_group(run_id=self.stage.cfg.run.run_id, stage=self.stage.stage, round=self.round,
                                   me=self.stage.peer_id, mine=self.stage.tickets.get(self.round), last=last,
                                   records=records)  # fmt: skip

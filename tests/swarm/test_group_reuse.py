@@ -76,8 +76,11 @@ def test_a_member_whose_reused_group_lost_its_partner_to_a_joiners_group_borrows
     # span, and, asked for the rest, the partner answers with the joiner's group's average. Its group held nobody
     # else: it borrows that average too. Applied, its own split the swarm until the next hash check (CI, test_elastic).
     # Where the partner answers that it is an outsider while the reuser's round's wait lasts, the reuser looks again
-    # and may find the joiner's group still open: all three average, nothing splits (CI run 237). The reuser is
-    # armed not to look again (fault injection skip_regroup), as one that learns it after its wait was up.
+    # and may find the joiner's group still open: all three average, nothing splits (CI run 237). In the round it
+    # overlooked the joiner, the reuser is armed not to look again (fault injection skip_regroup), as one that learns
+    # it after its wait was up; in other rounds it looks again as usual (where the pair's views of each other's
+    # tickets differed and one of them reused alone, the pair found each other and averaged, and the round after
+    # could still split: armed in every round, it borrowed there instead and nothing split later).
     # "vote": the reuser does not mend (fault injection skip_mending, as one whose partner's copy was not ready yet):
     # in phase 5 its partner announced a copy of another group, and it takes that one (vote.GroupVote._elsewhere).
     _identities_with_the_last_smallest(swarm.root, 3)
