@@ -223,8 +223,7 @@ class RoundExchange(CompressedRound, GroupVote):
         again the same way: without it, a pair split so in its first round stranded both (CI, test_trust)."""
         reused = self._reused()
         result, failure = self._all_reduce(expected, payload, ranks, leader=self._leader(), reused=reused)
-        if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup() and not (
-                reused and self._overlooked and injection.armed("skip_regroup", round=self.round, stage=self.stage.stage)):  # fmt: skip
+        if result is None and failure in (COUNTED_OUT, ALONE_WITH_OUTSIDERS) and self._may_regroup(reused):
             logger.info("round %d: %s; looking for a group once more", self.round, failure)
             result, failure = self._all_reduce(expected, payload, ranks)  # hivemind's search alone
         return result, failure
@@ -266,14 +265,16 @@ class RoundExchange(CompressedRound, GroupVote):
                            "lets them average", self.round)  # fmt: skip
         return leader
 
-    def _may_regroup(self) -> bool:
+    def _may_regroup(self, reused: ReusedGroup | None) -> bool:
         # while the round's wait lasts: the follower looks again at once and waits round_wait for a group, so the
         # leader that learns of the split up to request_timeout + 1 s later still finds it looking (a limit of
         # round_wait / 2 let the leader of a pair at round_wait 10 give up, and the pair stranded: CI, test_peer_control).
         # Not asked whether the others finished the round: at that moment a member's record may say so before its
         # average is in (seen in CI: the leader borrowed from the follower that was looking again, and both
         # stranded); a look that finds nobody gives up as soon as a member did finish (_wait_for_step), and borrows
-        return not self.abandoned() and time.time() - self._window_start < self.sw.round_wait
+        if self.abandoned() or time.time() - self._window_start >= self.sw.round_wait:
+            return False
+        return not (reused and self._overlooked and injection.armed("skip_regroup", round=self.round, stage=self.stage.stage))
 
     def _all_reduce(
         self, expected: int, payload: bytes | None = None, ranks: Sequence[int] = (), *, leader: str = "",

@@ -17,14 +17,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.node import DHTNode
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
-from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
-from multiaddr import Multiaddr
 
 from dilocox_p2p.identity import peer_id_of
 from dilocox_p2p.swarm.dht import RunRecords, node_id_of
-from dilocox_p2p.swarm.dht_join import PING_TIMEOUT_S, join_any
+from dilocox_p2p.swarm.dht_join import PING_TIMEOUT_S, join_any, ping_missing
 from dilocox_p2p.swarm.faults import FaultCounter
 from dilocox_p2p.swarm.hivemind_patches import walk_to_nodes_only
 from dilocox_p2p.wire import swarm_pb2
@@ -139,11 +137,6 @@ def test_a_node_joins_through_the_first_initial_peer_that_answers_though_the_oth
         live.shutdown()
 
 
-async def _ping(_dht, node, peer: str, maddrs: list[str]) -> bool:
-    await node.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(m).decapsulate(f"/p2p/{peer}") for m in maddrs])
-    return await node.protocol.call_ping(PeerID.from_base58(peer)) is not None
-
-
 def test_a_node_its_initial_peer_reached_first_is_joined_at_once(tmp_path):
     # a join pings each initial peer missing from the routing table; one whose ping's answer came after the try's
     # bound had put itself in the table by its own requests since, was never asked again, and the join failed
@@ -152,7 +145,8 @@ def test_a_node_its_initial_peer_reached_first_is_joined_at_once(tmp_path):
     node, _, _ = signed_node("dj", root=tmp_path)
     try:
         node_maddrs = [str(m) for m in node.get_visible_maddrs()]
-        assert live.run_coroutine(functools.partial(_ping, peer=node.peer_id.to_base58(), maddrs=node_maddrs))
+        _, answered = live.run_coroutine(functools.partial(ping_missing, initial=node_maddrs, members=()))
+        assert answered == [node.peer_id.to_base58()]
         began = time.monotonic()
         assert join_any(node, [str(m) for m in live.get_visible_maddrs()], timeout=PING_TIMEOUT_S) == [
             live.peer_id.to_base58()
