@@ -38,6 +38,9 @@ Armed through the environment of the peer's processes, several separated by `;`:
   `overlook_joiner` left a member out (without `round`: in any such round) and that group held only outsiders, not
   look for a group once more, as one that learnt it after its round's wait was up does: it borrows the others'
   average. Elsewhere (a pair whose views of each other's tickets differed) it looks again as usual.
+- `slow_first_beat:stage=S` makes stage S's heartbeat thread wait 30 s (or until the worker stops) before its first
+  store, as one whose stores crawl on a loaded box does: a peer refused at admission leaves before any heartbeat of
+  its was stored.
 - `lose_step:round=R:stage=S` makes stage S's averaging step of round R say it runs its all-reduce and never end,
   as one whose result hivemind's MPFuture failed to deliver: the stage worker gives up on it past its deadlines.
 - `read_averages_late:round=R:stage=S` makes stage S wait READ_LATE_S before it reads the averaged parts that
@@ -97,7 +100,7 @@ logger = logging.getLogger(__name__)
 ENV = "DILOCOX_FAULTS"
 KNOWN = (
     "kill_peer_in_allreduce", "kill_peer_mid_round", "withhold_average", "withhold_reduced", "hoard_average", "read_averages_late", "skip_mending",
-    "abandon_accepted", "lose_begin", "skip_group_reuse", "overlook_joiner", "skip_regroup", "lose_step", "corrupt_state", "nan_pseudo_gradient",
+    "abandon_accepted", "lose_begin", "skip_group_reuse", "overlook_joiner", "skip_regroup", "slow_first_beat", "lose_step", "corrupt_state", "nan_pseudo_gradient",
     "drop_average", "hold_exchange_end",
     "send_nan_pseudo_gradient", "send_huge_pseudo_gradient", "send_flipped_pseudo_gradient", "send_nan_average", "send_malformed_parts",
     "lie_to_borrowers", "flip_served_bit", "cut_served_message", "corrupt_served_piece",

@@ -17,12 +17,15 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from .. import injection
 from ..wire import swarm_pb2
 from .dht import HEARTBEAT_S, MEMBER_TTL_S, RunRecords
 
-__all__ = ["Heartbeat"]
+__all__ = ["LEAVE_TTL_S", "Heartbeat"]
 
 logger = logging.getLogger(__name__)
+LEAVE_TTL_S = 1.0  # a leaving worker's last record expires this soon after its last heartbeat's
+SLOW_FIRST_BEAT_S = 30.0  # fault injection (slow_first_beat): how long the first store waits, unless the worker stops
 
 
 class Heartbeat:
@@ -115,7 +118,9 @@ class Heartbeat:
                 self._tell(renew=renew)
 
     def _loop(self) -> None:
-        if self._first is not None:
+        if injection.armed("slow_first_beat", stage=self.records.stage):
+            self._stop.wait(SLOW_FIRST_BEAT_S)
+        if self._first is not None and not self._stop.is_set():
             try:
                 self._first()
             except Exception as e:  # the beats matter more: they go on
@@ -128,8 +133,13 @@ class Heartbeat:
             if not stored_now:  # a change was pushed as it came; a quiet beat renews the pushed record
                 self.push_now()
 
-    def stop(self, *, leave: bool = True) -> None:
-        """Stop beating; with `leave`, tell the others this worker no longer trains."""
+    def stop(self, *, leave: bool = True, linger: bool = False) -> None:
+        """Stop beating; with `leave`, tell the others this worker no longer trains, in a record that expires just
+        after the last one stored, or LEAVE_TTL_S from now if none was. With `linger`, the leaving record lives
+        MEMBER_TTL_S from now: a worker refused at admission leaves it for the run's members to read and log the
+        refusal (its first heartbeat may not have been stored when its refusal came: on a loaded box its lookup of
+        the run can beat the heartbeat thread's two stores; then a record of LEAVE_TTL_S was gone before the others
+        read the stage's records, and nobody in the run learnt that a peer with another config had tried)."""
         self._stop.set()
         self._now.set()
         self._changed.set()
@@ -141,4 +151,4 @@ class Heartbeat:
                 self._record.training = False
                 self._record.state_ready = False
             self._tell()
-            self.records.publish_member(self._copy(), ttl=1.0, leaving=True)
+            self.records.publish_member(self._copy(), ttl=MEMBER_TTL_S if linger else LEAVE_TTL_S, leaving=True)

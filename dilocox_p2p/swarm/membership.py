@@ -95,6 +95,7 @@ class Membership:
         self._suspects: dict[str, Suspicion] = {}  # peer id -> when it failed in an all-reduce, in which life
         self._gone: dict[str, float] = {}  # peer id -> joined_at of the life found gone (drop_gone); a restart is a new one
         self._refused: set[str] = set()
+        self.refused_here = False  # this worker was refused at admission (check_admission): its leave record lingers
         self._banned: set[str] = set()
         self._banned_keys: set[bytes] = set()  # peer keys banned with a worker of theirs: all their workers are
         self._pushed: dict[str, Member] = {}  # the latest record each member pushed (member_push.py)
@@ -490,6 +491,7 @@ class Membership:
             self.faults.count("lookups_failed", "the run's config record could not be read: %r", e)
             theirs = None
         diffs = config_diff(shared_json, theirs) if theirs else []
+        self.refused_here = True
         detail = "; ".join(diffs) if diffs else "compare `dilocox-peer config show` on both peers"
         raise AdmissionError(
             f"run {run_id!r} trains with config hash {oldest.record.config_hash[:12]} "

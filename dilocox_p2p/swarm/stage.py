@@ -299,7 +299,7 @@ class SwarmStage:
         self.exchanges.close(timeout=self.deadlines.allreduce)
         done("exchanges")
         try:
-            self.heartbeat.stop(leave=True)
+            self.heartbeat.stop(leave=True, linger=self.membership.refused_here)  # a refused worker's, for the run
         except Exception as e:  # pragma: no cover - best effort on the way out
             logger.info("could not publish the leave record: %s", e)
         done("heartbeat")
