@@ -21,10 +21,10 @@ from .. import injection
 from ..wire import swarm_pb2
 from .dht import HEARTBEAT_S, MEMBER_TTL_S, RunRecords
 
-__all__ = ["LEAVE_TTL_S", "Heartbeat"]
+__all__ = ["Heartbeat"]
 
 logger = logging.getLogger(__name__)
-LEAVE_TTL_S = 1.0  # a leaving worker's last record expires this soon after its last heartbeat's
+LEAVE_TTL_S = 1.0  # a leaving worker's last record, where none was stored before it, expires this soon (stop)
 SLOW_FIRST_BEAT_S = 30.0  # fault injection (slow_first_beat): how long the first store waits, unless the worker stops
 
 
